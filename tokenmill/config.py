@@ -116,15 +116,21 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
+    quantization: str | None = None  # None: the fastest correct default for the weights
     max_model_len: int | None = None  # None: min(model's context, 8192)
-    seed: int = 0
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig | None = None  # None: defaults with max_model_len filled in
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(
                 f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16"
             )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")

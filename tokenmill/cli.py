@@ -1,0 +1,55 @@
+"""`tokenmill serve | generate | chat | bench | roofline | explain`.
+
+Each feature module registers its own subcommand; this file only composes them,
+importing each lazily so `tokenmill roofline` never pays for torch or FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `register(subparsers)`; the parser it adds sets `func`
+COMMANDS = {
+    "serve": "tokenmill.server.command",
+    "generate": "tokenmill.engine.command",
+    "chat": "tokenmill.engine.command",
+    "bench": "tokenmill.bench.command",
+    "roofline": "tokenmill.roofline.command",
+    "explain": "tokenmill.roofline.command",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill",
+        description="Serve an LLM, load it like production traffic, and hold what you "
+        "measured against what the hardware allows.",
+    )
+    from tokenmill import __version__
+
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = [a for a in argv if a in COMMANDS][:1] or list(COMMANDS)
+    for module_name in dict.fromkeys(COMMANDS[c] for c in wanted):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a feature not built yet
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

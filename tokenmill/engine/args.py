@@ -1,0 +1,72 @@
+"""Engine flags shared by `serve`, `generate`, `chat` and `bench --offline`,
+named as vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from tokenmill.config import CacheConfig, EngineConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}; use bytes or a unit like 512MiB, 2GiB, 1GB")
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}") from e
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default="smollm2-135m",
+                            help="smollm2-135m (embedded), a .gguf file or an HF checkpoint dir")
+    else:
+        parser.add_argument("--model", default="smollm2-135m")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+                   help="weight format; default: the fastest correct one for the checkpoint")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache budget in bytes (e.g. 1GiB); default: a share of free memory")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_true", default=True)
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                   dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+    )

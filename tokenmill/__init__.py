@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):  # lazy: `import tokenmill` must not import torch
     if name == "LLM":
-        from tokenmill.engine.llm_engine import LLM
+        from tokenmill.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

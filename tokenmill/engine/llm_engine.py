@@ -1,0 +1,333 @@
+"""The engine: add_request / step / abort, and the offline `LLM` class.
+
+One step: the scheduler picks sequences and token counts, the model runner
+runs them as one flat batch, the sampler picks next tokens, the output
+processor detokenizes and checks stops, the scheduler frees what finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.detokenizer import Detokenizer, StopChecker
+from tokenmill.engine.kv_budget import choose_num_blocks
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.loaders import load_model
+from tokenmill.loaders.model_source import load_tokenizer, resolve_model
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
+    num_decode_tokens: int = 0
+    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["time_s"] = dict(self.time_s)
+        d["mean_decode_batch"] = self.mean_decode_batch
+        return d
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    pending_siblings: int  # n > 1: samples added once the first one's prompt is cached
+    arrival_time: float
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    return checkpoint_dtype if name == "auto" else table[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
+            else config.device)
+        torch.manual_seed(config.seed)
+        self.source = resolve_model(config.model)
+        self.model_name = self.source.name
+        loaded = load_model(self.source, dtype=config.dtype, device=device,
+                            quantization=config.quantization)
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.tokenizer = load_tokenizer(self.source)
+        self.max_model_len = min(config.max_model_len or min(
+            self.model_config.max_position_embeddings, 8192),
+            self.model_config.max_position_embeddings)
+        block_size = config.cache.block_size
+        num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
+                                       self.max_model_len, config.max_num_seqs)
+        self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
+                                  loaded.dtype, device)
+        self.block_manager = BlockManager(num_blocks, block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_manager=self.block_manager)
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats(num_total_blocks=num_blocks)
+        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
+                    self.model_name, self.dtype, num_blocks, block_size,
+                    self.runner.kv_cache_bytes / 2**20)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = self.model_config.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise RequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {len(ids)} tokens, leaving no room to generate", "prompt")
+        total = len(ids) + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"you requested {total} tokens ({len(ids)} in the prompt, {max_tokens} to "
+                f"generate). Reduce the prompt or max_tokens.", "max_tokens")
+        cache_tokens = self.block_manager.num_total_blocks * self.block_manager.block_size
+        if total > cache_tokens:
+            raise RequestError(
+                f"the request needs {total} tokens of KV cache but the whole cache holds "
+                f"{cache_tokens}; raise --kv-cache-memory or reduce the request", "max_tokens")
+        if max_tokens != params.max_tokens:
+            params = _with_max_tokens(params, max_tokens)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        first = Sequence(request_id, ids, params, index=0, arrival_time=now)
+        share_prompt = params.n > 1 and self.block_manager.enable_prefix_caching
+        req = _Request(request_id, text, ids, params, [first],
+                       params.n - 1 if share_prompt else 0, now)
+        if not share_prompt:
+            req.seqs += [Sequence(request_id, ids, params, index=i, arrival_time=now)
+                         for i in range(1, params.n)]
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                req.pending_siblings = 0
+                self.scheduler.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        timer = _PhaseTimer(self.stats.time_s)
+        with timer("schedule"):
+            batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        self._count(batch)
+        with timer("prepare"):
+            ids, pos, meta, rows = self.runner.prepare(batch.scheduled)
+        with timer("forward"):
+            logits = self.runner.forward(ids, pos, meta, rows)
+        sampling = [item.seq for item in batch.scheduled if item.sample]
+        with timer("sample"):
+            sampled = self.sampler(logits, sampling)
+        with timer("postprocess"):
+            outputs = self._postprocess(batch, sampling, sampled)
+        return outputs
+
+    def _count(self, batch) -> None:
+        st = self.stats
+        st.num_steps += 1
+        for item in batch.scheduled:  # before the step: computed counts are not advanced yet
+            seq = item.seq
+            if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                st.num_decode_tokens += 1
+            else:
+                st.num_prefill_tokens += item.num_new_tokens
+
+    def _postprocess(self, batch, sampling: list[Sequence], sampled) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for seq, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+            seq.append_token(token_id)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token_id].logprob
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.detokenizer.process(seq)
+            self.stop_checker.check(seq)
+            self.stats.generation_tokens += 1
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                touched[req.request_id] = req
+        self.scheduler.finish_step(batch)
+        for req in touched.values():
+            if req.pending_siblings:
+                self._add_siblings(req)
+        outputs = [self._request_output(req) for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _add_siblings(self, req: _Request) -> None:
+        # the first sample's prompt blocks are now in the prefix cache: siblings share them
+        n = req.params.n
+        for i in range(n - req.pending_siblings, n):
+            seq = Sequence(req.request_id, req.prompt_token_ids, req.params, index=i,
+                           arrival_time=req.arrival_time)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        req.pending_siblings = 0
+
+    def _request_output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            outs.append(CompletionOutput(
+                index=seq.index,
+                text=self.detokenizer.emittable_text(seq),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None,
+                logprobs=list(seq.output_logprobs) if req.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        finished = (not req.pending_siblings and len(req.seqs) == req.params.n
+                    and all(s.is_finished for s in req.seqs))
+        first = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=min((s.first_token_time for s in req.seqs
+                                      if s.first_token_time), default=None),
+                finished_time=time.monotonic() if finished else None,
+            ),
+        )
+
+    def get_stats(self) -> EngineStats:
+        st = self.stats
+        bm = self.block_manager
+        st.num_running = self.scheduler.num_running
+        st.num_waiting = self.scheduler.num_waiting
+        st.num_free_blocks = bm.num_free_blocks
+        st.num_total_blocks = bm.num_total_blocks
+        st.kv_cache_usage = bm.usage
+        st.prefix_cache_queries = bm.prefix_cache_queries
+        st.prefix_cache_hits = bm.prefix_cache_hits
+        st.num_preemptions = self.scheduler.num_preemptions
+        return st
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+class _PhaseTimer:
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.phase = ""
+
+    def __call__(self, phase: str) -> _PhaseTimer:
+        self.phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.totals[self.phase] += time.perf_counter() - self.t0

@@ -1,0 +1,239 @@
+"""GGUF files (llama.cpp) -> Hugging Face style config and weights.
+
+Tensors come out as `GGUFTensor`s: the Hugging Face name, the GGML type, the raw
+(still quantized) bytes and the shape; `dequantize()` gives float32 on demand.
+llama.cpp's converter permutes the rows of q and k for llama-arch models (its
+rotary pairs adjacent dims, Hugging Face's pairs halves); the permutation is
+undone here, on the raw rows, so raw blocks and dequantized weights agree with
+Hugging Face's layout. Rows can be permuted as raw bytes because quantization
+blocks run along the input dimension, within one row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenmill.loaders.model_source import ModelLoadError
+
+# GGUF general.architecture -> Hugging Face architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# architectures whose q/k rows llama.cpp's converter permutes
+_PERMUTED_QK_ARCHS = {"llama"}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_UNQUANTIZED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, as llama.cpp stores it
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        module = _BLOCK_NAMES.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}" if module else None
+    base, _, suffix = gguf_name.rpartition(".")
+    module = _GLOBAL_NAMES.get(base)
+    return f"{module}.{suffix}" if module and suffix in ("weight", "bias") else None
+
+
+@dataclass
+class GGUFTensor:
+    hf_name: str
+    qtype: GGMLQuantizationType
+    raw: np.ndarray  # uint8 (rows, bytes_per_row) for block types; typed for F32/F16
+    shape: tuple[int, ...]  # Hugging Face order, e.g. (out_features, in_features)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.qtype not in _UNQUANTIZED
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 tensor of `shape`."""
+        arr = gguf_dequantize(self.raw, self.qtype).reshape(self.shape)
+        return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
+
+    def raw_blocks(self) -> torch.Tensor:
+        """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch."""
+        raw = self.raw.reshape(self.shape[0], -1) if len(self.shape) > 1 else self.raw
+        return torch.tensor(np.ascontiguousarray(raw).view(np.uint8))
+
+
+@contextlib.contextmanager
+def gguf_errors(path: Path, what: str) -> Iterator[None]:
+    """Turn the gguf package's and numpy's errors on a bad file into one ModelLoadError."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file {path} does not exist") from None
+    except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError,
+            OverflowError, MemoryError, NotImplementedError, AttributeError) as e:
+        raise ModelLoadError(f"cannot {what} GGUF file {path}: the file looks corrupt or "
+                             f"truncated ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    reader = GGUFReader(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "
+                                 f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
+    return reader
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """A GGUFReader (cached per file version), or ModelLoadError naming the problem."""
+    path = Path(path)
+    with gguf_errors(path, "read"):
+        st = os.stat(path)
+        return _open_reader(str(path), st.st_mtime_ns, st.st_size)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _arch(reader: GGUFReader, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF file {path} has architecture {arch!r}, which tokenmill does "
+                             f"not support; it loads {', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_config_dict(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face style config.json dict built from the file's metadata (no weights read),
+    plus `quantization_config` with the GGML types and total weight bytes."""
+    path = Path(path)
+    reader = open_gguf(path)
+    with gguf_errors(path, "parse the metadata of"):
+        return _config_dict(reader, path)
+
+
+def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    arch = _arch(reader, path)
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens else int(tensors["token_embd.weight"].shape[1])
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear",
+                               "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"GGUF file {path} uses rope scaling {scaling_type!r}, which "
+                             "tokenmill does not support")
+    if _ROPE_FREQS in tensors:
+        factors = gguf_dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
+        cfg["rope_scaling"] = {"rope_type": "gguf_freq_factors",
+                               "freq_factors": [float(x) for x in np.ravel(factors)]}
+    file_type = _field(reader, "general.file_type")
+    cfg["quantization_config"] = {
+        "quant_method": "gguf",
+        "file_type": LlamaFileType(file_type).name if file_type is not None else None,
+        "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "weight_bytes": int(sum(t.n_bytes for t in reader.tensors)),
+    }
+    return cfg
+
+
+def _unpermute_rows(arr: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's LlamaModel.permute, on the first axis (rows)."""
+    half = arr.shape[0] // n_head // 2
+    return arr.reshape(n_head, half, 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
+
+
+def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
+    """Every weight of the file in Hugging Face naming and layout, still quantized."""
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = gguf_config_dict(path)
+    arch = cfg["model_type"]
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue  # already in the config as rope_scaling
+        name = hf_tensor_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has no place in a "
+                                 f"{cfg['architectures'][0]}")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        raw = t.data
+        module = name.split(".")[-2]
+        if arch in _PERMUTED_QK_ARCHS and module in heads:
+            raw = _unpermute_rows(raw, heads[module])
+        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), raw, shape)
+
+
+@dataclass
+class QuantizedWeight:
+    """The GGUF blocks behind (some rows of) a linear's weight, kept for native kernels."""
+
+    qtype: GGMLQuantizationType
+    blocks: torch.Tensor  # uint8 (rows, bytes_per_row), q/k rows already in HF order
+    shape: tuple[int, ...]  # dequantized shape of these rows: (rows, in_features)
+    row_offset: int  # first row of these rows in the module's (possibly fused) weight

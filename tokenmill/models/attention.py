@@ -1,0 +1,115 @@
+"""Attention over a flat batch of tokens, with or without a paged KV cache.
+
+Without attention metadata (`get_attention_metadata() is None`) the input is one
+causal sequence and nothing is cached. With metadata, each layer writes this
+step's K and V into its paged cache at `slot_mapping`, then each sequence's
+queries attend to that sequence's cached prefix plus its new tokens.
+
+`paged_attention_reference` is the plain-torch path: simple, correct and
+linear in the number of sequences. Faster backends live beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.context import AttentionMetadata, get_attention_metadata
+
+
+class Attention(nn.Module):
+    """Multi-head attention core (no projections). The model runner assigns
+    `k_cache` and `v_cache`, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim)
+        meta = get_attention_metadata()
+        if meta is None:
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            if self.k_cache is None or self.v_cache is None:
+                raise RuntimeError("attention metadata is set but this layer has no KV cache; "
+                                   "the model runner must assign k_cache and v_cache")
+            store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.flatten(1)
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of the caches."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    # q: (..., num_heads, Q, head_dim); k, v: (..., num_kv_heads, K, head_dim)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                          is_causal=is_causal, scale=scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """All T tokens form one causal sequence. Returns (T, num_heads, head_dim)."""
+    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, is_causal=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: (T, num_heads, head_dim) of the flat batch; caches already hold this step's K/V.
+    Returns (T, num_heads, head_dim)."""
+    if meta.is_decode_only:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    block_size = meta.block_size
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        num_blocks = -(-seq_len // block_size)
+        block_ids = meta.block_tables[b, :num_blocks].long()
+        k = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # (L, kv, d)
+        v = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        q_b = q[start:start + query_len].transpose(0, 1)  # (heads, q, d)
+        if query_len == seq_len:
+            o = _sdpa(q_b, k.transpose(0, 1), v.transpose(0, 1), scale, is_causal=True)
+        else:
+            # query i sits at position seq_len - query_len + i and sees keys up to it
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q, L)
+            o = _sdpa(q_b, k.transpose(0, 1), v.transpose(0, 1), scale, mask=mask)
+        out[start:start + query_len] = o.transpose(0, 1)
+        start += query_len
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence: gather every sequence's blocks at once and mask the padding."""
+    num_seqs = q.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    max_blocks = -(-meta.max_seq_len // meta.block_size)
+    block_ids = meta.block_tables[:, :max_blocks].long()  # (B, max_blocks)
+    k = k_cache[block_ids].reshape(num_seqs, -1, num_kv_heads, head_dim)  # (B, S, kv, d)
+    v = v_cache[block_ids].reshape(num_seqs, -1, num_kv_heads, head_dim)
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    mask = key_pos[None, :] < meta.seq_lens.to(q.device).long()[:, None]  # (B, S)
+    out = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale,
+                mask=mask[:, None, None, :])  # (B, heads, 1, d)
+    return out.squeeze(2)

@@ -1,0 +1,174 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding and
+linears whose parameters know how to load checkpoint tensors into themselves.
+
+Parameters are created with `torch.empty`: the loader overwrites every one of
+them, so random initialisation would only waste time.
+
+Each parameter carries `weight_loader(param, loaded_weight, shard_id)`. Fused
+linears (`QKVLinear`, `MergedLinear`) copy a checkpoint shard (q / k / v, or
+gate / up) into its rows of the fused weight.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                         f"checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return p
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32 and scale in the input dtype, as Hugging Face does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = _param(num_embeddings, embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Quantized replacements swap this module out from outside."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard_rows(self, shard_id: Any) -> tuple[int, int]:
+        """(first row, number of rows) of the fused weight that `shard_id` fills."""
+        return 0, self.out_features
+
+
+class _FusedLinear(Linear):
+    """A linear whose output rows are the concatenation of several checkpoint tensors."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[Any, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_offsets: dict[Any, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        for p in self.parameters():
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def shard_rows(self, shard_id: Any) -> tuple[int, int]:
+        return self.shard_offsets[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any) -> None:
+        start, size = self.shard_offsets[shard_id]
+        default_weight_loader(param.narrow(0, start, size), loaded_weight)  # type: ignore[arg-type]
+
+
+class QKVLinear(_FusedLinear):
+    """q_proj, k_proj and v_proj as one matmul; output is [q | k | v]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool) -> None:
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                       "v": num_kv_heads * head_dim}, bias)
+
+
+class MergedLinear(_FusedLinear):
+    """Several linears on the same input as one matmul (gate_proj and up_proj: shards 0, 1)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, dict(enumerate(out_sizes)), bias)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+MAX_ROTARY_POSITIONS = 1 << 17  # caps the cos/sin table at 64 MiB for head_dim 128
+
+
+def rope_inv_freq(head_dim: int, base: float,
+                  rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) float32, with Llama 3 / linear scaling applied."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
+    if rope_type in (None, "default"):
+        return inv_freq
+    assert rope_scaling is not None
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        factor = rope_scaling["factor"]
+        low_freq_factor = rope_scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = rope_scaling.get("high_freq_factor", 4.0)
+        old_context_len = rope_scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "gguf_freq_factors":
+        # llama.cpp stores Llama 3 scaling as per-frequency divisors (tensor rope_freqs)
+        return inv_freq / torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; tokenmill supports "
+                     "default, linear and llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+        t = torch.arange(min(max_position, MAX_ROTARY_POSITIONS), dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_position, head_dim // 2)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim)
+        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, head_dim // 2)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

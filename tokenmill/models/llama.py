@@ -1,0 +1,131 @@
+"""One decoder for Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+forward takes a flat batch of tokens (T,) and their positions (T,); attention
+metadata for the step comes from `tokenmill.models.context`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.models.attention import Attention
+from tokenmill.models.layers import (
+    Embedding,
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    silu_and_mul,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=config.attention_bias)
+        # Llama's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary  # shared by all layers; registered once on the model
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (T, heads, head_dim)
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (T, kv_heads, head_dim)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; tokenmill runs silu")
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (fused module name, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden_size) -> logits (N, vocab_size) float32."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

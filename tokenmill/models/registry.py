@@ -1,0 +1,26 @@
+"""Hugging Face architecture name -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenmill.models.llama import LlamaForCausalLM
+
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return list(_MODEL_CLASSES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; tokenmill runs "
+                         f"{', '.join(_MODEL_CLASSES)}") from None

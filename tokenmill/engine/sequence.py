@@ -47,6 +47,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
+        # chained prefix-cache hashes of block_table's leading full blocks that
+        # are registered or were cache hits; owned by the block manager
+        self.block_hashes: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         self.output_text = ""

@@ -1,0 +1,200 @@
+"""The KV-cache block manager: fixed-size blocks, a free list and ref counts.
+
+Blocks are ints 0..num_blocks-1; block `b` holds the K/V of token slots
+`b * block_size .. b * block_size + block_size - 1`, and the model runner
+maps a sequence's token at position `p` to slot
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Check, then commit: `can_allocate_slots` answers without changing anything,
+and `allocate_slots` returns False, with nothing changed, when it cannot
+allocate everything. Nothing is ever half-allocated.
+
+Life of a sequence's blocks:
+  1. admission: `prefix = get_computed_blocks(seq)` finds the longest cached run
+     of its full blocks (never all of its tokens: one must be computed to
+     get logits), then `allocate_slots(seq, n, prefix)` shares those blocks,
+     sets `seq.num_computed_tokens` past them and adds fresh blocks for `n`
+     new tokens;
+  2. every later step: `allocate_slots(seq, n)` grows the table to cover
+     `num_computed_tokens + n` slots;
+  3. after the model ran and `num_computed_tokens` was advanced:
+     `cache_full_blocks(seq)` registers blocks that became full;
+  4. `free(seq)` on finish or preemption: cached blocks at ref count 0 stay
+     findable until evicted (see prefix_cache.py).
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.prefix_cache import ROOT_HASH, PrefixCache
+from tokenmill.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The leading full blocks of a sequence found in the prefix cache."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be at least 1")
+        self.block_size = block_size
+        self.num_total_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))  # free, never-cached blocks
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0, cached (evictable) ones included."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return len(self._free) + evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by some sequence (ref count > 0)."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def max_tokens_that_fit(self) -> int:
+        """The most tokens (prompt + output) one sequence can ever hold."""
+        return self.num_total_blocks * self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> CachedPrefix:
+        """The longest run of `seq`'s leading full blocks already in the cache.
+        Side-effect free; call it for a sequence that holds no blocks."""
+        if self.prefix_cache is None or seq.block_table:
+            return CachedPrefix()
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs  # leave >= 1 token to compute
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent = ROOT_HASH
+        for i in range(max_blocks):
+            parent, block_id = self.prefix_cache.lookup(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(parent)
+        return CachedPrefix(block_ids, hashes, len(block_ids) * bs)
+
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                           prefix: CachedPrefix | None = None) -> bool:
+        return self._num_blocks_to_take(seq, num_new_tokens, prefix) <= self.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       prefix: CachedPrefix | None = None) -> bool:
+        """Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens`
+        slots; with `prefix` (admission only), first share its cached blocks and
+        count them as computed. False, with nothing changed, if blocks run short."""
+        if not self.can_allocate_slots(seq, num_new_tokens, prefix):
+            return False
+        if prefix is not None:
+            self._admit_prefix(seq, prefix)
+        num_needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < num_needed:
+            seq.block_table.append(self._take_fresh_block())
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register each block of `seq` that is full of computed tokens and not
+        yet registered. Call after advancing `seq.num_computed_tokens`."""
+        if self.prefix_cache is None:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            block_hash = self.prefix_cache.insert(
+                seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs])
+            if block_hash is None:  # hash collision: leave the rest unregistered
+                return
+            seq.block_hashes.append(block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s hold on its blocks. Last blocks first, so that when cached
+        blocks are evicted a prefix's tail goes before its head."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    def free_slots_beyond(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink `seq.block_table` to exactly cover `num_tokens` slots (roll back
+        rejected speculative tokens). Registered blocks must not be cut."""
+        assert num_tokens >= len(seq.block_hashes) * self.block_size, "would cut a cached block"
+        num_keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > num_keep:
+            self._release(seq.block_table.pop())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. after swapping weights). Sequences keep
+        their blocks; idle cached blocks become plain free blocks."""
+        if self.prefix_cache is not None:
+            self._free.extend(self.prefix_cache.reset())
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def _num_blocks_to_take(self, seq: Sequence, num_new_tokens: int,
+                            prefix: CachedPrefix | None) -> int:
+        """How many blocks allocating would remove from the free pool."""
+        num_held, num_computed, num_revived = len(seq.block_table), seq.num_computed_tokens, 0
+        if prefix is not None:
+            assert not seq.block_table and seq.num_computed_tokens == 0, "admit a fresh sequence"
+            num_held, num_computed = len(prefix.block_ids), prefix.num_tokens
+            # cached blocks that nobody holds sit in the free pool: hitting them takes them
+            num_revived = sum(1 for b in prefix.block_ids if self.ref_counts[b] == 0)
+        num_fresh = max(0, self.num_blocks_for(num_computed + num_new_tokens) - num_held)
+        return num_fresh + num_revived
+
+    def _admit_prefix(self, seq: Sequence, prefix: CachedPrefix) -> None:
+        for block_id in prefix.block_ids:
+            if self.ref_counts[block_id] == 0:
+                assert self.prefix_cache is not None
+                self.prefix_cache.reclaim(block_id)
+            self.ref_counts[block_id] += 1
+        seq.block_table.extend(prefix.block_ids)
+        seq.block_hashes[:] = prefix.block_hashes
+        seq.num_computed_tokens = prefix.num_tokens
+        # a recompute after preemption finding its own blocks again is no cache hit
+        if seq.first_scheduled_time is None and self.prefix_cache is not None:
+            seq.num_cached_tokens = prefix.num_tokens
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+
+    def _take_fresh_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            assert self.prefix_cache is not None
+            evicted = self.prefix_cache.evict()
+            assert evicted is not None, "no free block: check can_allocate_slots first"
+            block_id = evicted
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
+            if self.prefix_cache is not None and self.prefix_cache.contains_block(block_id):
+                self.prefix_cache.release(block_id)
+            else:
+                self._free.append(block_id)

@@ -38,7 +38,7 @@ def expected_output(prompt, max_tokens):
 
 
 def step(sched):
-    """One engine step: schedule, 'run the model', sample, stop, update."""
+    """One engine step: schedule, 'run the model', sample, stop, finish_step."""
     out = sched.schedule()
     for s in out.scheduled:
         seq = s.seq
@@ -48,7 +48,7 @@ def step(sched):
             seq.append_token(fake_token(seq.token_ids))
             if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                 seq.finish("length")
-    sched.update(out)
+    sched.finish_step(out)
     return out
 
 
@@ -165,7 +165,7 @@ def test_abort_during_a_step_is_harmless():
     sched.add(seq)
     out = sched.schedule()
     sched.abort("a")
-    sched.update(out)
+    sched.finish_step(out)
     assert not sched.has_unfinished() and sched.block_manager.usage == 0.0
 
 

@@ -23,7 +23,7 @@ Call order per engine step:
      of `seq.block_table`; logits only for entries with `sample=True`
   3. the engine appends each sampled token (`seq.append_token`) and calls
      `seq.finish(reason)` on the sequences that stop
-  4. `scheduler.update(out)`: advances `num_computed_tokens`, registers full
+  4. `scheduler.finish_step(out)`: advances `num_computed_tokens`, registers full
      blocks in the prefix cache, frees and drops finished sequences
 `abort(request_id)` may be called between steps.
 """
@@ -162,7 +162,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput) -> list[Sequence]:
+    def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
         """After the model ran and the engine appended tokens / finished sequences:
         advance each scheduled sequence, cache its full blocks, free the finished.
         Returns the sequences that finished (and were dropped) this step."""

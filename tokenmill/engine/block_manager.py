@@ -68,7 +68,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use by some sequence (ref count > 0)."""
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
+        return (self.num_total_blocks - self.num_free_blocks) / self.num_total_blocks
 
     def max_tokens_that_fit(self) -> int:
         """The most tokens (prompt + output) one sequence can ever hold."""

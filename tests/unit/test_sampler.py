@@ -166,8 +166,10 @@ def test_seeded_samples_of_one_request_differ_but_reproduce():
     assert draws(0) != draws(1)
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.5, top_k=3,
-                                    repetition_penalty=1.5)])
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.0},
+    {"temperature": 0.5, "top_k": 3, "repetition_penalty": 1.5},
+])
 def test_logprobs_are_the_models_log_softmax_with_rank(params):
     torch.manual_seed(0)
     logits = torch.randn(3, 40)

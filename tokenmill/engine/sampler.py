@@ -10,13 +10,15 @@ mask or temperature.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence as SequenceLike
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence
+from tokenmill.sampling_params import SamplingParams
 
 # A draw needs a cumulative sum over the vocabulary; doing it in two levels
 # (sums of blocks, then a cumsum inside the one chosen block) keeps a
@@ -95,7 +97,7 @@ class Sampler:
         blocked: list[tuple[int, list[int]]],
         penalized: list[int],
     ) -> torch.Tensor:
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         device = logits.device
         params = [s.sampling_params for s in seqs]
         if blocked or penalized:
@@ -144,7 +146,7 @@ class Sampler:
         return u
 
 
-def _has_penalty(p) -> bool:  # noqa: ANN001 - SamplingParams
+def _has_penalty(p: SamplingParams) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0)
 

@@ -1,0 +1,220 @@
+"""Hardware catalog (datasheet numbers, each with its source) and a measured CPU entry.
+
+FLOP/s are dense peaks (NVIDIA datasheets print sparse figures with an asterisk; those are
+halved here). `cost_per_hour` is a rough on-demand cloud price per device, only a default:
+pass `--cost-per-hour` for your own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+T = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    memory_bandwidth_bytes_s: float
+    peak_flops: dict[str, float]  # compute dtype -> dense FLOP/s
+    memory_bytes: float
+    cost_per_hour: float
+    source: str
+    measured: dict = field(default_factory=dict)  # extra measured figures (CPU only)
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for matmuls in `dtype`; falls back to the nearest wider dtype."""
+        for candidate in {"fp8": ("fp8", "bf16", "fp16", "fp32"),
+                          "fp16": ("fp16", "bf16", "fp32"),
+                          "bf16": ("bf16", "fp16", "fp32")}.get(dtype, (dtype, "fp32")):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate]
+        return max(self.peak_flops.values())
+
+    def with_overrides(self, bandwidth_gb_s: float | None, flops_tflops: float | None,
+                       compute_dtype: str) -> Hardware:
+        hw = self
+        if bandwidth_gb_s is not None:
+            hw = replace(hw, memory_bandwidth_bytes_s=bandwidth_gb_s * GB,
+                         source=hw.source + "; bandwidth overridden")
+        if flops_tflops is not None:
+            hw = replace(hw, peak_flops={**hw.peak_flops, compute_dtype: flops_tflops * T},
+                         source=hw.source + "; FLOP/s overridden")
+        return hw
+
+
+def _gpu(name, description, bw_gb_s, flops_t, memory_gb, cost, source) -> Hardware:
+    return Hardware(name, description, bw_gb_s * GB, {k: v * T for k, v in flops_t.items()},
+                    memory_gb * GB, cost, source)
+
+
+CATALOG: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", 3350, {"fp32": 67, "tf32": 494.5, "bf16": 989.5,
+             "fp16": 989.5, "fp8": 1979}, 80, 3.00,
+             "NVIDIA H100 Tensor Core GPU datasheet (SXM column; sparse figures halved)"),
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 2000, {"fp32": 51, "tf32": 378, "bf16": 756,
+             "fp16": 756, "fp8": 1513}, 80, 2.50,
+             "NVIDIA H100 Tensor Core GPU datasheet (PCIe column; sparse figures halved)"),
+        _gpu("h200", "NVIDIA H200 SXM 141GB", 4800, {"fp32": 67, "tf32": 494.5, "bf16": 989.5,
+             "fp16": 989.5, "fp8": 1979}, 141, 3.80,
+             "NVIDIA H200 Tensor Core GPU datasheet (SXM column; sparse figures halved)"),
+        _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", 1555, {"fp32": 19.5, "tf32": 156, "bf16": 312,
+             "fp16": 312, "int8": 624}, 40, 1.30,
+             "NVIDIA A100 Tensor Core GPU datasheet (40GB SXM; dense figures)"),
+        _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", 2039, {"fp32": 19.5, "tf32": 156, "bf16": 312,
+             "fp16": 312, "int8": 624}, 80, 1.80,
+             "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM; dense figures)"),
+        _gpu("l4", "NVIDIA L4 24GB", 300, {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121,
+             "fp8": 242.5}, 24, 0.80,
+             "NVIDIA L4 Tensor Core GPU datasheet (sparse figures halved)"),
+        _gpu("l40s", "NVIDIA L40S 48GB", 864, {"fp32": 91.6, "tf32": 183, "bf16": 362,
+             "fp16": 362, "fp8": 733}, 48, 1.50,
+             "NVIDIA L40S datasheet (sparse figures halved)"),
+        _gpu("a10g", "NVIDIA A10G 24GB (AWS g5)", 600, {"fp32": 31.2, "tf32": 62.5, "bf16": 125,
+             "fp16": 125}, 24, 1.00,
+             "NVIDIA A10 datasheet (A10G is AWS's A10 variant with no separate datasheet; "
+             "its clocks may be lower)"),
+        _gpu("mi300x", "AMD Instinct MI300X 192GB", 5300, {"fp32": 163.4, "tf32": 653.7,
+             "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}, 192, 4.00,
+             "AMD Instinct MI300X data sheet (dense figures)"),
+        _gpu("b200", "NVIDIA B200 180GB (HGX)", 7700, {"fp32": 75, "tf32": 1100, "bf16": 2250,
+             "fp16": 2250, "fp8": 4500}, 180, 6.00,
+             "NVIDIA HGX B200 datasheet, 8-GPU totals divided by 8 (sparse figures halved)"),
+        _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 1008, {"fp32": 82.6, "bf16": 165.2,
+             "fp16": 165.2, "fp8": 330.3}, 24, 0.40,
+             "NVIDIA Ada Lovelace architecture whitepaper, appendix (FP32 accumulate, dense)"),
+    ]
+}
+
+ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x",
+           "4090": "rtx-4090", "rtx4090": "rtx-4090", "h200-sxm": "h200"}
+
+CPU_COST_PER_HOUR = 0.10  # a small on-demand cloud VM; override with --cost-per-hour
+
+
+def known_hardware() -> list[str]:
+    return [*CATALOG, "cpu"]
+
+
+def get_hardware(name: str) -> Hardware:
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key == "cpu":
+        return measure_cpu()
+    if key not in CATALOG:
+        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(known_hardware())}")
+    return CATALOG[key]
+
+
+# ---- measured CPU ------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tokenmill"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+def cpu_cache_path() -> Path:
+    return cache_dir() / "cpu_roofline.json"
+
+
+def cpu_cache_key(threads: int, torch_version: str) -> str:
+    """Figures are reused only on the same CPU model, thread count and torch version."""
+    return f"{_cpu_model()}|threads={threads}|torch={torch_version}"
+
+
+def measure_cpu(refresh: bool = False) -> Hardware:
+    """This machine's memory read bandwidth and matmul rate per dtype, cached per CPU/threads.
+
+    The micro-benchmark takes about a second: best of a few reps of a 64 MiB sum and of
+    1024² matmuls. Delete ~/.cache/tokenmill/cpu_roofline.json to measure again.
+    """
+    import torch  # lazy: only --hardware cpu pays for it
+
+    threads = torch.get_num_threads()
+    key = cpu_cache_key(threads, torch.__version__)
+    path = cpu_cache_path()
+    cached = {}
+    if path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+    figures = cached.get(key)
+    if refresh or figures is None:
+        figures = _micro_benchmark(torch)
+        cached[key] = figures
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cached, indent=2))
+        except OSError:
+            pass  # a read-only home still gets the figures, just not cached
+    return Hardware(
+        name="cpu",
+        description=f"{_cpu_model()}, {threads} torch threads (measured)",
+        memory_bandwidth_bytes_s=figures["read_bandwidth_bytes_s"],
+        peak_flops={"fp32": figures["matmul_flops"]["fp32"],
+                    "bf16": figures["matmul_flops"]["bf16"]},
+        memory_bytes=_memory_bytes(),
+        cost_per_hour=CPU_COST_PER_HOUR,
+        source=f"micro-benchmark on this machine, cached in {path}",
+        measured=figures,
+    )
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()  # warm-up: page faults, thread pool start, kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _micro_benchmark(torch) -> dict:
+    n = 16 * 1024 * 1024  # 64 MiB of fp32: past the last-level cache
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    read_s = _best_time(lambda: src.sum(), reps=5)
+    copy_s = _best_time(lambda: dst.copy_(src), reps=5)
+    matmul = {}
+    size = 1024
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        matmul[name] = 2.0 * size**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), reps=3)
+    return {
+        "read_bandwidth_bytes_s": 4.0 * n / read_s,
+        "copy_bandwidth_bytes_s": 2 * 4.0 * n / copy_s,  # read + write
+        "matmul_flops": matmul,
+        "matmul_shape": [size, size, size],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }

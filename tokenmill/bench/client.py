@@ -1,0 +1,240 @@
+"""Async streaming client for OpenAI-compatible servers, timestamping every chunk.
+
+Timestamps are `time.perf_counter()` seconds relative to the run's start, taken the
+moment a server-sent event is parsed. A chunk is a *content* chunk when it carries
+generated text (`choices[0].text` for completions, `delta.content` or
+`delta.reasoning_content` for chat); a role-only first chunk, a finish chunk with empty
+text and the usage chunk are not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# failure kinds that mean the server went away (the bench exits non-zero on them)
+CONNECTION_FAILURES = ("connect", "disconnected", "timeout")
+
+
+@dataclass
+class RequestRecord:
+    request_id: int
+    prompt_len: int | None  # client tokenization of the prompt (chat: with the template)
+    max_tokens: int
+    planned_time_s: float = 0.0  # when the schedule said to send (slot free and arrived)
+    send_time_s: float = 0.0
+    end_time_s: float = 0.0  # last byte of the response, or the failure
+    first_chunk_time_s: float | None = None  # any chunk, role-only included
+    chunk_times_s: list[float] = field(default_factory=list)  # content chunks only
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each content chunk carried
+    chunk_texts: list[str] = field(default_factory=list)
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    client_output_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    error_kind: str | None = None  # connect | disconnected | timeout | http_NNN | ...
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunk_texts)
+
+    def fail(self, kind: str, message: str, now_s: float) -> None:
+        self.error_kind, self.error, self.end_time_s = kind, message, now_s
+
+
+@dataclass
+class ClientOptions:
+    base_url: str
+    model: str
+    endpoint: str = "completions"  # completions | chat
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0
+
+
+class OpenAIClient:
+    """One httpx.AsyncClient for the whole run; the pool never limits concurrency."""
+
+    # fields a strict server may reject; dropped (and reported) after a 400 that names them
+    OPTIONAL_FIELDS = ("ignore_eos", "continuous_usage_stats")
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        self.http = httpx.AsyncClient(
+            base_url=options.base_url.rstrip("/"), headers=headers,
+            timeout=httpx.Timeout(options.timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.dropped_fields: list[str] = []
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.options.endpoint == "chat" else "/v1/completions"
+
+    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        o = self.options
+        body: dict[str, Any] = {"model": o.model, "max_tokens": max_tokens, "stream": True,
+                                "temperature": o.temperature,
+                                "stream_options": {"include_usage": True}}
+        if o.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if "continuous_usage_stats" not in self.dropped_fields:
+            # vLLM-style per-chunk usage gives exact tokens per chunk where supported
+            body["stream_options"]["continuous_usage_stats"] = True
+        if o.ignore_eos and "ignore_eos" not in self.dropped_fields:
+            body["ignore_eos"] = True
+        body.update(o.extra_body)
+        return body
+
+    async def send(self, record: RequestRecord, prompt: str, t0: float) -> RequestRecord:
+        """Stream one request into `record`; never raises for a server-side failure."""
+        for _ in range(len(self.OPTIONAL_FIELDS) + 1):
+            retry = await self._send_once(record, prompt, t0)
+            if not retry:
+                break
+        return record
+
+    async def _send_once(self, record: RequestRecord, prompt: str, t0: float) -> bool:
+        now = time.perf_counter
+        chat = self.options.endpoint == "chat"
+        body = self.payload(prompt, record.max_tokens)
+        record.send_time_s = now() - t0
+        done = False
+        try:
+            async with self.http.stream("POST", self.path, json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    if resp.status_code in (400, 422) and self._drop_rejected_field(text):
+                        return True
+                    record.fail(f"http_{resp.status_code}", text[:500], now() - t0)
+                    return False
+                async for line in resp.aiter_lines():
+                    t = now() - t0
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError:
+                        record.fail("bad_chunk", f"unparseable chunk: {data[:200]}", t)
+                        return False
+                    if "error" in chunk and not chunk.get("choices"):
+                        err = chunk["error"]
+                        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        record.fail("stream_error", msg[:500], t)
+                        return False
+                    self._on_chunk(record, chunk, t, chat)
+                record.end_time_s = now() - t0
+        except httpx.ConnectError as e:
+            record.fail("connect", f"cannot connect to {self.options.base_url}: {e}",
+                        now() - t0)
+            return False
+        except httpx.TimeoutException as e:
+            record.fail("timeout", f"{type(e).__name__}: {e}", now() - t0)
+            return False
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            record.fail("disconnected", f"server closed the connection mid-stream: "
+                        f"{type(e).__name__}: {e}", now() - t0)
+            return False
+        except httpx.HTTPError as e:
+            record.fail("http_error", f"{type(e).__name__}: {e}", now() - t0)
+            return False
+        if not done and record.finish_reason is None:
+            record.fail("incomplete", "stream ended without a finish_reason or [DONE]",
+                        record.end_time_s)
+        elif not record.chunk_times_s:
+            record.fail("no_content", "the response carried no generated text",
+                        record.end_time_s)
+        return False
+
+    def _on_chunk(self, record: RequestRecord, chunk: dict, t: float, chat: bool) -> None:
+        if record.first_chunk_time_s is None:
+            record.first_chunk_time_s = t
+        usage = chunk.get("usage")
+        choices = chunk.get("choices") or []
+        text = ""
+        if choices:
+            choice = choices[0]
+            if chat:
+                delta = choice.get("delta") or {}
+                text = (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+            else:
+                text = choice.get("text") or ""
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        if text:
+            record.chunk_times_s.append(t)
+            record.chunk_texts.append(text)
+            if usage and usage.get("completion_tokens") is not None and choices:
+                # continuous usage: the exact number of tokens this chunk carried
+                before = sum(record.chunk_tokens)
+                record.chunk_tokens.append(max(0, usage["completion_tokens"] - before))
+        if usage:
+            record.usage_prompt_tokens = usage.get("prompt_tokens")
+            record.usage_completion_tokens = usage.get("completion_tokens")
+
+    def _drop_rejected_field(self, error_text: str) -> bool:
+        for name in self.OPTIONAL_FIELDS:
+            if name in error_text and name not in self.dropped_fields:
+                self.dropped_fields.append(name)
+                return True
+        return False
+
+
+async def fetch_model_name(base_url: str, api_key: str | None) -> str:
+    """The first model the server lists at /v1/models; raises ConnectionError when the
+    server cannot be reached."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
+            resp = await http.get(url)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reach {url}: {type(e).__name__}: {e}") from e
+    if resp.status_code != 200:
+        raise ConnectionError(f"GET {url} returned {resp.status_code}: {resp.text[:200]}")
+    models = resp.json().get("data") or []
+    if not models:
+        raise ConnectionError(f"{url} lists no models; pass --model")
+    return models[0]["id"]
+
+
+def count_chunk_tokens(record: RequestRecord, tokenizer) -> None:
+    """Fill in the client's own output token count and, when the server did not send
+    per-chunk usage, the tokens each chunk carried: differences of the token count of
+    the growing text (so they sum to the client's total). Without a tokenizer a chunk
+    counts as one token."""
+    if tokenizer is None:
+        if len(record.chunk_tokens) != len(record.chunk_times_s):
+            record.chunk_tokens = [1] * len(record.chunk_times_s)
+        return
+    total = len(tokenizer.encode(record.text, add_special_tokens=False))
+    record.client_output_tokens = total
+    if len(record.chunk_tokens) == len(record.chunk_times_s):
+        return
+    counts, text, seen = [], "", 0
+    for piece in record.chunk_texts:
+        text += piece
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        counts.append(max(0, n - seen))
+        seen = max(seen, n)
+    record.chunk_tokens = counts

@@ -1,0 +1,297 @@
+"""The asyncio side of the engine, for the server.
+
+One worker thread owns the `LLMEngine`: it alone calls add / abort / step /
+get_stats, so the engine needs no locks. Requests from the event loop go into
+an inbox the worker drains between steps; each request gets one asyncio queue
+that the worker fills with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds --max-waiting requests already: retry later."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine loop is shutting down or dead."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request; other requests carry on."""
+
+
+@dataclass
+class _Ack:
+    error: BaseException | None = None
+
+
+@dataclass
+class _Aborted:
+    reason: str = "abort"
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterate with `async for`.
+
+    Ends after the output with `finished=True`; raises EngineStepError if the
+    engine failed, and ends early if the request was aborted.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self.aborted = False
+
+    def put(self, item: Any) -> None:  # worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, RequestOutput):
+                self.finished = item.finished
+                yield item
+            elif isinstance(item, _Aborted):
+                self.finished = self.aborted = True
+            elif isinstance(item, BaseException):
+                self.finished = True
+                raise item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+    stream: RequestStream
+
+
+@dataclass
+class _Inbox:
+    adds: deque[_Add] = field(default_factory=deque)
+    aborts: set[str] = field(default_factory=set)
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in one background thread while requests come and go.
+
+    max_waiting: how many requests may wait for a running slot before new ones
+    are refused (None: unbounded). stuck_after_s: a step running longer than
+    this makes `health()` report the loop as stuck.
+    """
+
+    def __init__(self, engine: Any, max_waiting: int | None = None,
+                 stuck_after_s: float = 120.0) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stuck_after_s = stuck_after_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox = _Inbox()
+        self._streams: dict[str, RequestStream] = {}  # worker thread only
+        self._num_unscheduled = 0  # added to the engine, maybe still waiting (guarded)
+        self._stopping = False
+        self._accepting = True
+        self._step_started_at: float | None = None
+        self.last_step_end: float = time.monotonic()
+        self.stats_lock = threading.Lock()
+        self.stats = _copy_stats(engine.get_stats())
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._dead_reason: str | None = None
+
+    # ---- event loop side --------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._inbox.adds) + self._num_unscheduled
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Hand a request to the engine; returns once the engine has taken it.
+
+        Raises ValueError (engine validation, with `.param`), QueueFullError or
+        EngineUnavailableError.
+        """
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        with self._lock:
+            if not self._accepting or not self._thread.is_alive():
+                raise EngineUnavailableError(self._dead_reason or "the server is shutting down")
+            waiting = len(self._inbox.adds) + self._num_unscheduled
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(
+                    f"the waiting queue is full ({waiting} requests); retry later")
+            self._inbox.adds.append(_Add(request_id, prompt, params, arrival, stream))
+        self._wake.set()
+        try:
+            ack = await stream.queue.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(ack, _Ack) and ack.error is not None:
+            raise ack.error
+        if isinstance(ack, _Aborted):
+            stream.finished = stream.aborted = True
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its KV blocks are freed before the next step."""
+        with self._lock:
+            self._inbox.aborts.add(request_id)
+        self._wake.set()
+
+    def health(self) -> tuple[bool, str]:
+        if not self._thread.is_alive():
+            return False, self._dead_reason or "the engine loop is not running"
+        started = self._step_started_at
+        if started is not None and time.monotonic() - started > self.stuck_after_s:
+            return False, f"the engine step has run for over {self.stuck_after_s:.0f} s"
+        if self._stopping:
+            return False, "the server is shutting down"
+        return True, "ok"
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort whatever is still in flight and stop the worker thread."""
+        self.stop_accepting()
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---- worker thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                changed = self._drain_inbox()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    if changed:
+                        self._snapshot_stats()
+                    self._wake.wait(0.5)
+            self._abort_all(_Aborted())
+            self._snapshot_stats()
+        except BaseException as e:  # the loop must never die silently
+            logger.exception("engine loop died")
+            self._dead_reason = "the engine loop stopped after an internal error"
+            self._abort_all(EngineUnavailableError(self._dead_reason))
+            if not isinstance(e, Exception):
+                raise
+
+    def _drain_inbox(self) -> bool:
+        with self._lock:
+            adds, aborts = self._inbox.adds, self._inbox.aborts
+            self._inbox = _Inbox()
+            # counted as waiting until the next stats snapshot says otherwise
+            self._num_unscheduled += len(adds)
+        for add in adds:
+            if add.request_id in aborts:
+                add.stream.put(_Aborted())
+                continue
+            try:
+                self.engine.add_request(add.request_id, add.prompt, add.params,
+                                        arrival_time=add.arrival_time)
+            except ValueError as e:
+                add.stream.put(_Ack(e))
+                continue
+            except Exception as e:
+                logger.exception("engine rejected request %s", add.request_id)
+                add.stream.put(_Ack(EngineStepError(
+                    f"the engine could not take the request ({type(e).__name__})")))
+                continue
+            self._streams[add.request_id] = add.stream
+            add.stream.put(_Ack())
+        for request_id in aborts:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self.engine.abort_request(request_id)
+                stream.put(_Aborted())
+        return bool(adds or aborts)
+
+    def _step(self) -> None:
+        steps_before = getattr(self.engine.stats, "num_steps", None)
+        self._step_started_at = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The batch that failed is lost; fail its requests, keep serving others.
+            logger.exception("engine step failed; failing %d in-flight requests",
+                             len(self._streams))
+            self._abort_all(EngineStepError(
+                f"the engine failed while generating ({type(e).__name__}); "
+                "the request was aborted"))
+            outputs = []
+        finally:
+            self._step_started_at = None
+            self.last_step_end = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        self._snapshot_stats()
+        if not outputs and getattr(self.engine.stats, "num_steps", None) == steps_before:
+            time.sleep(0.005)  # nothing could be scheduled: do not spin on the GIL
+
+    def _abort_all(self, item: BaseException | _Aborted) -> None:
+        ids = list(self._streams)
+        if ids:
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                logger.exception("abort after failure failed")
+        for request_id in ids:
+            self._streams.pop(request_id).put(item)
+        with self._lock:
+            pending = list(self._inbox.adds)
+            self._inbox.adds.clear()
+        for add in pending:
+            add.stream.put(_Ack(EngineUnavailableError("the server is shutting down")))
+
+    def _snapshot_stats(self) -> None:
+        stats = self.engine.get_stats()
+        snapshot = _copy_stats(stats)
+        with self.stats_lock:
+            self.stats = snapshot
+        with self._lock:
+            self._num_unscheduled = stats.num_waiting
+
+
+def _copy_stats(stats: Any) -> Any:
+    """A snapshot the event loop can read while the worker keeps counting."""
+    return type(stats)(**{k: (dict(v) if isinstance(v, dict) else v)
+                          for k, v in stats.__dict__.items()})

@@ -1,0 +1,113 @@
+"""Prometheus metrics, named as vLLM's with a `tokenmill:` prefix so dashboards adapt.
+
+Engine gauges and cumulative counters are read from the worker's latest stats
+snapshot at scrape time; per-request histograms are observed by the server as
+requests stream and finish. Each app has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters straight from the engine's stats snapshot."""
+
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Any]:
+        st = self.get_stats()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", st.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
+                    st.kv_cache_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      st.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      st.prefix_cache_hits)
+        yield counter("num_preemptions", "Sequences preempted to free KV blocks.",
+                      st.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", st.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", st.generation_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            h = Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets,
+                          registry=self.registry)
+            h.labels(model_name)  # exported (empty) before the first request
+            return h
+
+        self.request_success = Counter(
+            "tokenmill:request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # present at 0 before the first request
+            self.request_success.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Arrival to first generated token.", _LATENCY_BUCKETS_S)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request.", _ITL_BUCKETS_S)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Arrival to the last token.", _LATENCY_BUCKETS_S)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Arrival to first scheduled.", _LATENCY_BUCKETS_S)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "First scheduled to first token.", _LATENCY_BUCKETS_S)
+
+    def observe_gap(self, gap_s: float) -> None:
+        self.itl.labels(self.model_name).observe(gap_s)
+
+    def observe_finished(self, output: Any) -> None:
+        """Record one finished RequestOutput (once per request, as vLLM counts)."""
+        reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
+        self.request_success.labels(self.model_name, reason).inc()
+        m = output.metrics
+        if m is None:
+            return
+        name = self.model_name
+        if m.first_token_time is not None:
+            self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.prefill.labels(name).observe(
+                    max(0.0, m.first_token_time - m.first_scheduled_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -245,7 +245,7 @@ def load_prompts(path: str) -> list[dict[str, Any]]:
                             "output_len": e.get("output_len") or e.get("max_tokens")})
         else:
             msg = f"{path}: entry {i} is neither a string nor an object with 'prompt'"
-            raise ValueError(msg)
+            raise ValueError(msg)  # noqa: TRY004 — bad file content, not a bad argument
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

@@ -1,0 +1,130 @@
+"""Weight-only quantized linears on torch's CPU kernels.
+
+Both kernels run in bfloat16 whatever the model's dtype: their x86 vector paths
+(AVX512 and AVX2) exist only for bf16 inputs; with float32 inputs they fall back
+to scalar loops 13-27x slower (measured, torch 2.13). Inputs are cast to bf16 at
+the edge and outputs back. The kernels dequantize in fp32 from bf16 scales and
+zeros and accumulate in fp32, so a result equals the dequantized reference
+within bf16 rounding (of the input, the scales and zeros, and the output).
+
+At large batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
+(benchmarks/linear_kernels.py), so a quantized linear may also hold a dense
+weight and use it for inputs of at least `dense_min_rows` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
+
+KERNEL_DTYPE = torch.bfloat16
+_N_MULTIPLE = 16  # the int4 pack op needs out_features divisible by 16
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with a low-bit W; subclasses implement `_lowbit(x2d)`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 dense_weight: torch.Tensor | None, dense_min_rows: int | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = None if bias is None else bias.detach()
+        # a plain attribute, not a buffer: it may be the tied embedding's own tensor
+        self.dense_weight = None if dense_weight is None else dense_weight.detach()
+        self.dense_min_rows = dense_min_rows if dense_weight is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.dense_min_rows is not None and rows >= self.dense_min_rows:
+            dense: torch.Tensor = self.dense_weight  # type: ignore[assignment]
+            y = F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        else:
+            x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
+            y = self._lowbit(x2d).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lowbit_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"dense_min_rows={self.dense_min_rows}")
+
+
+class Int4Linear(QuantizedLinear):
+    """Group-32 asymmetric int4, w = (q - 8) * scale + zero.
+    `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x]."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None = None, input_repeats: int = 1,
+                 dense_weight: torch.Tensor | None = None,
+                 dense_min_rows: int | None = None) -> None:
+        # codes: (N, K * input_repeats) in 0..15; scale, zero: (N, K * input_repeats / 32)
+        out_features, num_codes = codes.shape
+        super().__init__(num_codes // input_repeats, out_features, bias, dense_weight,
+                         dense_min_rows)
+        self.input_repeats = input_repeats
+        pad = -out_features % _N_MULTIPLE
+        if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
+            codes = F.pad(codes, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1))  # (N_pad, num_codes / 2) uint8
+        self.register_buffer("scales_and_zeros", torch.stack(
+            [scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous())  # (groups, N_pad, 2)
+
+    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.input_repeats > 1:
+            x2d = x2d.repeat(1, self.input_repeats)  # (M, K * input_repeats)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, GROUP_SIZE,
+                                                       self.scales_and_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+
+class Int8Linear(QuantizedLinear):
+    """Per-output-row symmetric int8, w = q * scale."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, dense_weight: torch.Tensor | None = None,
+                 dense_min_rows: int | None = None) -> None:
+        out_features, in_features = codes.shape
+        super().__init__(in_features, out_features, bias, dense_weight, dense_min_rows)
+        self.register_buffer("weight_int8", codes.to(torch.int8).contiguous())  # (N, K)
+        self.register_buffer("scales", scale.reshape(-1).to(KERNEL_DTYPE).contiguous())  # (N,)
+
+    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)
+
+
+def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
+                     dense_weight: torch.Tensor | None = None,
+                     dense_min_rows: int | None = None) -> Int4Linear:
+    """An Int4Linear from the GGUF blocks of one or several (fused) checkpoint tensors.
+
+    shards: the loader's `QuantizedWeight`s (.qtype, .blocks uint8 (rows, bytes_per_row),
+    .shape), in row order. If one shard is Q8_0, Q4 shards take the Q8_0 form too
+    (an all-zero first half), which doubles their bytes."""
+    parts = [int4_codes_from_gguf(s.blocks, s.qtype, s.shape) for s in shards]
+    repeats = max(p[3] for p in parts)
+    if repeats == 2:
+        parts = [p if p[3] == 2 else _q8_form(*p[:3]) for p in parts]
+    codes, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows)
+
+
+def _q8_form(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Int4 codes as [zero part | codes]: code 8 with scale 0 and zero 0 is weight 0."""
+    return (torch.cat([torch.full_like(codes, 8), codes], dim=1),
+            torch.cat([torch.zeros_like(scale), scale], dim=1),
+            torch.cat([torch.zeros_like(zero), zero], dim=1), 2)

@@ -1,0 +1,127 @@
+"""Swap a loaded model's linears for quantized ones, by name, from outside the model.
+
+Targets are the submodules named qkv_proj, o_proj, gate_up_proj, down_proj and
+lm_head. Methods:
+  none  keep float weights (and drop the GGUF blocks the loader kept)
+  gguf  run the GGUF blocks the loader kept (`module.gguf_quantized`) natively:
+        Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
+  int4  quantize float weights, group-32 asymmetric -> Int4Linear
+  int8  quantize float weights, per-row symmetric -> Int8Linear
+
+With a bfloat16 model, each quantized linear keeps the model's own bf16 weight
+and uses it for inputs of `dense_min_rows` rows or more, where a bf16 matmul is
+faster (benchmarks/linear_kernels.py). That costs the bf16 weights' memory
+(~210 MiB for SmolLM2-135M's layers; its tied LM head shares the embedding's
+tensor, which stays anyway). With `dense_min_rows=None`, or a float32 model
+(fp32 matmuls lose to the bf16 low-bit kernels at every batch measured), the
+float weights are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.quant.codes import (
+    GGUF_NATIVE_TYPES,
+    GROUP_SIZE,
+    int4_codes_from_float,
+    int8_codes_from_float,
+)
+from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
+
+METHODS = ("none", "gguf", "int4", "int8")
+TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+# rows from which the bf16 matmul beats the low-bit kernel (see module docstring)
+DENSE_MIN_ROWS = 16
+_GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
+
+
+@dataclass
+class QuantizationSummary:
+    method: str
+    quantized: list[str] = field(default_factory=list)  # module names now low-bit
+    kept_float: dict[str, str] = field(default_factory=dict)  # module name -> why
+    lowbit_bytes: int = 0
+    dense_bytes: int = 0  # float weights kept only for the large-batch path
+
+
+def quantize_model(model: nn.Module, method: str,
+                   dense_min_rows: int | None = DENSE_MIN_ROWS) -> QuantizationSummary:
+    """Replace the model's target linears in place; see the module docstring."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; use one of {', '.join(METHODS)}")
+    summary = QuantizationSummary(method)
+    if method != "none":
+        for name, module in list(model.named_modules()):
+            if name.rpartition(".")[2] in TARGET_MODULES and not isinstance(
+                    module, QuantizedLinear):
+                _quantize_one(model, name, module, method, dense_min_rows, summary)
+    for module in model.modules():  # the raw blocks are only needed here
+        module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
+    # dense weights that are still model parameters (a tied embedding) cost nothing extra
+    params = {p.data_ptr() for p in model.parameters()}
+    summary.dense_bytes = sum(
+        m.dense_weight.numel() * m.dense_weight.element_size() for m in model.modules()
+        if isinstance(m, QuantizedLinear) and m.dense_weight is not None
+        and m.dense_weight.data_ptr() not in params)
+    return summary
+
+
+def default_method(model: nn.Module) -> str:
+    """'gguf' when the loader kept natively runnable GGUF blocks on CPU, else 'none'."""
+    for name, module in model.named_modules():
+        if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
+                and _gguf_shards(module) is not None):
+            return "gguf"
+    return "none"
+
+
+def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
+                  dense_min_rows: int | None, summary: QuantizationSummary) -> None:
+    weight: torch.Tensor = module.weight
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    if weight.device.type != "cpu":
+        summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
+        return
+    keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
+    dense = weight if keep_dense else None
+    new: QuantizedLinear
+    if method == "gguf":
+        shards = _gguf_shards(module)
+        if shards is None:
+            summary.kept_float[name] = "no Q4_0/Q4_1/Q8_0 blocks from the loader"
+            return
+        new = gguf_int4_linear(shards, bias, dense, dense_min_rows)
+    elif weight.shape[1] % GROUP_SIZE and method == "int4":
+        summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"
+        return
+    elif method == "int4":
+        new = Int4Linear(*int4_codes_from_float(weight), bias=bias, dense_weight=dense,
+                         dense_min_rows=dense_min_rows)
+    else:
+        new = Int8Linear(*int8_codes_from_float(weight), bias=bias, dense_weight=dense,
+                         dense_min_rows=dense_min_rows)
+    parent, _, leaf = name.rpartition(".")
+    model.get_submodule(parent).register_module(leaf, new)
+    summary.quantized.append(name)
+    summary.lowbit_bytes += new.lowbit_bytes()
+
+
+def _gguf_shards(module: nn.Module) -> list[Any] | None:
+    """The loader's blocks for this module, if they cover its weight's rows in order
+    with types the int4 kernel runs (Q4_0, Q4_1, Q8_0)."""
+    shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
+    if not shards:
+        return None
+    out_features, in_features = module.weight.shape
+    row = 0
+    for s in shards:
+        if (s.qtype not in GGUF_NATIVE_TYPES or s.row_offset != row
+                or s.shape[1] != in_features or in_features % GROUP_SIZE):
+            return None
+        row += s.shape[0]
+    return list(shards) if row == out_features else None

@@ -352,14 +352,12 @@ def default_dtype(arch: ModelArch) -> str:
     return DTYPE_ALIASES.get(arch.torch_dtype, "bf16") if arch.torch_dtype else "bf16"
 
 
-def gguf_weight_bits(path: str, arch: ModelArch) -> WeightBits:
-    """Bits per weight of each tensor group, measured from the tensor types in a GGUF file.
+def gguf_weight_bits(reader) -> WeightBits:
+    """Bits per weight of each tensor group, measured from the tensor types in a GGUF file
+    (a `gguf.GGUFReader`).
 
     Summing these back over the architecture's parameter counts gives the file's tensor bytes.
     """
-    import gguf  # lazy
-
-    reader = gguf.GGUFReader(path)
     groups: dict[str, list[int]] = {}
     for tensor in reader.tensors:
         name = tensor.name
@@ -394,10 +392,7 @@ def gguf_weight_bits(path: str, arch: ModelArch) -> WeightBits:
     )
 
 
-def gguf_tensor_totals(path: str) -> tuple[int, int]:
+def gguf_tensor_totals(reader) -> tuple[int, int]:
     """(parameter count, tensor bytes) summed over a GGUF file's tensors."""
-    import gguf  # lazy
-
-    reader = gguf.GGUFReader(path)
     return (sum(int(t.n_elements) for t in reader.tensors),
             sum(int(t.n_bytes) for t in reader.tensors))

@@ -31,7 +31,14 @@ from tokenmill.roofline.cost_model import (
 from tokenmill.roofline.hardware import ALIASES, CATALOG
 
 OVERHEAD_BOUND_SHARE = 0.30  # host work above this share of step time is the bottleneck
-NEAR_FLOOR = 0.50  # a decode reaching this share of bandwidth is bandwidth-bound, not overhead
+NEAR_FLOOR = 0.50
+HOST_FIXES = {  # step phase -> what usually shrinks it
+    "sample": "faster sampling: one batched pass (greedy fast path, top-k before softmax), "
+              "on the device",
+    "prepare": "cheaper input preparation: update step tensors incrementally, reuse buffers",
+    "schedule": "cheaper scheduling: no per-step Python loops over every sequence",
+    "postprocess": "cheaper postprocess: incremental detokenization, batched stop checks",
+}  # a decode reaching this share of bandwidth is bandwidth-bound, not overhead
 
 
 @dataclass
@@ -264,22 +271,27 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
         bottleneck = (f"host overhead: {fmt.pct(engine['overhead_share'])} of step time is "
                       f"outside the model forward ({split})")
         worst = max(engine["overhead_split"].items(), key=lambda kv: kv[1])
-        levers.append(Lever(f"cut {worst[0]} time", f"{worst[0]} alone is {fmt.pct(worst[1])} "
-                            "of step time; it runs once per step whatever the batch"))
+        levers.append(Lever(HOST_FIXES.get(worst[0], f"cut {worst[0]} time"),
+                            f"{worst[0]} alone is {fmt.pct(worst[1])} of step time, paid "
+                            "once per step whatever the batch"))
         levers.append(_bigger_batch(run, "amortizes the per-step host work"))
     elif decode and _decode_loses_more(decode, prefill, summary):
-        bw = decode["bandwidth_fraction"]
+        bw, mfu = decode["bandwidth_fraction"], decode["mfu"]
         m, f = decode["measured_step_ms"], decode["floor_step_ms"]
-        if decode["bound"] == "memory" and bw < NEAR_FLOOR:
+        use = (f"{fmt.pct(bw)} of memory bandwidth" if decode["bound"] == "memory"
+               else f"{fmt.pct(mfu)} of peak FLOP/s")
+        if decode["fraction_of_floor"] < NEAR_FLOOR:
             bottleneck = (f"decode is overhead-bound: TPOT {m:.3g} ms is {m / f:.1f}× its "
-                          f"{f:.3g} ms floor; only {fmt.pct(bw)} of memory bandwidth is used")
-            levers.append(Lever(fuse, f"{m - f:.3g} ms of every {m:.3g} ms step is not moving "
-                                "bytes: per-op launch and Python cost"))
-            levers.append(_bigger_batch(run, "the same per-step overhead serves more "
-                                        "tokens"))
+                          f"{f:.3g} ms floor ({decode['bound']}-bound at batch {batch:.3g}); "
+                          f"it uses only {use}")
+            levers.append(Lever(fuse, f"{m - f:.3g} ms of every {m:.3g} ms step is neither "
+                                "moving bytes nor doing math at full rate: per-op launch, "
+                                "Python and slow kernels"))
+            levers.append(_bigger_batch(run, "the same per-step overhead serves more tokens"))
+            levers.append(_quantize(run, decode))
         elif decode["bound"] == "memory":
-            bottleneck = (f"decode is memory-bandwidth-bound: {fmt.pct(bw)} of bandwidth at "
-                          f"batch {batch:.3g} (TPOT {m:.3g} ms, floor {f:.3g} ms)")
+            bottleneck = (f"decode is memory-bandwidth-bound: {use} at batch {batch:.3g} "
+                          f"(TPOT {m:.3g} ms, floor {f:.3g} ms)")
             levers.append(_bigger_batch(run, "weights are read once per step for "
                                         "the whole batch"))
             levers.append(_quantize(run, decode))
@@ -290,8 +302,8 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
                                     f"ridge of {report.machine.ridge_intensity:,.0f}: verifying "
                                     "4 draft tokens per step costs about the same bytes"))
         else:
-            bottleneck = (f"decode is compute-bound at batch {batch:.3g}: "
-                          f"{fmt.pct(decode['mfu'])} MFU (TPOT {m:.3g} ms, floor {f:.3g} ms)")
+            bottleneck = (f"decode is compute-bound at batch {batch:.3g}: {use} "
+                          f"(TPOT {m:.3g} ms, floor {f:.3g} ms)")
             if bits.compute_dtype != "fp8" and "fp8" in report.hardware.peak_flops:
                 levers.append(Lever("fp8 weights and activations", "doubles peak FLOP/s on "
                                     f"{report.hardware.name}"))
@@ -304,9 +316,10 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
         levers.extend(_prefill_levers(prefill, summary))
     else:
         bottleneck = "not enough measurements to name one (no TPOT, ITL, TTFT or throughput)"
-    if prefill and not any(lever.name.startswith(("chunked", "prefix")) for lever in levers):
-        levers.extend(_prefill_levers(prefill, summary))
-    return bottleneck, [lever for lever in levers if lever is not None]
+    found = [lever for lever in levers if lever is not None]
+    if prefill and not any(lever.name.startswith(("chunked", "prefix")) for lever in found):
+        found.extend(_prefill_levers(prefill, summary))
+    return bottleneck, found
 
 
 def _decode_loses_more(decode, prefill, summary) -> bool:
@@ -337,6 +350,8 @@ def _quantize(run: _Run, decode: dict) -> Lever | None:
         return None
     target = "int8" if run.bits.linear > 8.5 else "int4"
     new = run.decode_floor(WeightBits.from_name(target), run.batch)
+    if new.time_s > 0.9 * decode["floor_step_ms"] / 1e3:  # compute-bound: bytes don't matter
+        return None
     return Lever(f"{target} weights", f"weights are {fmt.pct(share)} of the bytes a step reads: "
                  f"{fmt.num_bytes(decode['weight_bytes_per_step'])} → "
                  f"{fmt.num_bytes(new.weight_bytes)}, TPOT floor "

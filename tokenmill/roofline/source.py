@@ -7,7 +7,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.roofline.arch import ModelArch, WeightBits, default_dtype, gguf_weight_bits
+from tokenmill.roofline.arch import (
+    ModelArch,
+    WeightBits,
+    default_dtype,
+    gguf_tensor_totals,
+    gguf_weight_bits,
+)
 from tokenmill.roofline.presets import PRESETS, preset_config
 
 
@@ -36,6 +42,9 @@ def resolve(spec: str) -> ResolvedModel:
         return _from_config(_read_json(path / "config.json"), path.name)
     if path.exists():
         return _from_loader(path)
+    known = f"known presets: {', '.join(PRESETS)}"
+    if "/" in spec or path.suffix.lower() in (".gguf", ".json"):
+        raise ModelNotFound(f"model path {spec!r} does not exist ({known})")
     raise ModelNotFound(
         f"unknown model {spec!r}; known presets: {', '.join(PRESETS)}; or pass a config.json, "
         "an HF checkpoint directory or a .gguf file")
@@ -72,17 +81,17 @@ def _from_loader(path: Path) -> ResolvedModel:
         raise ModelNotFound(str(e)) from None
     if source.kind != "gguf":
         return _from_config(config, source.name)
-    _add_gguf_experts(config, source.path)
+    from tokenmill.loaders.gguf import open_gguf  # cached: parsing the metadata takes seconds
+
+    reader = open_gguf(source.path)
+    _add_gguf_experts(config, reader)
     arch = ModelArch.from_config(config, name=source.name)
-    bits = gguf_weight_bits(str(source.path), arch)
-    return ResolvedModel(arch, bits, str(source.path), _check_gguf_params(arch, source.path))
+    bits = gguf_weight_bits(reader)
+    return ResolvedModel(arch, bits, str(source.path), _check_gguf_params(arch, reader))
 
 
-def _add_gguf_experts(config: dict, path: Path) -> None:
+def _add_gguf_experts(config: dict, reader) -> None:
     """The loader's config carries no MoE fields; read them from the metadata."""
-    from gguf import GGUFReader  # lazy
-
-    reader = GGUFReader(str(path))
     arch = config.get("model_type")
     for gguf_key, hf_key in (("expert_count", "num_local_experts"),
                              ("expert_used_count", "num_experts_per_tok")):
@@ -91,10 +100,8 @@ def _add_gguf_experts(config: dict, path: Path) -> None:
             config[hf_key] = int(field.contents())
 
 
-def _check_gguf_params(arch: ModelArch, path: Path) -> tuple[str, ...]:
-    from tokenmill.roofline.arch import gguf_tensor_totals
-
-    n_params, _ = gguf_tensor_totals(str(path))
+def _check_gguf_params(arch: ModelArch, reader) -> tuple[str, ...]:
+    n_params, _ = gguf_tensor_totals(reader)
     if n_params != arch.total_params():
         return ((f"the GGUF holds {n_params:,} parameters, the architecture counts "
                 f"{arch.total_params():,}: byte counts follow the architecture"),)

@@ -1,0 +1,178 @@
+"""`tokenmill roofline` and `tokenmill explain` through the real CLI entry point."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenmill.cli import main
+
+DATA = "tests/roofline/data"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_roofline_table_names_every_column(capsys):
+    code, out, err = run(capsys, "roofline", "llama-3-8b", "--hardware", "h100")
+    assert code == 0, err
+    for column in ("batch", "bytes/step", "FLOP/byte", "bound", "TPOT floor", "tok/s total",
+                   "$/1M out", "fits"):
+        assert column in out
+    assert "131,072 bytes/token" in out
+    assert "16.06 GB" in out
+    assert "TTFT floor" in out
+
+
+def test_roofline_json_and_fleet(capsys):
+    r = run_json(capsys, "roofline", "llama-3-8b", "--batch", "1,64", "--cost-per-hour", "2",
+                 "--fleet-gpus", "1800", "--hours", "24")
+    assert r["weight_bytes"] == 16_060_522_496
+    assert r["kv_bytes_per_token"] == 131_072
+    assert [row["batch"] for row in r["decode"]] == [1, 64]
+    assert r["decode"][0]["bound"] == "memory"
+    assert r["fleet"]["cost"] == 86_400
+    assert r["max_batch"] > 64
+
+
+def test_same_numbers_from_preset_config_and_gguf(capsys, smollm2_gguf):
+    results = [run_json(capsys, "roofline", model, "--dtype", "bf16", "--batch", "1,16")
+               for model in ("smollm2-135m", f"{DATA}/smollm2_config.json", smollm2_gguf)]
+    for r in results:
+        assert r["total_params"] == 134_515_008
+        assert r["weight_bytes"] == results[0]["weight_bytes"]
+        assert r["decode"] == results[0]["decode"]
+    gguf = run_json(capsys, "roofline", smollm2_gguf)  # the file's own Q4_1/Q8_0 bytes
+    assert gguf["weight_bytes"] == 96_576_768
+    assert gguf["dtype"].startswith("gguf:")
+
+
+def test_config_only_directory(capsys, tmp_path):
+    (tmp_path / "config.json").write_bytes(Path(f"{DATA}/smollm2_config.json").read_bytes())
+    assert run_json(capsys, "roofline", str(tmp_path))["total_params"] == 134_515_008
+
+
+def test_hardware_cpu_from_cache(capsys, fake_cpu):
+    r = run_json(capsys, "roofline", "smollm2-135m", "--hardware", "cpu", "--context", "1")
+    assert r["hardware"]["memory_bandwidth_bytes_s"] == 47e9
+    assert r["hardware"]["peak_flops"]["bf16"] == 435e9
+    # 269 MB of bf16 weights at 47 GB/s: ≈ 5.7 ms per batch-1 step (PERFORMANCE.md)
+    assert r["decode"][0]["step_floor_ms"] == pytest.approx(5.7, abs=0.2)
+
+
+def test_cpu_micro_benchmark_is_fast_plausible_and_cached(cache_home):
+    from tokenmill.roofline.hardware import cpu_cache_path, measure_cpu
+
+    start = time.perf_counter()
+    hw = measure_cpu()
+    assert time.perf_counter() - start < 5.0
+    assert 1e8 < hw.memory_bandwidth_bytes_s < 1e13
+    for dtype in ("fp32", "bf16"):
+        assert 1e8 < hw.flops(dtype) < 1e15
+    assert hw.memory_bytes > 1e9
+    assert cpu_cache_path().is_file()
+    start = time.perf_counter()
+    again = measure_cpu()
+    assert time.perf_counter() - start < 0.5
+    assert again.memory_bandwidth_bytes_s == hw.memory_bandwidth_bytes_s
+
+
+def test_overrides(capsys):
+    r = run_json(capsys, "roofline", "llama-3-8b", "--bandwidth", "1000", "--flops", "100",
+                 "--batch", "1")
+    assert r["hardware"]["memory_bandwidth_bytes_s"] == 1e12
+    assert r["hardware"]["peak_flops"]["bf16"] == 100e12
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    path = tmp_path / "roofline.png"
+    code, _out, err = run(capsys, "roofline", "mixtral-8x7b", "--plot", str(path))
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_bench_result(capsys, fake_cpu):
+    code, out, err = run(capsys, "explain", f"{DATA}/bench_result.json")
+    assert code == 0, err
+    assert "Bottleneck:" in out and "Next lever:" in out
+    r = run_json(capsys, "explain", f"{DATA}/bench_result.json")
+    d = r["decode"]
+    assert d["batch"] == 15.6
+    assert d["measured_step_ms"] == 51.0
+    assert 0 < d["bandwidth_fraction"] <= 1
+    assert d["achieved_bandwidth_bytes_s"] == pytest.approx(d["bytes_per_step"] / 0.051)
+    assert 0 < r["prefill"]["mfu"] < 1
+    assert r["bottleneck"]
+    assert r["next_lever"]["name"] and r["next_lever"]["why"]
+    # ITL p99 410 ms vs p50 41 ms: long prefills stall decodes
+    assert any(lever["name"] == "chunked prefill" for lever in r["levers"])
+
+
+def test_explain_offline_result_with_engine_split(capsys, fake_cpu, tmp_path):
+    r = run_json(capsys, "explain", f"{DATA}/offline_result.json", "--plot",
+                 str(tmp_path / "e.png"))
+    e = r["engine"]
+    assert e["overhead_share"] == pytest.approx((3.1 + 9.8 + 14.4 + 4.2) / 101.5)
+    assert e["forward_share"] == pytest.approx(70.0 / 101.5)
+    assert 0 < e["bandwidth_fraction"] and 0 < e["mfu"] < 1
+    assert r["bottleneck"].startswith("host overhead")
+    assert "sampl" in r["next_lever"]["name"]
+    assert (tmp_path / "e.png").is_file()
+
+
+def test_explain_degrades_with_few_fields(capsys, fake_cpu, tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"config": {"model": "smollm2-135m"},
+                                "summary": {"output_throughput_tok_s": 150.0,
+                                            "mean_in_flight": 1}}))
+    r = run_json(capsys, "explain", str(path), "--hardware", "cpu")
+    assert r["decode"]["measured_step_ms"] == pytest.approx(1000 / 150)
+    assert r["prefill"] is None and r["engine"] is None
+    assert r["bottleneck"]
+
+
+def test_explain_holds_against_catalog_hardware(capsys):
+    r = run_json(capsys, "explain", f"{DATA}/bench_result.json", "--hardware", "h100")
+    assert r["hardware"] == "h100"
+    assert r["decode"]["bandwidth_fraction"] < 0.01  # a CPU-speed run against an H100
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["roofline", "llama-9"], "llama-3-8b"),
+    (["roofline", "llama-3-8b", "--hardware", "tpu9"], "h100-sxm"),
+    (["roofline", "llama-3-8b", "--batch", "0"], "--batch"),
+    (["roofline", "llama-3-8b", "--batch", "one"], "--batch"),
+    (["roofline", "llama-3-8b", "--prompt-len", "-5"], "--prompt-len"),
+    (["roofline", "llama-3-8b", "--context", "-1"], "--context"),
+    (["roofline", "llama-3-8b", "--num-gpus", "0"], "--num-gpus"),
+    (["roofline", "llama-3-8b", "--dtype", "q9_z"], "q4_1"),
+    (["roofline", "llama-3-8b", "--bandwidth", "-3"], "--bandwidth"),
+    (["roofline", "does/not/exist.gguf"], "does not exist"),
+    (["explain", "no-such-result.json"], "cannot read"),
+    (["explain", f"{DATA}/smollm2_config.json"], "config.model"),
+    (["explain", f"{DATA}/bench_result.json", "--hardware", "tpu9"], "h100-sxm"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
+    code, _out, err = run(capsys, *argv)
+    assert code == 2
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_command_module_imports_light():
+    code = ("import sys, tokenmill.roofline.command; "
+            "bad = [m for m in ('torch', 'matplotlib', 'gguf') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

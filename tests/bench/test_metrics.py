@@ -132,3 +132,10 @@ def test_empty_run_has_no_latency_numbers():
     assert s["num_completed"] == 0
     assert s["ttft_ms"]["p50"] is None and s["ttft_ms"]["count"] == 0
     assert s["output_throughput_tok_s"] == 0
+
+
+def test_readme_section_carries_the_help_definitions_verbatim():
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "bench.md"
+    assert metrics.METRIC_DEFINITIONS in doc.read_text()

@@ -275,20 +275,19 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
 
 
 def load_bench_tokenizer(name: str, explicit: bool, err) -> Any:
-    """tokenmill's own resolution (model names, GGUF, HF dirs), then an HF hub id; None
-    (with a warning) when nothing resolves and the user did not ask for one."""
+    """tokenmill's own resolution (model names, GGUF, HF dirs), then transformers (the HF
+    hub only when asked for by --tokenizer); None, with a warning, when nothing resolves
+    and the user did not name a tokenizer."""
     try:
-        from tokenmill.loaders.model_source import load_tokenizer, resolve_model
+        from tokenmill.loaders.model_source import resolve_model
+        from tokenmill.loaders.tokenizer import load_tokenizer
 
         return load_tokenizer(resolve_model(name))
     except Exception as first:  # noqa: BLE001 — fall back, then report the first cause
         try:
             from transformers import AutoTokenizer
 
-            if name.endswith(".gguf") and os.path.isfile(name):
-                d, f = os.path.split(os.path.abspath(name))
-                return AutoTokenizer.from_pretrained(d, gguf_file=f)
-            return AutoTokenizer.from_pretrained(name)
+            return AutoTokenizer.from_pretrained(name, local_files_only=not explicit)
         except Exception:  # noqa: BLE001
             if explicit:
                 raise ValueError(f"cannot load tokenizer {name!r}: {first}") from first
@@ -296,4 +295,3 @@ def load_bench_tokenizer(name: str, explicit: bool, err) -> Any:
                       f"counts come from server usage only. Pass --tokenizer for exact "
                       f"prompt lengths and client-side counts.")
             return None
-

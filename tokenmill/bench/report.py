@@ -56,7 +56,9 @@ class ProgressFactory:
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.1f}"
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 def _num(v: float | None, fmt: str = "{:,.2f}") -> str:
@@ -119,15 +121,21 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
 
 
 def print_engine(console: Console, e: dict[str, Any]) -> None:
-    t = Table(title="engine (offline)", title_justify="left")
-    for col in ("steps", "prefill tok", "decode tok", "mean decode batch", *e["time_s"],
-                "wall"):
-        t.add_column(col, justify="right")
+    """Where the engine's wall time went, phase by phase."""
     wall = e["wall_time_s"] or 1.0
-    t.add_row(str(e["num_steps"]), str(e["num_prefill_tokens"]), str(e["num_decode_tokens"]),
-              f"{e['mean_decode_batch']:.1f}",
-              *(f"{v:.2f} s ({100 * v / wall:.0f}%)" for v in e["time_s"].values()),
-              f"{e['wall_time_s']:.2f} s")
+    t = Table(title=(f"engine (offline): {e['num_steps']} steps, {e['num_prefill_tokens']} "
+                     f"prefill + {e['num_decode_tokens']} decode tokens, mean decode batch "
+                     f"{e['mean_decode_batch']:.1f}"), title_justify="left")
+    t.add_column("phase", style="bold")
+    t.add_column("time", justify="right")
+    t.add_column("share of wall", justify="right")
+    t.add_column("per step", justify="right")
+    steps = max(e["num_steps"], 1)
+    for phase, v in e["time_s"].items():
+        t.add_row(phase, f"{v:.3f} s", f"{100 * v / wall:.1f}%", f"{1e3 * v / steps:.2f} ms")
+    other = wall - sum(e["time_s"].values())
+    t.add_row("outside step()", f"{other:.3f} s", f"{100 * other / wall:.1f}%", "")
+    t.add_row("wall", f"{e['wall_time_s']:.3f} s", "100%", f"{1e3 * wall / steps:.2f} ms")
     console.print(t)
 
 

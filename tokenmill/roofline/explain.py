@@ -85,11 +85,19 @@ class Explanation:
     def measured_points(self) -> list[tuple[str, float, float]]:
         """(label, arithmetic intensity, achieved FLOP/s) for the plot."""
         points = []
-        for key, label in (("decode", "measured decode"), ("prefill", "measured prefill"),
-                           ("engine", "measured forward")):
-            part = getattr(self, key)
-            if part and part.get("achieved_flops_s"):
-                points.append((label, part["arithmetic_intensity"], part["achieved_flops_s"]))
+        if self.decode:
+            d = self.decode
+            points.append(((f"measured decode, batch {d['batch']:.3g}: "
+                           f"{d['measured_step_ms']:.3g} ms/step"), d["arithmetic_intensity"],
+                           d["achieved_flops_s"]))
+        if self.prefill:
+            p = self.prefill
+            points.append((f"measured prefill (TTFT p50): {p['measured_ttft_ms']:,.0f} ms",
+                           p["arithmetic_intensity"], p["achieved_flops_s"]))
+        if self.engine and "achieved_flops_s" in self.engine:
+            e = self.engine
+            points.append((f"measured forward, whole run: {e['time_s']['forward']:.3g} s",
+                           e["arithmetic_intensity"], e["achieved_flops_s"]))
         return points
 
     def to_dict(self) -> dict:

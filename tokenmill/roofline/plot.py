@@ -4,6 +4,8 @@ points."""
 
 from __future__ import annotations
 
+import math
+
 from tokenmill.roofline import fmt
 from tokenmill.roofline.cost_model import RooflineReport
 
@@ -11,6 +13,7 @@ ROOF_COLOR = "#222222"
 DECODE_COLOR = "#1f77b4"
 PREFILL_COLOR = "#2ca02c"
 MEASURED_COLOR = "#d62728"
+LABEL_GAP_DECADES = 0.35
 
 
 def plot_roofline(path: str, report: RooflineReport,
@@ -31,30 +34,33 @@ def plot_roofline(path: str, report: RooflineReport,
     ys = [peak, *other_peaks.values(), bw * x_lo] + [y for _, _, y in measured or []]
     y_lo = min(ys) / 4
 
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    fig, ax = plt.subplots(figsize=(9, 6.6), dpi=120)
     ax.set_xscale("log")
     ax.set_yscale("log")
     grid = [x_lo * (x_hi / x_lo) ** (i / 200) for i in range(201)]
     ax.plot(grid, [min(peak, bw * x) for x in grid], color=ROOF_COLOR, lw=2.5, zorder=2,
-            label=f"roof: {fmt.si(bw, 'B/s')} × intensity, capped at {m.compute_dtype} peak")
+            label=f"roof: {fmt.si(bw, 'B/s')} × intensity, capped at {m.compute_dtype} "
+                  f"{fmt.si(peak, 'FLOP/s')}")
     ax.fill_between(grid, [min(peak, bw * x) for x in grid], y_lo, color="#f0f0f0", zorder=0)
     for dtype, other in other_peaks.items():
         ax.plot([other / bw, x_hi], [other, other], color="#999999", lw=1, ls="--", zorder=1)
         ax.annotate(f"{dtype} peak {fmt.si(other, 'FLOP/s')}", (x_hi, other),
                     xytext=(-4, 3), textcoords="offset points", ha="right", fontsize=8,
                     color="#777777")
-    ax.annotate(f"{m.compute_dtype} peak {fmt.si(peak, 'FLOP/s')}", (m.ridge_intensity, peak),
-                xytext=(4, 5), textcoords="offset points", ha="left", fontsize=9,
-                fontweight="bold")
     ax.axvline(m.ridge_intensity, color="#bbbbbb", lw=1, ls=":", zorder=1)
     ax.annotate(f"ridge {m.ridge_intensity:,.0f} FLOP/B", (m.ridge_intensity, y_lo),
                 xytext=(4, 6), textcoords="offset points", fontsize=8, color="#777777")
 
     ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=DECODE_COLOR, ms=7,
             lw=1, zorder=3, label=f"decode floor (context {report.context:,})")
+    last_x, side = 0.0, 0
     for i, (x, y, row) in enumerate(points):
-        # alternate sides of the roof so neighbouring batches don't overprint
-        above = i % 2 == 0
+        # label only points far enough apart, alternating sides of the roof, so they don't
+        # overprint; the last batch is always labeled
+        if i != len(points) - 1 and math.log10(x / last_x if last_x else 10) < LABEL_GAP_DECADES:
+            continue
+        last_x, side = x, side + 1
+        above = side % 2 == 1
         label = f"batch {row.batch}: {fmt.ms(row.step.time_s)}, {fmt.tok_s(row.tok_s_total)} tok/s"
         ax.annotate(label, (x, y), xytext=(-8, 8) if above else (8, -10),
                     textcoords="offset points", ha="right" if above else "left",
@@ -65,16 +71,15 @@ def plot_roofline(path: str, report: RooflineReport,
     pre = report.prefill
     pre_y = min(peak, bw * pre.intensity)
     ax.plot([pre.intensity], [pre_y], "s", color=PREFILL_COLOR, ms=9, zorder=3,
-            label=f"prefill floor, one {report.prompt_len:,}-token prompt")
-    ax.annotate(f"prefill: {fmt.ms(pre.time_s)}", (pre.intensity, pre_y), xytext=(0, -12),
-                textcoords="offset points", ha="center", va="top", fontsize=8,
-                color=PREFILL_COLOR)
+            label=f"prefill floor, one {report.prompt_len:,}-token prompt: {fmt.ms(pre.time_s)}")
     for label, x, y in measured or []:
         ax.plot([x], [y], "*", color=MEASURED_COLOR, ms=15, zorder=5)
         roof = min(peak, bw * x)
         ax.plot([x, x], [y, roof], color=MEASURED_COLOR, lw=1, ls="--", zorder=4)
-        ax.annotate(f"{label}\n{y / roof:.0%} of roof", (x, y), xytext=(8, -4),
-                    textcoords="offset points", fontsize=8, color=MEASURED_COLOR)
+        ax.annotate(f"{label}\n{y / roof:.0%} of roof", (x, y), xytext=(9, -7),
+                    textcoords="offset points", va="top", fontsize=8, color=MEASURED_COLOR,
+                    zorder=6, bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
+                                    "alpha": 0.85})
     if measured:
         ax.plot([], [], "*", color=MEASURED_COLOR, ms=12, label="measured")
 
@@ -86,7 +91,8 @@ def plot_roofline(path: str, report: RooflineReport,
     ax.set_title(f"{report.model}, {report.dtype} weights, on {report.hardware.description}"
                  f"{gpus}", fontsize=11)
     ax.grid(True, which="major", color="#dddddd", lw=0.6)
-    ax.legend(loc="upper left", fontsize=8.5, framealpha=0.9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8.5,
+              frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

@@ -402,6 +402,7 @@ def print_explanation(ex: Explanation) -> None:
                   f"{r.hardware.description}")
     console.print(f"  floor from bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')}, peak "
                   f"{m.compute_dtype} {fmt.si(m.peak_flops, 'FLOP/s')}")
+    console.print(f"  [dim]source: {r.hardware.source}[/]")
     table = Table(title="Measured vs floor", title_justify="left")
     for col in ("phase", "measured", "floor", "of floor", "bandwidth used", "MFU"):
         table.add_column(col, justify="left" if col == "phase" else "right")

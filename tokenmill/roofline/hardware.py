@@ -179,7 +179,9 @@ def measure_cpu(refresh: bool = False) -> Hardware:
     return Hardware(
         name="cpu",
         description=f"{_cpu_model()}, {threads} torch threads (measured)",
-        memory_bandwidth_bytes_s=figures["read_bandwidth_bytes_s"],
+        # a copy moves read + write bytes; on a busy machine it can outrun a reduction's reads
+        memory_bandwidth_bytes_s=max(figures["read_bandwidth_bytes_s"],
+                                     figures["copy_bandwidth_bytes_s"]),
         peak_flops={"fp32": figures["matmul_flops"]["fp32"],
                     "bf16": figures["matmul_flops"]["bf16"]},
         memory_bytes=_memory_bytes(),

@@ -22,7 +22,13 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.model.conftest import make_hf_model, write_tiny_gguf
 from tokenmill.loaders import load_model
-from tokenmill.quant import Int4Linear, Int8Linear, QuantizedLinear, default_method, quantize_model
+from tokenmill.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    quantize_model,
+    resolve_method,
+)
 from tokenmill.quant.codes import (
     dequantize_int4,
     dequantize_int8,
@@ -159,7 +165,9 @@ def test_gguf_native_model_matches_the_dequantized_model(tiny_gguf_path, tied):
     loaded = load_model(tiny_gguf_path(tie_word_embeddings=tied), dtype="float32")
     reference = copy.deepcopy(loaded.model)
     model = loaded.model
-    assert default_method(model) == "gguf"
+    assert resolve_method(None, model) == "gguf"
+    assert resolve_method(None, model, dtype="float32") == "none"
+    assert resolve_method("int8", model, dtype="float32") == "int8"
     summary = quantize_model(model, "gguf")
     assert len(summary.quantized) == 2 * 4 + 1 and not summary.kept_float
     assert isinstance(model.lm_head, Int4Linear)
@@ -215,6 +223,6 @@ def test_none_drops_the_raw_blocks_and_keeps_float_weights(tiny_gguf_path):
     assert summary.quantized == []
     assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     assert not any("gguf_quantized" in m.__dict__ for m in loaded.model.modules())
-    assert default_method(loaded.model) == "none"
+    assert resolve_method(None, loaded.model) == "none"  # the blocks are gone
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_model(loaded.model, "int3")

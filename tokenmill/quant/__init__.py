@@ -7,9 +7,9 @@ from tokenmill.quant.model import (
     DENSE_MIN_ROWS,
     METHODS,
     QuantizationSummary,
-    default_method,
     quantize_model,
+    resolve_method,
 )
 
 __all__ = ["DENSE_MIN_ROWS", "METHODS", "Int4Linear", "Int8Linear", "QuantizationSummary",
-           "QuantizedLinear", "default_method", "quantize_model"]
+           "QuantizedLinear", "quantize_model", "resolve_method"]

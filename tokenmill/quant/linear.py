@@ -114,11 +114,17 @@ def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
     shards: the loader's `QuantizedWeight`s (.qtype, .blocks uint8 (rows, bytes_per_row),
     .shape), in row order. If one shard is Q8_0, Q4 shards take the Q8_0 form too
     (an all-zero first half), which doubles their bytes."""
-    parts = [int4_codes_from_gguf(s.blocks, s.qtype, s.shape) for s in shards]
+    if len({s.qtype for s in shards}) == 1:  # unpack the concatenated bytes once
+        blocks = torch.cat([s.blocks for s in shards]) if len(shards) > 1 else shards[0].blocks
+        rows = sum(s.shape[0] for s in shards)
+        parts = [int4_codes_from_gguf(blocks, shards[0].qtype, (rows, shards[0].shape[1]))]
+    else:
+        parts = [int4_codes_from_gguf(s.blocks, s.qtype, s.shape) for s in shards]
     repeats = max(p[3] for p in parts)
     if repeats == 2:
         parts = [p if p[3] == 2 else _q8_form(*p[:3]) for p in parts]
-    codes, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))
+    codes, scale, zero = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
+                          for i in range(3))
     return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows)
 
 

@@ -71,8 +71,18 @@ def quantize_model(model: nn.Module, method: str,
     return summary
 
 
-def default_method(model: nn.Module) -> str:
-    """'gguf' when the loader kept natively runnable GGUF blocks on CPU, else 'none'."""
+def resolve_method(requested: str | None, model: nn.Module,
+                   dtype: str | torch.dtype = "auto") -> str:
+    """The method to use: the user's, else 'gguf' when the loader kept natively runnable
+    GGUF blocks on CPU, unless dtype float32 was asked for explicitly (the exact
+    dequantized reference path); float checkpoints stay float."""
+    if requested is not None:
+        if requested not in METHODS:
+            raise ValueError(f"unknown quantization {requested!r}; use one of "
+                             f"{', '.join(METHODS)}")
+        return requested
+    if dtype in ("float32", "float", torch.float32):
+        return "none"
     for name, module in model.named_modules():
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
                 and _gguf_shards(module) is not None):

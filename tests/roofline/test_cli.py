@@ -176,3 +176,17 @@ def test_command_module_imports_light():
             "bad = [m for m in ('torch', 'matplotlib', 'gguf') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("recorded, expected", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"),
+    ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("cpu", "cpu"),
+])
+def test_explain_maps_recorded_device_names(recorded, expected):
+    import argparse
+
+    from tokenmill.roofline.explain import _hardware_name
+
+    args = argparse.Namespace(hardware=None)
+    assert _hardware_name(args, {"hardware": recorded}, []) == expected

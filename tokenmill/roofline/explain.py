@@ -130,7 +130,9 @@ def _hardware_name(args: argparse.Namespace, config: dict, notes: list[str]) -> 
     text = "".join(c for c in str(recorded).lower() if c.isalnum())
     if text == "cpu" or text.startswith("cpu"):
         return "cpu"
-    names = sorted([*CATALOG, *ALIASES], key=len, reverse=True)
+    if "a100" in text and "40gb" in text:
+        return "a100-40gb"
+    names = sorted([*CATALOG, *ALIASES], key=len, reverse=True)  # l40s before l4
     for name in names:
         if name.replace("-", "") in text:
             return name

@@ -52,8 +52,10 @@ class RequestStream:
     engine failed, and ends early if the request was aborted.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 num_seqs: int = 1) -> None:
         self.request_id = request_id
+        self.num_seqs = num_seqs
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
@@ -110,13 +112,13 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}  # worker thread only
-        self._num_unscheduled = 0  # added to the engine, maybe still waiting (guarded)
+        self.max_num_seqs = engine.config.max_num_seqs
+        self._num_seqs_in_flight = 0  # sequences handed over and not finished (guarded)
         self._stopping = False
         self._accepting = True
         self._step_started_at: float | None = None
         self.last_step_end: float = time.monotonic()
-        self.stats_lock = threading.Lock()
-        self.stats = _copy_stats(engine.get_stats())
+        self.stats = _copy_stats(engine.get_stats())  # replaced whole, never mutated
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._dead_reason: str | None = None
 
@@ -127,8 +129,13 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
+        """Sequences that wait for a running slot, counting those about to be added."""
         with self._lock:
-            return len(self._inbox.adds) + self._num_unscheduled
+            return self._num_waiting_locked()
+
+    def _num_waiting_locked(self) -> int:
+        beyond_batch = self._num_seqs_in_flight - self.max_num_seqs
+        return max(beyond_batch, self.stats.num_waiting, 0)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
@@ -138,16 +145,17 @@ class AsyncEngine:
         Raises ValueError (engine validation, with `.param`), QueueFullError or
         EngineUnavailableError.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if not self._accepting or not self._thread.is_alive():
                 raise EngineUnavailableError(self._dead_reason or "the server is shutting down")
-            waiting = len(self._inbox.adds) + self._num_unscheduled
+            waiting = self._num_waiting_locked()
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(
-                    f"the waiting queue is full ({waiting} requests); retry later")
+                    f"the waiting queue is full ({waiting} sequences); retry later")
             self._inbox.adds.append(_Add(request_id, prompt, params, arrival, stream))
+            self._num_seqs_in_flight += stream.num_seqs
         self._wake.set()
         try:
             ack = await stream.queue.get()
@@ -214,21 +222,19 @@ class AsyncEngine:
         with self._lock:
             adds, aborts = self._inbox.adds, self._inbox.aborts
             self._inbox = _Inbox()
-            # counted as waiting until the next stats snapshot says otherwise
-            self._num_unscheduled += len(adds)
         for add in adds:
             if add.request_id in aborts:
-                add.stream.put(_Aborted())
+                self._release(add.stream, _Aborted())
                 continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params,
                                         arrival_time=add.arrival_time)
             except ValueError as e:
-                add.stream.put(_Ack(e))
+                self._release(add.stream, _Ack(e))
                 continue
             except Exception as e:
                 logger.exception("engine rejected request %s", add.request_id)
-                add.stream.put(_Ack(EngineStepError(
+                self._release(add.stream, _Ack(EngineStepError(
                     f"the engine could not take the request ({type(e).__name__})")))
                 continue
             self._streams[add.request_id] = add.stream
@@ -237,7 +243,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
-                stream.put(_Aborted())
+                self._release(stream, _Aborted())
         return bool(adds or aborts)
 
     def _step(self) -> None:
@@ -260,9 +266,11 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+                self._release(stream, out)
+            else:
+                stream.put(out)
         self._snapshot_stats()
         if not outputs and getattr(self.engine.stats, "num_steps", None) == steps_before:
             time.sleep(0.005)  # nothing could be scheduled: do not spin on the GIL
@@ -275,20 +283,25 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort after failure failed")
         for request_id in ids:
-            self._streams.pop(request_id).put(item)
+            self._release(self._streams.pop(request_id), item)
         with self._lock:
             pending = list(self._inbox.adds)
             self._inbox.adds.clear()
         for add in pending:
-            add.stream.put(_Ack(EngineUnavailableError("the server is shutting down")))
+            self._release(add.stream,
+                          _Ack(EngineUnavailableError("the server is shutting down")))
 
     def _snapshot_stats(self) -> None:
         stats = self.engine.get_stats()
         snapshot = _copy_stats(stats)
-        with self.stats_lock:
-            self.stats = snapshot
         with self._lock:
-            self._num_unscheduled = stats.num_waiting
+            self.stats = snapshot
+
+    def _release(self, stream: RequestStream, last_item: Any) -> None:
+        """The request leaves the engine: free its place in the queue, then tell it."""
+        with self._lock:
+            self._num_seqs_in_flight -= stream.num_seqs
+        stream.put(last_item)
 
 
 def _copy_stats(stats: Any) -> Any:

@@ -175,6 +175,13 @@ class _Progress:
         if out.finished:
             self.metrics.observe_finished(out)
 
+    def end(self, stream: RequestStream, engine: AsyncEngine) -> None:
+        """The consumer is done; a request that did not finish is aborted and counted."""
+        if not stream.finished:  # the client left: free its KV blocks now
+            engine.abort(stream.request_id)
+        if not stream.finished or stream.aborted:
+            self.metrics.observe_aborted()
+
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
@@ -290,8 +297,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
             raise APIError(500, str(e), "server_error") from None
         finally:
             watcher.cancel()
-            if not stream.finished:
-                engine.abort(request_id)
+            progress.end(stream, engine)
         if final is None or not final.finished:
             raise APIError(503, "the request was aborted before it finished (server "
                            "shutting down)", "service_unavailable_error", code="aborted")
@@ -357,8 +363,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
         except EngineStepError as e:
             yield _sse_line(error_body(str(e), "server_error"))
         finally:
-            if not stream.finished:  # the client left: free its KV blocks now
-                engine.abort(request_id)
+            progress.end(stream, engine)
         yield "data: [DONE]\n\n"
 
     # ---- routes --------------------------------------------------------------------
@@ -491,9 +496,12 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
                     progress.text_len[i] = len(c.text)
                     progress.num_tokens[i] = len(c.token_ids)
                     progress.finish_sent[i] = c.finish_reason is not None
+                    dumped = p.dump(choice)
+                    if dumped["delta"]["role"] is None:  # as OpenAI: role only in the first
+                        del dumped["delta"]["role"]
                     events.append({"id": request_id, "object": "chat.completion.chunk",
                                    "created": progress.created, "model": model_name,
-                                   "choices": [p.dump(choice)]})
+                                   "choices": [dumped]})
                 return events
 
             return StreamingResponse(sse(request_id, stream, progress, chunks,

@@ -91,6 +91,9 @@ class ServerMetrics:
     def observe_gap(self, gap_s: float) -> None:
         self.itl.labels(self.model_name).observe(gap_s)
 
+    def observe_aborted(self) -> None:
+        self.request_success.labels(self.model_name, "abort").inc()
+
     def observe_finished(self, output: Any) -> None:
         """Record one finished RequestOutput (once per request, as vLLM counts)."""
         reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.block_manager import BlockManager
-from tokenmill.engine.detokenizer import Detokenizer, StopChecker
+from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.kv_budget import choose_num_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence, SequenceStatus
-from tokenmill.loaders import load_model
-from tokenmill.loaders.model_source import load_tokenizer, resolve_model
+from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.stop_checker import StopChecker, emittable_text
+from tokenmill.loaders import load_model, load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,12 +79,6 @@ class _Request:
     arrival_time: float
 
 
-def resolve_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
-    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    return checkpoint_dtype if name == "auto" else table[name]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
@@ -95,8 +89,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
-        loaded = load_model(self.source, dtype=config.dtype, device=device,
-                            quantization=config.quantization)
+        loaded = load_model(self.source, dtype=config.dtype, device=device)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
@@ -111,13 +104,14 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            block_manager=self.block_manager)
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.max_model_len),
+            self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.detokenizer)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
@@ -166,7 +160,7 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; "
                 f"you requested {total} tokens ({len(ids)} in the prompt, {max_tokens} to "
                 f"generate). Reduce the prompt or max_tokens.", "max_tokens")
-        cache_tokens = self.block_manager.num_total_blocks * self.block_manager.block_size
+        cache_tokens = self.block_manager.max_tokens_that_fit()
         if total > cache_tokens:
             raise RequestError(
                 f"the request needs {total} tokens of KV cache but the whole cache holds "
@@ -236,11 +230,11 @@ class LLMEngine:
         for seq, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
             seq.append_token(token_id)
             if logprobs is not None:
+                self.detokenizer.decode_logprob_tokens(logprobs)
                 seq.output_logprobs.append(logprobs)
                 seq.cumulative_logprob += logprobs[token_id].logprob
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.detokenizer.process(seq)
             self.stop_checker.check(seq)
             self.stats.generation_tokens += 1
             req = self.requests.get(seq.request_id)
@@ -271,7 +265,7 @@ class LLMEngine:
         for seq in sorted(req.seqs, key=lambda s: s.index):
             outs.append(CompletionOutput(
                 index=seq.index,
-                text=self.detokenizer.emittable_text(seq),
+                text=emittable_text(seq),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None,
                 logprobs=list(seq.output_logprobs) if req.params.logprobs is not None else None,

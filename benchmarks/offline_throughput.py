@@ -1,0 +1,115 @@
+"""W1 offline throughput (PERFORMANCE.md): tokenmill vs transformers, one run.
+
+256 requests, prompt lengths uniform in [32, 512], output lengths uniform in
+[64, 256], random token ids (seed 0), ignore_eos, temperature 0. Metric: output
+tokens/s over the whole run. Peers: transformers `generate` one request at a
+time (on a subset), and static batches of 16 (padded; only each request's own
+tokens count). Same model and dtype.
+
+    .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import Stopwatch, load_transformers, machine  # noqa: E402
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        plen = rng.randint(32, 512)
+        out.append(([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(64, 256)))
+    return out
+
+
+def run_tokenmill(reqs, args) -> float:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    llm.generate([reqs[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    with Stopwatch() as sw:
+        outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(m for _, m in reqs), "tokenmill generated a wrong number of tokens"
+    stats = llm.engine.get_stats()
+    print(f"  tokenmill: {n_out} tokens in {sw.elapsed_s:.1f} s; steps {stats.num_steps}, "
+          f"mean decode batch {stats.mean_decode_batch:.1f}, preemptions "
+          f"{stats.num_preemptions}; time split "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in stats.time_s.items()))
+    return n_out / sw.elapsed_s
+
+
+@torch.inference_mode()
+def run_hf_one_at_a_time(model, reqs) -> float:
+    n_out = 0
+    with Stopwatch() as sw:
+        for prompt, m in reqs:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=m, min_new_tokens=m, pad_token_id=0)
+            n_out += out.shape[1] - ids.shape[1]
+    return n_out / sw.elapsed_s
+
+
+@torch.inference_mode()
+def run_hf_static_batches(model, reqs, batch_size: int) -> float:
+    n_out = 0
+    with Stopwatch() as sw:
+        for i in range(0, len(reqs), batch_size):
+            chunk = reqs[i:i + batch_size]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(chunk):  # left padding
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            m = max(m for _, m in chunk)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=m,
+                           min_new_tokens=m, pad_token_id=0)
+            n_out += sum(m for _, m in chunk)  # padding tokens past a request's end don't count
+    return n_out / sw.elapsed_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None,
+                    help="tokenmill weight format (default: tokenmill's own default)")
+    ap.add_argument("--one-at-a-time-requests", type=int, default=8,
+                    help="subset size for the slow one-at-a-time peer")
+    ap.add_argument("--static-batch-requests", type=int, default=32,
+                    help="subset size for the static-batch-16 peer")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--skip-peers", action="store_true")
+    args = ap.parse_args()
+    print(f"W1 offline throughput · {machine()} · dtype {args.dtype}")
+    reqs = workload(args.num_requests, 0, 49152)
+    tm = run_tokenmill(reqs, args)
+    print(f"tokenmill ({args.num_requests} requests): {tm:.1f} output tok/s")
+    if args.skip_peers:
+        return
+    model = load_transformers(args.dtype)
+    one = run_hf_one_at_a_time(model, reqs[:args.one_at_a_time_requests])
+    print(f"transformers one-at-a-time ({args.one_at_a_time_requests} requests): "
+          f"{one:.1f} output tok/s")
+    static = run_hf_static_batches(model, reqs[:args.static_batch_requests], 16)
+    print(f"transformers static batch 16 ({args.static_batch_requests} requests): "
+          f"{static:.1f} output tok/s")
+    print(f"ratio vs one-at-a-time: {tm / one:.1f}x (target >= 20x)")
+    print(f"ratio vs static batch 16: {tm / static:.1f}x (target >= 4x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+import pytest
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The embedded SmolLM2 on the exact fp32 reference path, with a roomy cache."""
+    from tokenmill import LLM
+
+    return LLM("smollm2-135m", dtype="float32", num_kv_blocks=1024, max_num_seqs=32)
+
+
+def assert_no_leak(engine) -> None:
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
+    assert all(rc == 0 for rc in bm.ref_counts)

@@ -238,3 +238,13 @@ def count_chunk_tokens(record: RequestRecord, tokenizer) -> None:
         counts.append(max(0, n - seen))
         seen = max(seen, n)
     record.chunk_tokens = counts
+
+
+def chat_prompt_len(tokenizer, prompt: str) -> int | None:
+    """Prompt tokens of a one-message chat request as the server sees them: the model's
+    chat template applied, with the generation prompt. None without a template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))

@@ -102,6 +102,10 @@ def register(subparsers) -> None:
                    help="SLOs for goodput: ttft_ms=… tpot_ms=… e2e_ms=…")
     m.add_argument("--cost-per-hour", type=float, default=None, help="$ per hour per GPU")
     m.add_argument("--num-gpus", type=int, default=1)
+    m.add_argument("--hardware", help="recorded in the result for `tokenmill explain` "
+                   "(e.g. h100, cpu; --offline: detected)")
+    m.add_argument("--served-dtype", dest="dtype_label", default=None,
+                   help="the server's weight dtype, recorded in the result (e.g. bfloat16)")
     m.add_argument("--output", help="write the result JSON here")
     m.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     m.add_argument("--no-progress", action="store_true")
@@ -255,6 +259,8 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                                ignore_eos=args.ignore_eos)
         config = {"model": args.offline, "base_url": None, "endpoint": "engine.step",
                   "backend": "offline", "dtype": target.dtype,
+                  "quantization": args.quantization,
+                  "hardware": args.hardware or target.hardware,
                   "engine_args": {k: getattr(args, k, None) for k in (
                       "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                       "enable_prefix_caching", "quantization", "device")}}
@@ -270,7 +276,8 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                             ignore_eos=args.ignore_eos, extra_body=args.extra_body,
                             timeout_s=args.timeout)
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
-              "backend": "openai", "dtype": None, "tokenizer": args.tokenizer or model}
+              "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
+              "tokenizer": args.tokenizer or model}
     return HttpTarget(options, tokenizer), config
 
 

@@ -35,6 +35,16 @@ class OfflineTarget:
         dtype = getattr(self.engine, "dtype", None)
         return None if dtype is None else str(dtype).replace("torch.", "")
 
+    @property
+    def hardware(self) -> str:
+        """What `tokenmill explain` holds the run against: "cpu" or the CUDA device name."""
+        import torch
+
+        wanted = getattr(self.engine.config, "device", "auto")
+        if wanted != "cpu" and torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+        return "cpu"
+
     def warmup(self, requests: list[BenchRequest], concurrency: int | None) -> None:
         if requests:
             self.run(requests, LoadSpec(concurrency=concurrency), np.random.default_rng(0),

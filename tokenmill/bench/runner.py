@@ -22,7 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from tokenmill.bench import metrics
-from tokenmill.bench.client import ClientOptions, OpenAIClient, RequestRecord, count_chunk_tokens
+from tokenmill.bench.client import (
+    ClientOptions,
+    OpenAIClient,
+    RequestRecord,
+    chat_prompt_len,
+    count_chunk_tokens,
+)
 from tokenmill.bench.workload import BenchRequest, iter_arrivals
 
 
@@ -76,6 +82,9 @@ class HttpTarget:
         records, duration = asyncio.run(self._run(requests, load, rng, on_done, max_requests))
         for r in records:
             count_tokens(r, self.tokenizer)
+            if self.options.endpoint == "chat":  # the template's tokens count as input too
+                prompt = requests[r.request_id % len(requests)].prompt
+                r.prompt_len = chat_prompt_len(self.tokenizer, prompt) or r.prompt_len
         notes = []
         if "ignore_eos" in self.dropped_fields:
             notes.append("the server rejected ignore_eos: output lengths were not forced, "

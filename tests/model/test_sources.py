@@ -80,3 +80,19 @@ def test_checkpoint_missing_a_tensor(hf_checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.qkv_proj\.weight \(shards k\)"):
         load_model(tmp_path)
+
+
+def test_auto_dtype_follows_the_checkpoint(tmp_path):
+    import torch
+
+    from tokenmill.loaders import resolve_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    source = resolve_model(str(tmp_path))
+    assert resolve_dtype("auto", source, "cpu") == torch.bfloat16  # fp16 matmuls crawl on CPU
+    assert resolve_dtype("auto", source, "cuda") == torch.float16
+    assert resolve_dtype("float32", source) == torch.float32
+    assert resolve_dtype("auto", resolve_model("smollm2-135m")) == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", source)

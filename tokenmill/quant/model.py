@@ -35,7 +35,9 @@ from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf
 
 METHODS = ("none", "gguf", "int4", "int8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-# rows from which the bf16 matmul beats the low-bit kernel (see module docstring)
+# rows from which a bf16 matmul beats the int4 kernel on the 2-core AVX512-BF16 EPYC
+# (benchmarks/linear_kernels.py, one decode step's linears): int4 wins clearly at
+# 1-4 rows, they tie near 8, bf16 wins 1.6x at 16 and 2x at 64 on a quiet machine
 DENSE_MIN_ROWS = 16
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 

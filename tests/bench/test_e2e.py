@@ -128,3 +128,20 @@ def test_server_dying_mid_run(tmp_path):
     assert s["num_completed"] >= 1 and s["num_failed"] >= 1
     assert s["num_completed"] + s["num_failed"] == 16  # every request accounted for
     assert set(s["failures"]) <= {"connect", "disconnected", "incomplete"}
+
+
+def test_offline_engine_target(tmp_path):
+    out = tmp_path / "offline.json"
+    code = cli_main(["bench", "--offline", "smollm2-135m", "--concurrency", "2",
+                     "--input-len", "32", "--output-len", "8", "--num-requests", "4",
+                     "--no-progress", "--output", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    check_complete_run(res, n=4, out_len=8)
+    assert res["config"]["backend"] == "offline" and res["config"]["base_url"] is None
+    e = res["engine"]
+    assert set(e["time_s"]) == {"schedule", "prepare", "forward", "sample", "postprocess"}
+    assert e["num_steps"] > 0 and e["wall_time_s"] > 0
+    assert e["num_prefill_tokens"] >= 4 * 32
+    assert 1.0 <= e["mean_decode_batch"] <= 2.0
+    assert sum(e["time_s"].values()) <= e["wall_time_s"] * 1.01

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -141,18 +142,20 @@ def print_engine(console: Console, e: dict[str, Any]) -> None:
 
 def print_runs(console: Console, result: dict[str, Any]) -> None:
     """One row per run of a sweep or search."""
-    t = Table(title="runs", title_justify="left")
-    for col in ("concurrency", "rate req/s", "done/failed", "req/s", "out tok/s", "TTFT p50",
-                "TTFT p99", "TPOT mean", "TPOT p99", "ITL p99", "goodput", "attain %"):
+    t = Table(title="runs (latencies in ms; bold: the run in `summary`)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("load", "ok/err", "req/s", "tok/s", "TTFT p50", "p99", "TPOT p50", "p99",
+                "good/s", "SLO %"):
         t.add_column(col, justify="right")
     for i, run in enumerate(result["runs"]):
         c, s = run["config"], run["summary"]
         style = "bold" if i == result.get("summary_run_index") else None
-        t.add_row(str(c["concurrency"] or "-"), _num(c["request_rate"], "{:g}"),
-                  f"{s['num_completed']}/{s['num_failed']}", f"{s['request_throughput']:.2f}",
-                  f"{s['output_throughput_tok_s']:,.1f}", _ms(s["ttft_ms"]["p50"]),
-                  _ms(s["ttft_ms"]["p99"]), _ms(s["tpot_ms"]["mean"]), _ms(s["tpot_ms"]["p99"]),
-                  _ms(s["itl_ms"]["p99"]), _num(s["goodput_req_s"]),
+        load = (f"c={c['concurrency']}" if c["concurrency"] else "") + (
+            f" {c['request_rate']:g}/s" if c["request_rate"] else "")
+        t.add_row(load.strip() or "all", f"{s['num_completed']}/{s['num_failed']}",
+                  f"{s['request_throughput']:.2f}", f"{s['output_throughput_tok_s']:,.1f}",
+                  _ms(s["ttft_ms"]["p50"]), _ms(s["ttft_ms"]["p99"]), _ms(s["tpot_ms"]["p50"]),
+                  _ms(s["tpot_ms"]["p99"]), _num(s["goodput_req_s"]),
                   _num(s["slo_attainment"], "{:.1f}"), style=style)
     console.print(t)
     if "search" in result:
@@ -345,6 +348,8 @@ def _frontier(plt, runs: list[dict[str, Any]]):
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(f"{name} vs throughput")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Latency–throughput frontier (each point one run)")
@@ -355,9 +360,14 @@ def _goodput(plt, result: dict[str, Any]):
     runs = sorted(result["runs"], key=lambda r: _offered_rate(r))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [_offered_rate(r) for r in runs]
-    ax.plot(x, x, color="0.7", ls=":", label="offered = served")
-    ax.plot(x, [r["summary"]["request_throughput"] for r in runs], "o-",
-            label="throughput (completed req/s)")
+    offered = all(r["config"]["request_rate"] for r in runs)
+    if offered:
+        ax.plot(x, x, color="0.7", ls=":", label="offered = served")
+    served = [r["summary"]["request_throughput"] for r in runs]
+    ax.plot(x, served, "o-", label="throughput (completed req/s)")
+    for xi, yi, r in zip(x, served, runs):
+        ax.annotate(_run_label(r["config"]), (xi, yi), xytext=(3, 5),
+                    textcoords="offset points", fontsize=7)
     has_slo = runs[0]["summary"].get("goodput_req_s") is not None
     if has_slo:
         ax.plot(x, [r["summary"]["goodput_req_s"] for r in runs], "s-", color="tab:green",
@@ -371,9 +381,10 @@ def _goodput(plt, result: dict[str, Any]):
         if target:
             ax2.axhline(target, color="tab:purple", lw=0.8, ls=":")
         ax2.legend(fontsize=8, loc="lower right")
-    ax.set_xlabel("offered request rate (req/s)" if all(r["config"]["request_rate"]
-                                                         for r in runs)
+    ax.set_xlabel("offered request rate (req/s)" if offered
                   else "achieved request rate (req/s)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("requests/s")
     ax.set_title("Goodput vs request rate" if has_slo else
                  "Throughput vs request rate (no --slo: no goodput)")

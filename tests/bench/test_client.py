@@ -174,3 +174,27 @@ def test_command_rejects_bad_arguments(capsys):
     assert "--base-url" in capsys.readouterr().err
     assert cli_main(["bench", "--base-url", "http://x", "--max-rate-under-slo"]) == 2
     assert cli_main(["bench", "--base-url", "http://x", "--sweep", "foo=1"]) == 2
+
+
+def test_duration_cycles_prompts_and_stops_sending(fake):
+    opts = ClientOptions(base_url=fake.base_url, model="fake",
+                         extra_body={"fake": {"ttft_ms": 5, "gap_ms": 2}})
+    reqs = [BenchRequest(f"p{i}", 1, 3) for i in range(3)]
+    plan = runner.BenchPlan(runner.HttpTarget(opts, WordTokenizer()), {"model": "fake"},
+                            lambda i: reqs)
+    result = runner.run_once(plan, runner.LoadSpec(request_rate=40.0, duration_s=0.5))
+    planned = [r["planned_time_s"] for r in result["requests"]]
+    assert len(planned) > 5  # more than the 3 prompts: they cycle
+    assert max(planned) < 0.5
+    assert result["summary"]["num_failed"] == 0
+
+
+def test_warmup_requests_are_not_measured(fake):
+    opts = ClientOptions(base_url=fake.base_url, model="fake",
+                         extra_body={"fake": {"ttft_ms": 5, "gap_ms": 2}})
+    reqs = [BenchRequest(f"p{i}", 1, 3) for i in range(5)]
+    plan = runner.BenchPlan(runner.HttpTarget(opts, WordTokenizer()), {"model": "fake"},
+                            lambda i: reqs, warmup=2)
+    result = runner.run_once(plan, runner.LoadSpec(concurrency=2))
+    assert result["summary"]["num_requests"] == 3
+    assert result["config"]["warmup"] == 2

@@ -24,7 +24,8 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
-from tokenmill.loaders import load_model, load_tokenizer, resolve_model
+from tokenmill.engine.weights import load_engine_model
+from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
-        loaded = load_model(self.source, dtype=config.dtype, device=device)
+        loaded = load_engine_model(self.source, config.dtype, config.quantization, device)
+        self.quantization = loaded.quantization
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)

@@ -1,0 +1,53 @@
+"""Load the model the engine runs: pick the compute dtype and weight format.
+
+Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
+fastest correct path for the machine: on a CPU with native bf16 (AVX512-BF16 or
+AMX) a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively on torch's int4 kernel for
+small batches, with bf16 weights kept for batches of 16 rows and up (where a
+bf16 matmul wins); elsewhere float weights. An explicit `dtype="float32"`
+keeps the exact dequantized fp32 reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
+from tokenmill.quant import quantize_model, resolve_method
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> torch.dtype:
+    if requested == "auto" and source.kind == "gguf" and (
+            device.type == "cuda" or cpu_has_native_bf16()):
+        return torch.bfloat16
+    return resolve_dtype(requested, source, device)
+
+
+def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
+                      device: torch.device) -> LoadedModel:
+    loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device)
+    method = resolve_method(quantization, loaded.model, dtype)
+    summary = quantize_model(loaded.model, method)
+    loaded.quantization = method  # type: ignore[attr-defined]
+    logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB dense kept for "
+                "large batches", method, loaded.dtype, len(summary.quantized),
+                summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20)
+    return loaded

@@ -11,11 +11,17 @@ linear in the number of sequences. Faster backends live beside it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models.attention_fast import paged_attention_fast
 from tokenmill.models.context import AttentionMetadata, get_attention_metadata
+
+# "fast" (CPU default) or "reference"; TOKENMILL_ATTENTION=reference forces the plain path
+BACKEND = os.environ.get("TOKENMILL_ATTENTION", "fast")
 
 
 class Attention(nn.Module):
@@ -41,7 +47,10 @@ class Attention(nn.Module):
                 raise RuntimeError("attention metadata is set but this layer has no KV cache; "
                                    "the model runner must assign k_cache and v_cache")
             store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
+            if BACKEND == "reference" or q.device.type != "cpu":
+                out = paged_attention_reference(q, self.k_cache, self.v_cache, meta, self.scale)
+            else:
+                out = paged_attention_fast(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.flatten(1)
 
 

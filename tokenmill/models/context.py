@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class AttentionMetadata:
     # the same numbers as Python lists: CPU paths loop without device syncs
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # per-step values that attention layers derive once and share (e.g. the
+    # block tables as lists); filled lazily by the attention backend
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

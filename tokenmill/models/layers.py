@@ -150,7 +150,11 @@ def rope_inv_freq(head_dim: int, base: float,
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table."""
+    """Neox-style rotary embedding (rotate halves), with a precomputed cos/sin table.
+
+    Every layer rotates at the same positions, so the per-step gather of the
+    table is done once and reused while the same `positions` tensor comes back.
+    """
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None) -> None:
@@ -158,17 +162,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
         t = torch.arange(min(max_position, MAX_ROTARY_POSITIONS), dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (max_position, head_dim // 2)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x) and its sign in sin
+        self.register_buffer("cos_cache", torch.cat((freqs.cos(), freqs.cos()), -1),
+                             persistent=False)  # (max_position, head_dim)
+        self.register_buffer("sin_cache", torch.cat((-freqs.sin(), freqs.sin()), -1),
+                             persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._step is None or self._step[0] is not positions:
+            cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, head_dim)
+            sin = self.sin_cache[positions].unsqueeze(1)
+            self._step = (positions, cos, sin)
+        return self._step[1], self._step[2]
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, head_dim) -> rotated, same dtype (math in float32)."""
+        cos, sin = self._cos_sin(positions)
+        x32 = x.float()
+        half = x32.shape[-1] // 2
+        return (x32 * cos + x32.roll(half, dims=-1) * sin).to(x.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim)
-        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, head_dim // 2)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return self.rotate(positions, q), self.rotate(positions, k)

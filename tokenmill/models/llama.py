@@ -48,14 +48,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (T, heads, head_dim)
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (T, kv_heads, head_dim)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k rotate together: one set of ops instead of two
+        q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v))  # q: (T, heads, head_dim), k/v: (T, kv, head_dim)
 
 
 class LlamaMLP(nn.Module):

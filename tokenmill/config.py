@@ -122,6 +122,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # speculative decoding (tokenmill/spec, docs/speculative.md)
+    speculative: str | None = None  # None | ngram | draft | layerskip
+    num_speculative_tokens: int = 4  # k: draft tokens per step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None  # speculative="draft": same tokenizer as the model
+    draft_layers: int | None = None  # speculative="layerskip": None = a quarter of the layers
+    spec_max_batch: int = 8  # no speculation while more sequences than this run
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -134,3 +142,14 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.speculative not in (None, "ngram", "draft", "layerskip"):
+            raise ValueError(f"unknown speculative method {self.speculative!r}; "
+                             "use ngram, draft or layerskip")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError("draft_layers must be at least 1")

@@ -51,6 +51,20 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
                    dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram", "draft", "layerskip"],
+                   help="propose tokens and verify them in one forward (exact: same outputs)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens proposed per step")
+    s.add_argument("--ngram-min", type=int, default=2)
+    s.add_argument("--ngram-max", type=int, default=4)
+    s.add_argument("--draft-model", default=None,
+                   help="--speculative draft: a smaller model with the same tokenizer")
+    s.add_argument("--draft-layers", type=int, default=None,
+                   help="--speculative layerskip: the target's first L layers draft "
+                        "(default: a quarter of them)")
+    s.add_argument("--spec-max-batch", type=int, default=8,
+                   help="no speculation while more sequences than this are running")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -63,6 +77,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=args.draft_model,
+        draft_layers=args.draft_layers,
+        spec_max_batch=args.spec_max_batch,
         cache=CacheConfig(
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,

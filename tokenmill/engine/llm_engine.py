@@ -56,16 +56,32 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
+    spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0
+    spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
     @property
     def mean_decode_batch(self) -> float:
         return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return (self.spec_accepted_tokens / self.spec_proposed_tokens
+                if self.spec_proposed_tokens else 0.0)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per speculating step (accepted drafts + 1)."""
+        return (1.0 + self.spec_accepted_tokens / self.spec_verified_steps
+                if self.spec_verified_steps else 0.0)
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["time_s"] = dict(self.time_s)
         d["mean_decode_batch"] = self.mean_decode_batch
+        d["spec_acceptance_rate"] = self.spec_acceptance_rate
+        d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
         return d
 
 
@@ -114,6 +130,12 @@ class LLMEngine:
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.detokenizer)
+        self.speculator = None
+        if config.speculative:
+            from tokenmill.spec import build_speculator
+
+            self.speculator = build_speculator(config, self.runner, self.block_manager,
+                                               self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
@@ -188,7 +210,9 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is not None:
                 req.pending_siblings = 0
-                self.scheduler.abort(rid)
+                aborted = self.scheduler.abort(rid)
+                if self.speculator is not None:
+                    self.speculator.forget(aborted)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -205,16 +229,25 @@ class LLMEngine:
         if not batch.scheduled:
             return []
         self._count(batch)
+        if self.speculator is not None:  # proposes drafts: widens decoding entries
+            self.speculator.extend(batch, self.scheduler.num_running)
         with timer("prepare"):
             ids, pos, meta, rows = self.runner.prepare(batch.scheduled)
         with timer("forward"):
             logits = self.runner.forward(ids, pos, meta, rows)
-        sampling = [item.seq for item in batch.scheduled if item.sample]
         with timer("sample"):
-            sampled = self.sampler(logits, sampling)
+            emitted = self._sample(batch, logits)
         with timer("postprocess"):
-            outputs = self._postprocess(batch, sampling, sampled)
+            outputs = self._postprocess(batch, emitted)
         return outputs
+
+    def _sample(self, batch, logits) -> list[tuple[Sequence, list[int], list]]:
+        """Per sampling sequence: the tokens to append and their logprobs."""
+        if self.speculator is not None:  # accepted drafts + one token from the target
+            return self.speculator.verify(batch, logits, self.sampler)
+        seqs = [item.seq for item in batch.scheduled if item.sample]
+        out = self.sampler(logits, seqs)
+        return [(seq, [t], [lp]) for seq, t, lp in zip(seqs, out.token_ids, out.logprobs)]
 
     def _count(self, batch) -> None:
         st = self.stats
@@ -226,22 +259,28 @@ class LLMEngine:
             else:
                 st.num_prefill_tokens += item.num_new_tokens
 
-    def _postprocess(self, batch, sampling: list[Sequence], sampled) -> list[RequestOutput]:
+    def _postprocess(self, batch, emitted: list[tuple[Sequence, list[int], list]]
+                     ) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, _Request] = {}
-        for seq, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
-            seq.append_token(token_id)
-            if logprobs is not None:
-                self.detokenizer.decode_logprob_tokens(logprobs)
-                seq.output_logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token_id].logprob
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.stop_checker.check(seq)
-            self.stats.generation_tokens += 1
+        for seq, token_ids, token_logprobs in emitted:
+            for token_id, logprobs in zip(token_ids, token_logprobs):
+                seq.append_token(token_id)
+                if logprobs is not None:
+                    self.detokenizer.decode_logprob_tokens(logprobs)
+                    seq.output_logprobs.append(logprobs)
+                    seq.cumulative_logprob += logprobs[token_id].logprob
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self.stop_checker.check(seq)
+                self.stats.generation_tokens += 1
+                if seq.is_finished:
+                    break
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
+        if self.speculator is not None:  # rejected drafts' KV slots go back
+            self.speculator.rollback(batch)
         self.scheduler.finish_step(batch)
         for req in touched.values():
             if req.pending_siblings:
@@ -304,6 +343,11 @@ class LLMEngine:
         st.prefix_cache_queries = bm.prefix_cache_queries
         st.prefix_cache_hits = bm.prefix_cache_hits
         st.num_preemptions = self.scheduler.num_preemptions
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            st.spec_proposed_tokens = spec.num_proposed_tokens
+            st.spec_accepted_tokens = spec.num_accepted_tokens
+            st.spec_verified_steps = spec.num_verified_steps
         return st
 
 

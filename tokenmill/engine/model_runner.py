@@ -22,6 +22,7 @@ class Scheduled(Protocol):
     seq: Sequence
     num_new_tokens: int
     sample: bool
+    num_draft_tokens: int
 
 
 class ModelRunner:
@@ -48,7 +49,8 @@ class ModelRunner:
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:
         """Flat input ids, positions, attention metadata, and the row of each
-        sampling sequence's last token in the flat batch."""
+        sampling sequence's last token in the flat batch (and of the token
+        before each of its draft tokens)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -69,7 +71,8 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(n)
             if item.sample:
-                logit_rows.append(query_start[-1] - 1)
+                logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
+                                        query_start[-1]))
         max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]

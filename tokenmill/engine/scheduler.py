@@ -44,6 +44,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed to the model this step, from num_computed_tokens on
     sample: bool  # this step computes the sequence's last token: sample the next one
+    # speculative decoding: the last num_draft_tokens of the chunk are proposals
+    # (tokenmill/spec), scored too: logits for each of them and the token before
+    num_draft_tokens: int = 0
 
 
 @dataclass

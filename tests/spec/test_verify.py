@@ -1,0 +1,90 @@
+"""Verification and proposers without a model: exactness of speculative
+sampling, greedy acceptance, prompt lookup, back-off."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.engine.sequence import Sequence
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.ngram import NgramProposer
+from tokenmill.spec.stats import BackOff
+from tokenmill.spec.verify import target_probs, verify_greedy, verify_sampled
+
+
+def chi_square_p_value(observed: list[float], expected: list[float]) -> float:
+    """Upper tail of the chi-square statistic (Wilson-Hilferty approximation)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_greedy_accepts_the_matching_prefix_and_adds_the_targets_token():
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]
+    assert verify_greedy([5, 6], [4]) == [5]
+
+
+def test_speculative_sampling_emits_exactly_the_targets_distribution():
+    """The first two emitted tokens from a target whose next-token
+    distribution is p0, then p1 whatever came first, with one likely and one
+    arbitrary draft: their joint distribution must be p0(a) * p1(b)."""
+    torch.manual_seed(0)
+    vocab = 4
+    logits = torch.randn(3, vocab) * 1.5
+    logits[2] = logits[1]  # p1 after the second draft too: "p1 whatever came first"
+    params = SamplingParams(temperature=0.8, top_k=3, seed=123)
+    probs = target_probs(logits, params)
+    drafts = [int(probs[0].argmax()), 1]
+    seq = Sequence("r", [1, 2, 3], params)
+    counts: dict[tuple[int, int], int] = {}
+    n = 3000
+    for _ in range(n):
+        out = verify_sampled(logits, drafts, seq)
+        if len(out) == 1:  # first draft rejected: the next step would draw from p1
+            out.append(int(torch.multinomial(probs[1], 1, generator=seq.sampler_state)))
+        counts[(out[0], out[1])] = counts.get((out[0], out[1]), 0) + 1
+    cells = [(a, b) for a in range(vocab) for b in range(vocab) if probs[0, a] * probs[1, b] > 0]
+    expected = [n * float(probs[0, a] * probs[1, b]) for a, b in cells]
+    observed = [counts.get(c, 0) for c in cells]
+    assert sum(observed) == n  # nothing outside the top-k support
+    assert chi_square_p_value(observed, expected) > 1e-3
+
+
+def test_speculative_sampling_first_token_matches_when_every_draft_is_wrong():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5)
+    params = SamplingParams(temperature=1.0, seed=7)
+    probs = target_probs(logits, params)
+    draft = int(probs[0].argmin())  # the least likely token
+    seq = Sequence("r", [1], params)
+    n = 3000
+    counts = [0] * 5
+    for _ in range(n):
+        counts[verify_sampled(logits, [draft], seq)[0]] += 1
+    assert chi_square_p_value(counts, [n * float(p) for p in probs[0]]) > 1e-3
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    ngram = NgramProposer(ngram_min=2, ngram_max=3)
+    seq = Sequence("r", [9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 8, 1, 2, 3], SamplingParams())
+    assert ngram.propose([seq], [2]) == [[8, 1]]  # latest [1, 2, 3] wins
+    seq = Sequence("r", [1, 2, 7, 8, 0, 2, 7], SamplingParams())
+    assert ngram.propose([seq], [4]) == [[8, 0, 2, 7]]  # falls back to n = 2
+    assert ngram.propose([Sequence("r", [1, 2, 3, 4], SamplingParams())], [4]) == [[]]
+
+
+def test_back_off_stops_proposing_when_acceptance_is_low_and_recovers():
+    b = BackOff()
+    for _ in range(6):
+        assert b.ready()
+        b.update(4, 0, threshold=0.3)
+        if b.cooldown:
+            break
+    assert b.cooldown == 4
+    assert [b.ready() for _ in range(5)] == [False] * 4 + [True]
+    b.update(4, 4, threshold=0.3)
+    assert b.cooldown == 0 and b.backoff_steps == 4

@@ -43,6 +43,13 @@ def test_stream_options_without_stream_and_top_logprobs_without_logprobs():
     assert "top_logprobs" in err.message
 
 
+def test_union_type_errors_name_the_field():
+    err = _error_for(p.CompletionRequest, {"prompt": 3})
+    assert err.param == "prompt" and err.message.startswith("prompt: ")
+    err = _error_for(p.ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert err.param == "messages.0.content"
+
+
 def test_chat_needs_messages_and_known_roles():
     assert _error_for(p.ChatCompletionRequest, {"messages": []}).param == "messages"
     err = _error_for(p.ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]})

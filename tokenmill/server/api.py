@@ -71,7 +71,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         reason = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON ({reason})".replace(" ()", ""),
                         code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = []
+    for part in first.get("loc", ()):
+        if part == "body" and not loc:
+            continue
+        if isinstance(part, str) and _is_union_tag(part):
+            break  # the rest names a branch of a union type, not a field
+        loc.append(str(part))
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing" and not loc:
@@ -81,6 +87,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problems)"
     return APIError(400, msg, param=param)
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names union branches by type: 'str', 'list[int]', 'TextPart', ...
+    return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
 
 
 class _Gate:

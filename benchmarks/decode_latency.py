@@ -1,0 +1,125 @@
+"""W3 single-stream decode (PERFORMANCE.md): tokenmill vs transformers, one run.
+
+Batch 1, a 128-token prompt (random token ids, seed 0), 128 new tokens,
+ignore_eos, temperature 0. Metric: TPOT (time per output token after the
+first) and decode tok/s = 1000 / TPOT, medians of --repeats runs. In the same
+run: tokenmill's default (bf16 compute + native GGUF int4), tokenmill bf16
+without quantization, transformers bf16 batch 1. Each is held against its own
+floor (weight + KV bytes read per step / memory bandwidth) and against
+llama.cpp's `llama-bench` tg128 recorded in PERFORMANCE.md (171 tok/s; llama.cpp
+is not installed here, so that peer is not re-run).
+
+    .venv/bin/python benchmarks/decode_latency.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import load_transformers, machine, median_spread
+from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
+
+LLAMA_CPP_TG128_TOK_S = 171.0  # PERFORMANCE.md, llama-bench on this machine, Q4_1
+TRANSFORMERS_BF16_RECORDED_TOK_S = 46.0
+
+
+def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwargs
+                  ) -> tuple[list[float], list[float], str]:
+    """TPOT (ms) and TTFT (ms) per repeat, and the roofline weight dtype."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", enable_prefix_caching=False, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    tpots, ttfts = [], []
+    for _ in range(repeats):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        m = out.metrics
+        assert len(out.outputs[0].token_ids) == new_tokens
+        ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
+        tpots.append(1e3 * (m.finished_time - m.first_token_time) / (new_tokens - 1))
+    weights = roofline_dtype(llm.engine.quantization, str(llm.engine.dtype))
+    del llm
+    return tpots, ttfts, weights
+
+
+@torch.inference_mode()
+def run_transformers(prompt: list[int], new_tokens: int, repeats: int, dtype: str
+                     ) -> tuple[list[float], list[float]]:
+    """TPOT from two timed generates: (t(N tokens) - t(1 token)) / (N - 1)."""
+    model = load_transformers(dtype)
+    ids = torch.tensor([prompt])
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        assert out.shape[1] - ids.shape[1] == n
+        return time.perf_counter() - t0
+
+    timed(4)  # warm-up
+    tpots, ttfts = [], []
+    for _ in range(repeats):
+        first = timed(1)
+        total = timed(new_tokens)
+        ttfts.append(1e3 * first)
+        tpots.append(1e3 * (total - first) / (new_tokens - 1))
+    return tpots, ttfts
+
+
+def report(name: str, tpots: list[float], ttfts: list[float], floor_ms: float | None) -> float:
+    tpot = statistics.median(tpots)
+    line = (f"{name:<34} TPOT {median_spread(tpots)} ms, {1e3 / tpot:.1f} tok/s, "
+            f"TTFT {statistics.median(ttfts):.0f} ms; vs llama.cpp tg128 "
+            f"{1e3 / tpot / LLAMA_CPP_TG128_TOK_S:.2f}x")
+    if floor_ms is not None:
+        line += f"; {tpot / floor_ms:.2f}x its floor ({floor_ms:.2f} ms)"
+    print(line)
+    return tpot
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bandwidth", type=float, default=QUIET_READ_GB_S,
+                    help="GB/s for the floor (default: PERFORMANCE.md's quiet-machine read)")
+    ap.add_argument("--skip-peers", action="store_true")
+    args = ap.parse_args()
+    print(f"W3 batch-1 decode · {machine()}")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"medians of {args.repeats}; floors at {args.bandwidth:g} GB/s")
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 49152) for _ in range(args.prompt_len)]
+
+    def floor(weights: str) -> float:
+        return decode_floor_ms(weights, args.prompt_len, args.new_tokens, args.bandwidth)
+
+    tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats)
+    default_tpot = report(f"tokenmill default ({weights})", tpots, ttfts, floor(weights))
+    tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats,
+                                         dtype="bfloat16", quantization="none")
+    report("tokenmill bf16, no quantization", tpots, ttfts, floor(weights))
+    if not args.skip_peers:
+        tpots, ttfts = run_transformers(prompt, args.new_tokens, args.repeats, "bfloat16")
+        hf_tpot = report("transformers bf16", tpots, ttfts, floor("bf16"))
+        print(f"tokenmill default vs transformers bf16 (same run): {hf_tpot / default_tpot:.1f}x "
+              f"(transformers recorded at {TRANSFORMERS_BF16_RECORDED_TOK_S:g} tok/s on a "
+              f"quiet machine; {1e3 / hf_tpot:.1f} now)")
+    print(f"llama.cpp tg128 is PERFORMANCE.md's recorded {LLAMA_CPP_TG128_TOK_S:g} tok/s "
+          f"(llama.cpp is not installed here; not re-run)")
+    print(f"target: >= {LLAMA_CPP_TG128_TOK_S:g} tok/s and TPOT <= 2x floor -> "
+          f"{1e3 / default_tpot:.1f} tok/s, "
+          f"{'met' if 1e3 / default_tpot >= LLAMA_CPP_TG128_TOK_S else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""W4 prefill (PERFORMANCE.md): one 512-token prompt, TTFT, tokenmill vs transformers.
+
+One prompt of 512 random token ids (seed 0), one output token. Metric: TTFT
+(request in -> first token out), median of --repeats runs. In the same run:
+tokenmill's default, tokenmill bf16 without quantization, transformers bf16 and
+fp32 (`generate` with max_new_tokens=1). The floor is the prefill's FLOPs over
+the bf16 matmul rate (PERFORMANCE.md: 435 GFLOP/s on small shapes, 920 on large
+ones). llama.cpp's pp512 (≈ 1,090 ms) is the recorded figure; llama.cpp is not
+installed here.
+
+    .venv/bin/python benchmarks/prefill.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import load_transformers, machine, median_spread
+from floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
+
+LLAMA_CPP_PP512_MS = 1090.0  # PERFORMANCE.md: pp512 470 tok/s on this machine
+TRANSFORMERS_BF16_RECORDED_MS = 292.0
+
+
+def run_tokenmill(prompt: list[int], repeats: int, **engine_kwargs) -> list[float]:
+    from tokenmill import LLM, SamplingParams
+
+    # prefix caching off, and the whole prompt in one chunk: each repeat is a cold prefill
+    llm = LLM("smollm2-135m", enable_prefix_caching=False,
+              max_num_batched_tokens=max(len(prompt), 512), **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    ttfts = []
+    for _ in range(repeats):
+        m = llm.generate([prompt], params, use_tqdm=False)[0].metrics
+        ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
+    return ttfts
+
+
+@torch.inference_mode()
+def run_transformers(prompt: list[int], repeats: int, dtype: str) -> list[float]:
+    model = load_transformers(dtype)
+    ids = torch.tensor([prompt])
+    ttfts = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=1, pad_token_id=0)
+        if i:
+            ttfts.append(1e3 * (time.perf_counter() - t0))
+    return ttfts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--flops", type=float, default=QUIET_BF16_TFLOP_S,
+                    help="bf16 TFLOP/s for the floor (default: PERFORMANCE.md's small-shape rate)")
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--skip-fp32", action="store_true", help="skip the transformers fp32 peer")
+    args = ap.parse_args()
+    print(f"W4 prefill · {machine()}")
+    floor_ms = prefill_floor_ms(args.prompt_len, args.flops)
+    print(f"one {args.prompt_len}-token prompt, TTFT medians of {args.repeats}; floor "
+          f"{floor_ms:.0f} ms at {args.flops * 1e3:g} GFLOP/s bf16 "
+          f"({prefill_floor_ms(args.prompt_len, 0.92):.0f} ms at the large-shape 920)")
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 49152) for _ in range(args.prompt_len)]
+    results: dict[str, list[float]] = {}
+    results["tokenmill default"] = run_tokenmill(prompt, args.repeats)
+    results["tokenmill bf16, no quantization"] = run_tokenmill(
+        prompt, args.repeats, dtype="bfloat16", quantization="none")
+    if not args.skip_peers:
+        results["transformers bf16"] = run_transformers(prompt, args.repeats, "bfloat16")
+        if not args.skip_fp32:
+            results["transformers fp32"] = run_transformers(prompt, args.repeats, "float32")
+    tm = statistics.median(results["tokenmill default"])
+    for name, ttfts in results.items():
+        ttft = statistics.median(ttfts)
+        print(f"{name:<34} TTFT {median_spread(ttfts)} ms; {args.prompt_len / ttft * 1e3:.0f} "
+              f"tok/s; {ttft / floor_ms:.2f}x floor; tokenmill default is "
+              f"{ttft / tm:.2f}x faster")
+    print(f"llama.cpp pp512 is PERFORMANCE.md's recorded {LLAMA_CPP_PP512_MS:g} ms (not "
+          f"re-run: llama.cpp is not installed here); tokenmill default is "
+          f"{LLAMA_CPP_PP512_MS / tm:.2f}x faster than it")
+    if "transformers bf16" in results:
+        hf = statistics.median(results["transformers bf16"])
+        print(f"target: TTFT <= transformers bf16 in the same run ({hf:.0f} ms; recorded "
+              f"{TRANSFORMERS_BF16_RECORDED_MS:g} ms on a quiet machine) -> {tm:.0f} ms, "
+              f"{'met' if tm <= hf else 'missed'} (ratio {hf / tm:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -109,3 +109,75 @@ def test_no_leaked_blocks_after_rejections_aborts_and_preemption(name, tiny_mode
     assert stats.num_preemptions >= 1
     assert stats.spec_proposed_tokens > stats.spec_accepted_tokens  # there were rejections
     assert_no_leak(engine)
+
+
+class FixedProposer:
+    """Proposes the same continuation whatever was sampled: often right on a
+    peaked model, often wrong, so both accept and reject paths run."""
+
+    min_acceptance = 0.0
+
+    def __init__(self, continuation: dict[int, list[int]]) -> None:
+        self.continuation = continuation  # output length -> the drafts to propose
+
+    def propose(self, seqs, k):
+        return [self.continuation.get(s.num_output_tokens, [])[:n] for s, n in zip(seqs, k)]
+
+    def forget(self, seqs):
+        pass
+
+
+def two_sample_chi_square_p(a: list[int], b: list[int]) -> float:
+    """Do samples a and b (equal sizes) come from one distribution? Categories
+    seen fewer than 10 times in both together are pooled."""
+    from collections import Counter
+
+    from tests.spec.test_verify import chi_square_p_value
+
+    ca, cb = Counter(a), Counter(b)
+    cells, rare_a, rare_b = [], 0, 0
+    for t in set(ca) | set(cb):
+        if ca[t] + cb[t] >= 10:
+            cells.append((ca[t], cb[t]))
+        else:
+            rare_a, rare_b = rare_a + ca[t], rare_b + cb[t]
+    cells.append((rare_a, rare_b))
+    # equal sample sizes: the two-sample statistic vs pooled expectations
+    observed = [x for pair in cells for x in pair]
+    expected = [(x + y) / 2 for x, y in cells for _ in (0, 1)]
+    observed_expected = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    p = chi_square_p_value([o for o, _ in observed_expected], [e for _, e in observed_expected])
+    return p
+
+
+def test_sampled_tokens_have_the_distribution_of_no_speculation(tiny_model):
+    """600 seeded samples of 3 tokens from one prompt, with and without
+    speculation: the second and third tokens (the ones speculation produces)
+    follow the same distribution. Fixed seeds: the test is deterministic."""
+    prompt = grounded_prompts(1, seed=11)[0]
+    n = 600
+    params = [SamplingParams(temperature=1.0, top_k=50, max_tokens=3, ignore_eos=True, seed=i)
+              for i in range(n)]
+
+    def sample(speculative: bool) -> list[list[int]]:
+        kw = {"speculative": "ngram", "num_speculative_tokens": 2, "spec_max_batch": n}
+        llm = make_llm(tiny_model, num_kv_blocks=n * 2 + 8, max_num_seqs=n,
+                       max_num_batched_tokens=n * 32, **(kw if speculative else {}))
+        if speculative:
+            greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
+                                                           ignore_eos=True), use_tqdm=False)
+            g = greedy[0].outputs[0].token_ids
+            llm.engine.speculator.proposer = FixedProposer({1: g[1:3]})
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        if speculative:
+            st = llm.engine.get_stats()
+            assert 0 < st.spec_accepted_tokens < st.spec_proposed_tokens
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain, spec = sample(False), sample(True)
+    for pos in (1, 2):
+        p = two_sample_chi_square_p([t[pos] for t in plain], [t[pos] for t in spec])
+        assert p > 1e-3, f"token {pos}: p = {p}"
+    # seeded draws are consumed differently with speculation, so the samples
+    # differ one by one; only their distribution must not
+    assert sum(a != b for a, b in zip(plain, spec)) > 0

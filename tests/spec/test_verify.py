@@ -10,7 +10,7 @@ import torch
 from tokenmill.engine.sequence import Sequence
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.stats import BackOff
+from tokenmill.spec.stats import BackOff, StepCost
 from tokenmill.spec.verify import target_probs, verify_greedy, verify_sampled
 
 
@@ -77,14 +77,25 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert ngram.propose([Sequence("r", [1, 2, 3, 4], SamplingParams())], [4]) == [[]]
 
 
-def test_back_off_stops_proposing_when_acceptance_is_low_and_recovers():
+def test_back_off_rests_longer_each_time_and_a_good_step_resets_it():
     b = BackOff()
-    for _ in range(6):
-        assert b.ready()
-        b.update(4, 0, threshold=0.3)
-        if b.cooldown:
-            break
-    assert b.cooldown == 4
+    b.update(4, 0)
+    b.update(4, 0)
+    assert b.ewma < 0.5
+    b.rest()
     assert [b.ready() for _ in range(5)] == [False] * 4 + [True]
-    b.update(4, 4, threshold=0.3)
-    assert b.cooldown == 0 and b.backoff_steps == 4
+    assert b.ewma == 1.0  # probes afresh
+    b.rest()
+    assert b.cooldown == 8
+    b.update(4, 4)
+    assert b.backoff_steps == 4
+
+
+def test_step_cost_picks_k_by_measured_cost_and_acceptance():
+    cost = StepCost()
+    assert cost.best_k(0.9, 1, 4) == 4  # nothing measured yet: try the most
+    for t in range(1, 6):  # a forward of t tokens costs like 1 + 0.3 (t - 1)
+        cost.record(t, 0.01 * (1 + 0.3 * (t - 1)))
+    assert cost.best_k(0.95, 1, 4) == 4
+    assert 0 < cost.best_k(0.6, 1, 4) < 4
+    assert cost.best_k(0.2, 1, 4) == 0  # 1.2 tokens for 1.3x the time: no

@@ -21,6 +21,7 @@ preemption, abort and the prefix cache never see them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -31,7 +32,7 @@ from tokenmill.engine.sampler import Sampler, _gather_logprobs, _has_penalty
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec.proposer import Proposer
-from tokenmill.spec.stats import BackOff, SpecStats
+from tokenmill.spec.stats import BackOff, SpecStats, StepCost
 from tokenmill.spec.verify import verify_greedy, verify_sampled
 
 # (sequence, token ids to append in order, their logprobs or Nones)
@@ -51,18 +52,24 @@ class Speculator:
         self.stats = SpecStats()
         self._backoff: dict[int, BackOff] = {}
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted this step
+        self.step_cost = StepCost()
+        self._step_start: tuple[float, int] | None = None  # (perf_counter, decode-only tokens)
 
     # ---- 1. before the forward ---------------------------------------------------
 
     def extend(self, batch: SchedulerOutput, num_running: int) -> None:
+        start = time.perf_counter()
+        self._step_start = None
         if batch.preempted:
             self.forget(batch.preempted)
         if num_running > self.spec_max_batch:
             return
-        budget = self.max_num_batched_tokens - batch.num_batched_tokens
+        decode_only = all(self._is_decode(item) for item in batch.scheduled)
+        base_tokens = batch.num_batched_tokens
+        budget = self.max_num_batched_tokens - base_tokens
         items, limits = [], []
         for item in batch.scheduled:
-            k = self._limit(item) if budget > 0 else 0
+            k = self._limit(item, base_tokens) if budget > 0 and decode_only else 0
             k = min(k, budget)
             # check, then commit: slots for 1 + k tokens or no proposal at all
             if k > 0 and self.block_manager.allocate_slots(item.seq, 1 + k):
@@ -81,12 +88,16 @@ class Speculator:
                 seq.token_ids.extend(drafts)
                 item.num_new_tokens += len(drafts)
                 item.num_draft_tokens = len(drafts)
+        if decode_only:  # verify() times proposing + forward for the step's token count
+            self._step_start = (start, batch.num_batched_tokens)
 
-    def _limit(self, item: ScheduledSeq) -> int:
+    @staticmethod
+    def _is_decode(item: ScheduledSeq) -> bool:
+        return item.sample and item.num_new_tokens == 1  # not a prompt chunk or a recompute
+
+    def _limit(self, item: ScheduledSeq, base_tokens: int) -> int:
         """How many drafts this sequence may get this step (0: none)."""
         seq = item.seq
-        if not item.sample or item.num_new_tokens != 1:
-            return 0  # not decoding (a prompt chunk or a recompute)
         p = seq.sampling_params
         if _has_penalty(p) or seq.num_output_tokens < p.min_tokens:
             return 0  # the target's distribution would depend on the accepted drafts
@@ -97,13 +108,23 @@ class Speculator:
         room = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.k, room))
+        if room < 1:
+            return 0
+        k = 0
+        if backoff.ewma >= self.proposer.min_acceptance:
+            k = self.step_cost.best_k(backoff.ewma, base_tokens, min(self.k, room))
+        if k == 0:  # not worth it at this acceptance: rest, then probe again
+            backoff.rest()
+        return k
 
     # ---- 2. after the forward ----------------------------------------------------
 
     def verify(self, batch: SchedulerOutput, logits: torch.Tensor,
                sampler: Sampler) -> list[Emitted]:
         """logits: the runner's rows, 1 + num_draft_tokens per sampling entry."""
+        if self._step_start is not None:
+            start, num_tokens = self._step_start
+            self.step_cost.record(num_tokens, time.perf_counter() - start)
         sampling = [item for item in batch.scheduled if item.sample]
         starts, row = [], 0
         for item in sampling:
@@ -136,8 +157,7 @@ class Speculator:
         self.stats.num_proposed_tokens += m
         self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verified_steps += 1
-        self._backoff.setdefault(seq.seq_id, BackOff()).update(
-            m, num_accepted, self.proposer.min_acceptance)
+        self._backoff.setdefault(seq.seq_id, BackOff()).update(m, num_accepted)
         logprobs: list[Any] = [None] * len(tokens)
         if params.logprobs is not None:
             n = len(tokens)

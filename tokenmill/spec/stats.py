@@ -25,11 +25,12 @@ class SpecStats:
 
 @dataclass
 class BackOff:
-    """Per sequence: an exponentially weighted acceptance rate; when it drops
-    below the proposer's threshold the sequence proposes nothing for a
-    cool-down that doubles each time (4, 8, .. 64 steps) and resets once
-    proposals pay again. Keeps speculation from slowing down text it cannot
-    predict."""
+    """Per sequence: an exponentially weighted acceptance rate, and rest
+    periods. When speculating stops paying for a sequence (StepCost.best_k
+    says k = 0 at its acceptance, or it is below the proposer's floor) it
+    proposes nothing for a cool-down that doubles each time (4, 8, .. 64
+    steps), then probes again as if new; a good step resets the cool-down.
+    Keeps speculation from slowing down text it cannot predict."""
 
     ewma: float = 1.0
     cooldown: int = 0
@@ -44,12 +45,55 @@ class BackOff:
             return False
         return True
 
-    def update(self, num_proposed: int, num_accepted: int, threshold: float) -> None:
+    def update(self, num_proposed: int, num_accepted: int) -> None:
         rate = num_accepted / num_proposed
         self.ewma += self.WEIGHT * (rate - self.ewma)
-        if self.ewma < threshold:
-            self.cooldown = self.backoff_steps
-            self.backoff_steps = min(2 * self.backoff_steps, self.MAX_BACKOFF_STEPS)
-            self.ewma = 2 * threshold  # a fresh probe after the cool-down
-        elif rate >= 2 * threshold:
+        if rate >= 0.5:
             self.backoff_steps = 4
+
+    def rest(self) -> None:
+        self.cooldown = self.backoff_steps
+        self.backoff_steps = min(2 * self.backoff_steps, self.MAX_BACKOFF_STEPS)
+        self.ewma = 1.0  # the probe after the rest starts from a clean slate
+
+
+class StepCost:
+    """Measured wall time of a step (proposing + forward) by the number of
+    tokens it ran, for decode-only steps, and the choice of k it implies.
+
+    With per-token acceptance rate a, k drafts emit E(k) = 1 + a + .. + a^k
+    tokens in expectation; the step costs time(B + k) instead of time(B) for
+    B decoding sequences. Speculating pays when E(k) / (time(B + k) / time(B))
+    > 1, and the best k maximizes that ratio. On CPU a 5-token forward can cost
+    2x a 1-token one (low-bit kernels scale with rows), so the break-even
+    acceptance is far from 0 and must be measured, not assumed.
+    """
+
+    WEIGHT = 0.2
+    MIN_GAIN = 1.02  # below this expected speedup a step is not worth the noise
+
+    def __init__(self) -> None:
+        self.time_s: dict[int, float] = {}
+
+    def record(self, num_tokens: int, elapsed_s: float) -> None:
+        prev = self.time_s.get(num_tokens)
+        self.time_s[num_tokens] = elapsed_s if prev is None else prev + self.WEIGHT * (
+            elapsed_s - prev)
+
+    def relative(self, base_tokens: int, extra: int) -> float:
+        """time(base + extra) / time(base); optimistic 1 + 0.1 * extra until measured,
+        so that every k is tried once."""
+        base = self.time_s.get(base_tokens)
+        more = self.time_s.get(base_tokens + extra)
+        if base is None or more is None:
+            return 1.0 + 0.1 * extra
+        return more / base
+
+    def best_k(self, acceptance: float, base_tokens: int, max_k: int) -> int:
+        best, best_gain, expected = 0, self.MIN_GAIN, 1.0
+        for k in range(1, max_k + 1):
+            expected += acceptance ** k
+            gain = expected / self.relative(base_tokens, k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best

@@ -181,3 +181,24 @@ def test_sampled_tokens_have_the_distribution_of_no_speculation(tiny_model):
     # seeded draws are consumed differently with speculation, so the samples
     # differ one by one; only their distribution must not
     assert sum(a != b for a, b in zip(plain, spec)) > 0
+
+
+@pytest.mark.slow
+def test_ngram_on_smollm2_rewrite_is_greedy_identical_and_accepts_often():
+    from tests.spec.conftest import make_llm as make
+
+    llm = make("smollm2-135m", num_kv_blocks=128, speculative="ngram",
+               enable_prefix_caching=False)
+    text = ("The city council met on Tuesday to discuss the new budget. After a long debate, "
+            "the members agreed to increase funding for public libraries by ten percent.")
+    msgs = [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=5)
+    spec = llm.engine.speculator
+    llm.engine.speculator = None
+    plain = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    llm.engine.speculator = spec
+    fast = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    assert_same_up_to_near_ties([plain], [fast])
+    stats = llm.engine.get_stats()
+    assert stats.spec_acceptance_rate > 0.3
+    assert_no_leak(llm.engine)

@@ -126,6 +126,10 @@ class Speculator:
             start, num_tokens = self._step_start
             self.step_cost.record(num_tokens, time.perf_counter() - start)
         sampling = [item for item in batch.scheduled if item.sample]
+        if not any(item.num_draft_tokens for item in sampling):
+            out = sampler(logits, [item.seq for item in sampling])
+            return [(item.seq, [t], [lp])
+                    for item, t, lp in zip(sampling, out.token_ids, out.logprobs)]
         starts, row = [], 0
         for item in sampling:
             starts.append(row)

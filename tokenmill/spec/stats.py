@@ -32,7 +32,9 @@ class BackOff:
     steps), then probes again as if new; a good step resets the cool-down.
     Keeps speculation from slowing down text it cannot predict."""
 
-    ewma: float = 1.0
+    # a new or rested sequence starts near break-even: one bad step sends it
+    # back to rest, a good one lets k grow
+    ewma: float = 0.6
     cooldown: int = 0
     backoff_steps: int = 4
 
@@ -54,7 +56,7 @@ class BackOff:
     def rest(self) -> None:
         self.cooldown = self.backoff_steps
         self.backoff_steps = min(2 * self.backoff_steps, self.MAX_BACKOFF_STEPS)
-        self.ewma = 1.0  # the probe after the rest starts from a clean slate
+        self.ewma = BackOff.ewma  # the probe after the rest starts afresh
 
 
 class StepCost:

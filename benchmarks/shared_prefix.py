@@ -54,7 +54,8 @@ def run(caching: bool, args) -> dict:
           f"{s['output_throughput_tok_s']:.1f} output tok/s, TTFT p50 "
           f"{s['ttft_ms']['p50']:.0f} ms / p99 {s['ttft_ms']['p99']:.0f} ms; prefill tokens "
           f"run {engine.get('num_prefill_tokens', '?')}, mean decode batch "
-          f"{engine.get('mean_decode_batch', 0):.1f}")
+          f"{engine.get('mean_decode_batch', 0):.1f}; engine time "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in engine.get("time_s", {}).items()))
     del target
     return s
 

@@ -9,6 +9,7 @@ that the worker fills with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -306,5 +307,4 @@ class AsyncEngine:
 
 def _copy_stats(stats: Any) -> Any:
     """A snapshot the event loop can read while the worker keeps counting."""
-    return type(stats)(**{k: (dict(v) if isinstance(v, dict) else v)
-                          for k, v in stats.__dict__.items()})
+    return copy.deepcopy(stats)

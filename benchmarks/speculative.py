@@ -129,6 +129,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--speculative", default="ngram", choices=["ngram", "draft", "layerskip"])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--ngram-min", type=int, default=3)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--draft-layers", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
@@ -149,6 +152,7 @@ def main() -> None:
 
     llm = LLM("smollm2-135m", dtype=args.dtype, speculative=args.speculative,
               num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+              ngram_min=args.ngram_min, ngram_max=args.ngram_max,
               draft_layers=args.draft_layers, enable_prefix_caching=False)
     spec = llm.engine.speculator
     decode_run(llm, llm.tokenizer.encode("Hello"), 8)  # warm-up
@@ -166,11 +170,13 @@ def main() -> None:
           f"({llm.engine.quantization or llm.engine.dtype}); W3 floor "
           f"{floor_ms:.2f} ms/token = {1e3 / floor_ms:.0f} tok/s at {bandwidth / 1e9:.1f} GB/s")
     print(f"speculative={args.speculative} k={args.num_speculative_tokens} "
+          f"ngram={args.ngram_min}..{args.ngram_max} "
           f"max_tokens={args.max_tokens} repeats={args.repeats}")
     header = (f"{'workload':<16}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>7}{'(min-max)':>13}"
               f"{'accept':>8}{'mean len':>9}{'on/floor':>9}")
     print(header)
-    for name, prompts in (("(a) grounded", GROUNDED), ("(b) chat", CHAT)):
+    workloads = {"grounded": ("(a) grounded", GROUNDED), "chat": ("(b) chat", CHAT)}
+    for name, prompts in (workloads[w] for w in args.workloads.split(",")):
         r = run_workload(llm, spec, prompts, args)
         # distance to the floor: how many floor-times one emitted token takes
         on_over_floor = (1e3 / r["on_tok_s"]) / floor_ms if r["on_tok_s"] else float("nan")

@@ -119,6 +119,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     v = v_cache[block_ids].reshape(num_seqs, -1, num_kv_heads, head_dim)
     key_pos = torch.arange(k.shape[1], device=q.device)
     mask = key_pos[None, :] < meta.seq_lens.to(q.device).long()[:, None]  # (B, S)
+    # never-written slots may hold NaN, and a masked NaN score or a zero weight on a
+    # NaN value is still NaN
+    k = k.masked_fill(~mask[:, :, None, None], 0)
+    v = v.masked_fill(~mask[:, :, None, None], 0)
     out = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale,
                 mask=mask[:, None, None, :])  # (B, heads, 1, d)
     return out.squeeze(2)

@@ -73,6 +73,9 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pad = torch.arange(n_blocks * block_size, device=q.device)[None, :] >= lens[:, None]
     scores.mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # slots past a sequence's end were never written (pools are allocated empty):
+    # zero them, since a zero weight times a NaN left in memory is still NaN
+    v = v.masked_fill(pad[:, :, None, None], 0)
     out = torch.matmul(probs, v.transpose(1, 2).float())  # (B, kv, g, d)
     return out.reshape(num_seqs, heads, d).to(q.dtype)
 

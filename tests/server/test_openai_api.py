@@ -12,7 +12,8 @@ import pytest
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "Name three colors."}]
+# greedy margins of >= 0.25 nats on every token: bf16 rounding cannot flip them
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--speculative", default="ngram", choices=["ngram", "draft", "layerskip"])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--ngram-min", type=int, default=3)
+    ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--draft-model", default=None)

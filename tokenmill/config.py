@@ -125,7 +125,7 @@ class EngineConfig:
     # speculative decoding (tokenmill/spec, docs/speculative.md)
     speculative: str | None = None  # None | ngram | draft | layerskip
     num_speculative_tokens: int = 4  # k: draft tokens per step
-    ngram_min: int = 3  # 2-grams match spuriously in free text: the probes cost more than they win
+    ngram_min: int = 2
     ngram_max: int = 4
     draft_model: str | None = None  # speculative="draft": same tokenizer as the model
     draft_layers: int | None = None  # speculative="layerskip": None = a quarter of the layers

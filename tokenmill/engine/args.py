@@ -56,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="propose tokens and verify them in one forward (exact: same outputs)")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="draft tokens proposed per step")
-    s.add_argument("--ngram-min", type=int, default=3)
+    s.add_argument("--ngram-min", type=int, default=2)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--draft-model", default=None,
                    help="--speculative draft: a smaller model with the same tokenizer")

@@ -11,7 +11,7 @@ from tokenmill.engine.sequence import Sequence
 class NgramProposer:
     min_acceptance = 0.15
 
-    def __init__(self, ngram_min: int = 3, ngram_max: int = 4, max_lookback: int = 4096) -> None:
+    def __init__(self, ngram_min: int = 2, ngram_max: int = 4, max_lookback: int = 4096) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         self.ngram_min = ngram_min

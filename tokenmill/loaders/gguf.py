@@ -107,9 +107,26 @@ def gguf_errors(path: Path, what: str) -> Iterator[None]:
                              f"truncated ({type(e).__name__}: {e})") from None
 
 
+class _FastGGUFReader(GGUFReader):
+    """GGUFReader reading through a plain ndarray view of its memmap: slicing a
+    memmap runs Python-level bookkeeping per slice, and a tokenizer's 100k
+    metadata strings make that most of the start-up time (4x faster here)."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1,
+             override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = plain[offset: offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    reader = GGUFReader(path)
+    reader = _FastGGUFReader(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "

@@ -1,17 +1,60 @@
-"""The model's tokenizer, as a transformers tokenizer (cached per file)."""
+"""The model's tokenizer, as a transformers tokenizer (cached per file).
+
+Building a tokenizer from a GGUF's metadata takes seconds, so the result is
+also saved once under the user's cache directory (TOKENMILL_CACHE_DIR, default
+~/.cache/tokenmill) and loaded from there on later starts.
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from tokenmill.loaders.model_source import ModelLoadError, ModelSource
 
+logger = logging.getLogger(__name__)
+
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """A transformers PreTrainedTokenizerFast. For a GGUF it is built from the file's
-    metadata (a few seconds), so it is cached in-process per path."""
+    """A transformers PreTrainedTokenizerFast, cached in-process per path."""
     return _load_tokenizer(source.kind, str(source.path))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
+    return Path(root)
+
+
+def _gguf_cache_path(path: Path) -> Path:
+    import transformers
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_dir() / "tokenizers" / hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    cached = _gguf_cache_path(path)
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.warning("ignoring an unreadable tokenizer cache at %s", cached)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, cached)  # atomic: a concurrent reader never sees half a cache
+    except OSError as e:  # a read-only home is fine: just slower next time
+        logger.info("could not cache the tokenizer at %s: %s", cached, e)
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=8)
@@ -20,10 +63,7 @@ def _load_tokenizer(kind: str, path: str) -> Any:
 
     try:
         if kind == "gguf":
-            from pathlib import Path
-
-            p = Path(path)
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            return _load_gguf_tokenizer(Path(path))
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}") from None

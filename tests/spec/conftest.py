@@ -43,8 +43,8 @@ def make_llm(model: str, **kwargs):
     llm = LLM(model, **kwargs)
     runners = [llm.engine.runner]
     spec = llm.engine.speculator
-    if spec is not None:  # what is proposed must not depend on wall-clock timings here
-        spec.step_cost.record = lambda num_tokens, elapsed_s: None
+    if spec is not None:  # what is proposed must not depend on timings or back-off here
+        spec.adaptive = False
     if spec is not None and hasattr(spec.proposer, "runner"):
         runners.append(spec.proposer.runner)
     for runner in runners:

@@ -116,6 +116,7 @@ class FixedProposer:
     peaked model, often wrong, so both accept and reject paths run."""
 
     min_acceptance = 0.0
+    runs_a_model = False
 
     def __init__(self, continuation: dict[int, list[int]]) -> None:
         self.continuation = continuation  # output length -> the drafts to propose

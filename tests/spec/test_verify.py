@@ -80,14 +80,19 @@ def test_ngram_proposes_what_followed_the_latest_match():
 def test_back_off_rests_longer_each_time_and_a_good_step_resets_it():
     b = BackOff()
     b.update(4, 0)
+    b.update(4, 0)
     assert b.ewma < 0.5
-    b.rest()
+    b.rest(prior=0.9)
     assert [b.ready() for _ in range(5)] == [False] * 4 + [True]
     assert b.ewma == BackOff().ewma  # probes afresh
-    b.rest()
-    assert b.cooldown == 8
+    b.rest(prior=0.1)
+    assert b.cooldown == 8 and b.ewma == 0.1  # nothing pays for anyone: no probe yet
     b.update(4, 4)
     assert b.backoff_steps == 4
+    for _ in range(5):
+        b.rest(prior=0.0)
+    assert b.cooldown == BackOff.MAX_BACKOFF_STEPS
+    assert b.ewma == BackOff().ewma  # after the longest rest it probes regardless
 
 
 def test_step_cost_picks_k_by_measured_cost_and_acceptance():

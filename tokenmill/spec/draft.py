@@ -27,6 +27,7 @@ from tokenmill.engine.sequence import Sequence
 
 class DraftModelProposer:
     min_acceptance = 0.4
+    runs_a_model = True
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager) -> None:
         self.runner = runner

@@ -45,6 +45,7 @@ class _Item:
 
 class LayerSkipProposer:
     min_acceptance = 0.4  # each draft token costs L / num_layers of a target step
+    runs_a_model = True
 
     def __init__(self, runner: ModelRunner, num_layers: int) -> None:
         total = len(runner.model.model.layers)

@@ -10,6 +10,7 @@ from tokenmill.engine.sequence import Sequence
 
 class NgramProposer:
     min_acceptance = 0.15
+    runs_a_model = False  # free to propose: every request probes on its own
 
     def __init__(self, ngram_min: int = 2, ngram_max: int = 4, max_lookback: int = 4096) -> None:
         if not 1 <= ngram_min <= ngram_max:

@@ -12,6 +12,10 @@ class Proposer(Protocol):
     # proposing for a while: a cheap proposer (n-gram) pays at lower rates
     # than one that runs a model
     min_acceptance: float
+    # True when proposing costs time even if nothing is accepted (a draft model):
+    # then a fresh sequence starts from the engine-wide acceptance, so that a
+    # proposer that fails for everyone is not probed again by each new request
+    runs_a_model: bool
 
     def propose(self, seqs: list[Sequence], k: list[int]) -> list[list[int]]:
         """At most k[i] draft tokens to follow `seqs[i].token_ids`, per sequence

@@ -53,6 +53,9 @@ class Speculator:
         self._backoff: dict[int, BackOff] = {}
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted this step
         self.step_cost = StepCost()
+        self.adaptive = True  # False: always propose k (tests of exactness, experiments)
+        # acceptance over all sequences (see Proposer.runs_a_model)
+        self.prior_acceptance = BackOff.ewma
         self._step_start: tuple[float, int] | None = None  # (perf_counter, decode-only tokens)
 
     # ---- 1. before the forward ---------------------------------------------------
@@ -91,6 +94,10 @@ class Speculator:
         if decode_only:  # verify() times proposing + forward for the step's token count
             self._step_start = (start, batch.num_batched_tokens)
 
+    def _prior(self) -> float:
+        return min(BackOff.ewma, self.prior_acceptance) if self.proposer.runs_a_model \
+            else BackOff.ewma
+
     @staticmethod
     def _is_decode(item: ScheduledSeq) -> bool:
         return item.sample and item.num_new_tokens == 1  # not a prompt chunk or a recompute
@@ -101,7 +108,9 @@ class Speculator:
         p = seq.sampling_params
         if _has_penalty(p) or seq.num_output_tokens < p.min_tokens:
             return 0  # the target's distribution would depend on the accepted drafts
-        backoff = self._backoff.setdefault(seq.seq_id, BackOff())
+        backoff = self._backoff.get(seq.seq_id)
+        if backoff is None:
+            backoff = self._backoff[seq.seq_id] = BackOff(ewma=self._prior())
         if not backoff.ready():
             return 0
         # the step emits up to k + 1 tokens: stay within max_tokens and the context
@@ -110,11 +119,13 @@ class Speculator:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         if room < 1:
             return 0
+        if not self.adaptive:
+            return min(self.k, room)
         k = 0
         if backoff.ewma >= self.proposer.min_acceptance:
             k = self.step_cost.best_k(backoff.ewma, base_tokens, min(self.k, room))
         if k == 0:  # not worth it at this acceptance: rest, then probe again
-            backoff.rest()
+            backoff.rest(self._prior())
         return k
 
     # ---- 2. after the forward ----------------------------------------------------
@@ -162,6 +173,7 @@ class Speculator:
         self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verified_steps += 1
         self._backoff.setdefault(seq.seq_id, BackOff()).update(m, num_accepted)
+        self.prior_acceptance += BackOff.WEIGHT * (num_accepted / m - self.prior_acceptance)
         logprobs: list[Any] = [None] * len(tokens)
         if params.logprobs is not None:
             n = len(tokens)

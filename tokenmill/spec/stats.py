@@ -34,7 +34,7 @@ class BackOff:
 
     # a new or rested sequence starts near break-even: one bad step sends it
     # back to rest, a good one lets k grow
-    ewma: float = 0.6
+    ewma: float = 0.8
     cooldown: int = 0
     backoff_steps: int = 4
 
@@ -53,10 +53,14 @@ class BackOff:
         if rate >= 0.5:
             self.backoff_steps = 4
 
-    def rest(self) -> None:
+    def rest(self, prior: float) -> None:
+        """prior: the engine-wide acceptance rate. The step after the rest starts
+        from it (capped at the default), so where nothing pays for anyone, the
+        rests grow without probes; at the longest rest it probes regardless."""
         self.cooldown = self.backoff_steps
+        longest = self.backoff_steps == self.MAX_BACKOFF_STEPS
+        self.ewma = BackOff.ewma if longest else min(BackOff.ewma, prior)
         self.backoff_steps = min(2 * self.backoff_steps, self.MAX_BACKOFF_STEPS)
-        self.ewma = BackOff.ewma  # the probe after the rest starts afresh
 
 
 class StepCost:

@@ -93,18 +93,23 @@ def test_sampling_params_errors_keep_their_param():
 
 
 def test_metrics_use_vllm_names_with_tokenmill_prefix():
-    from types import SimpleNamespace
+    from tokenmill.engine.llm_engine import EngineStats
 
-    stats = SimpleNamespace(num_running=1, num_waiting=2, kv_cache_usage=0.25,
-                            prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0,
-                            prompt_tokens=30, generation_tokens=40)
+    stats = EngineStats(num_running=1, num_waiting=2, kv_cache_usage=0.25,
+                        prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0,
+                        prompt_tokens=30, generation_tokens=40, spec_proposed_tokens=8,
+                        spec_accepted_tokens=6, spec_verified_steps=2)
     text = ServerMetrics(lambda: stats, "m").render().decode()
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "request_success_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket"]:
+                 "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "spec_decode_num_drafts_total"]:
         assert f"tokenmill:{name}" in text, name
     assert 'tokenmill:kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'tokenmill:spec_decode_draft_acceptance_rate{model_name="m"} 0.75' in text
+    assert 'tokenmill:spec_decode_mean_accepted_length{model_name="m"} 4.0' in text
     assert 'tokenmill:request_success_total{finished_reason="length",model_name="m"} 0.0' in text

@@ -57,6 +57,18 @@ class _EngineStatsCollector(Collector):
                       st.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens admitted.", st.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", st.generation_tokens)
+        # speculative decoding, named as vLLM's spec_decode_* metrics
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      st.spec_proposed_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      st.spec_accepted_tokens)
+        yield counter("spec_decode_num_drafts", "Sequence-steps that verified drafts.",
+                      st.spec_verified_steps)
+        yield gauge("spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.",
+                    st.spec_acceptance_rate)
+        yield gauge("spec_decode_mean_accepted_length",
+                    "Tokens emitted per speculating step (accepted drafts + 1).",
+                    st.spec_mean_accepted_length)
 
 
 class ServerMetrics:

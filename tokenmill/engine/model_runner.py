@@ -41,6 +41,19 @@ class ModelRunner:
             v = torch.empty(shape, dtype=kv_dtype, device=device)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
+        # Attention reads whole blocks and masks the slots past a sequence's end; a
+        # zero weight on a NaN left in fresh memory is still NaN, so each block is
+        # zeroed the first time a step uses it (block 0 now: it pads block tables).
+        self._fresh = bytearray(b"\x01") * num_blocks
+        self._zero_blocks([0])
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_fill_(0, idx, 0)
+            v.index_fill_(0, idx, 0)
+        for b in block_ids:
+            self._fresh[b] = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -59,6 +72,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logit_rows: list[int] = []
+        fresh: list[int] = []
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -67,12 +81,15 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            fresh.extend(b for b in table[start // bs:(end - 1) // bs + 1] if self._fresh[b])
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
             if item.sample:
                 logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
                                         query_start[-1]))
+        if fresh:
+            self._zero_blocks(fresh)
         max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]

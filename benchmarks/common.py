@@ -52,7 +52,7 @@ def median_spread(values: list[float]) -> str:
 
 
 class Stopwatch:
-    def __enter__(self) -> Stopwatch:
+    def __enter__(self):
         self.t0 = time.perf_counter()
         return self
 

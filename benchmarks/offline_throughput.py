@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import Stopwatch, load_transformers, machine  # noqa: E402
+from common import Stopwatch, load_transformers, machine
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

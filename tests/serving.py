@@ -48,7 +48,7 @@ def start_server(*args: str, ready_timeout_s: float = 180.0, env: dict | None = 
                  log_dir: str = "/tmp") -> ServerProcess:
     port = free_port()
     log_path = os.path.join(log_dir, f"tokenmill-serve-{port}.log")
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the server process writes to it until stop()
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *args,
            "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

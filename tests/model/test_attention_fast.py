@@ -68,7 +68,7 @@ def test_fast_path_matches_reference(dtype, contiguous, query_lens, seq_lens):
 def test_reference_path_ignores_nan_in_padding_slots():
     """The reference path is safe on any pool; the fast path relies on the model
     runner zeroing blocks on first use (tests/engine/test_model_runner.py)."""
-    q, k, v, k_cache, v_cache, meta = mixed_step([1, 1, 1], [5, 17, 9], torch.float32, False)
+    q, _, _, k_cache, v_cache, meta = mixed_step([1, 1, 1], [5, 17, 9], torch.float32, False)
     written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for table, n in zip(meta.block_tables.tolist(), meta.seq_lens_list):
         for p in range(n):

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -175,8 +175,36 @@ class _Progress:
         self.text_len = [0] * n
         self.num_tokens = [0] * n
         self.finish_sent = [False] * n
+        self.chunk_sent = [False] * n
         self.last_output_time: float | None = None
         self.metrics = metrics
+
+    def deltas(self, out: RequestOutput, with_tokens: bool, announce: bool = False
+               ) -> Iterator[tuple[CompletionOutput, str, int, int, bool]]:
+        """Each choice with something new to stream: (output, text delta, index of its
+        first unsent token, length of text already sent, is this its first chunk).
+        A choice is due when its text grew, it finished, it has new tokens and
+        `with_tokens` (logprobs ride on tokens), or it has sent nothing and
+        `announce` (chat's role chunk). Marks what it yields as sent."""
+        for c in out.outputs:
+            i = c.index
+            if self.finish_sent[i]:
+                continue
+            delta = c.text[self.text_len[i]:]
+            new_tokens = len(c.token_ids) > self.num_tokens[i]
+            first = not self.chunk_sent[i]
+            if not (delta or c.finish_reason or (with_tokens and new_tokens)
+                    or (announce and first)):
+                continue
+            yield c, delta, self.num_tokens[i], self.text_len[i], first
+            self.chunk_sent[i] = True
+            self.text_len[i] = len(c.text)
+            self.num_tokens[i] = len(c.token_ids)
+            self.finish_sent[i] = c.finish_reason is not None
+
+    def chunk(self, request_id: str, model_name: str, choice: dict) -> dict:
+        return {"id": request_id, "object": self.object, "created": self.created,
+                "model": model_name, "choices": [choice]}
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -436,26 +464,13 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
         if req.stream:
             def chunks(out: RequestOutput) -> list[dict]:
                 events = []
-                for c in out.outputs:
-                    i = c.index
-                    if progress.finish_sent[i]:
-                        continue
-                    delta = c.text[progress.text_len[i]:]
-                    new_tokens = len(c.token_ids) > progress.num_tokens[i]
-                    if not (delta or c.finish_reason or (want_logprobs and new_tokens)):
-                        continue
+                for c, delta, first_token, sent_text, _ in progress.deltas(out, want_logprobs):
                     choice = p.CompletionChoice(
-                        index=i, text=delta, finish_reason=c.finish_reason,
+                        index=c.index, text=delta, finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
-                        logprobs=completion_logprobs(c, progress.num_tokens[i],
-                                                     progress.text_len[i])
+                        logprobs=completion_logprobs(c, first_token, sent_text)
                         if want_logprobs else None)
-                    progress.text_len[i] = len(c.text)
-                    progress.num_tokens[i] = len(c.token_ids)
-                    progress.finish_sent[i] = c.finish_reason is not None
-                    events.append({"id": request_id, "object": "text_completion",
-                                   "created": progress.created, "model": model_name,
-                                   "choices": [p.dump(choice)]})
+                    events.append(progress.chunk(request_id, model_name, p.dump(choice)))
                 return events
 
             return StreamingResponse(sse(request_id, stream, progress, chunks,
@@ -483,36 +498,21 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
         top_k = req.top_logprobs or 0
 
         if req.stream:
-            role_sent = [False] * req.n
-
             def chunks(out: RequestOutput) -> list[dict]:
                 events = []
-                for c in out.outputs:
-                    i = c.index
-                    if progress.finish_sent[i]:
-                        continue
-                    delta = c.text[progress.text_len[i]:]
-                    new_tokens = len(c.token_ids) > progress.num_tokens[i]
-                    if not (delta or c.finish_reason or (req.logprobs and new_tokens)
-                            or not role_sent[i]):
-                        continue
+                for c, delta, first_token, _, first in progress.deltas(
+                        out, bool(req.logprobs), announce=True):
                     choice = p.ChatChunkChoice(
-                        index=i,
-                        delta=p.DeltaMessage(role=None if role_sent[i] else "assistant",
+                        index=c.index,
+                        delta=p.DeltaMessage(role="assistant" if first else None,
                                              content=delta),
                         finish_reason=c.finish_reason,
-                        logprobs=chat_logprobs(c, progress.num_tokens[i], top_k)
+                        logprobs=chat_logprobs(c, first_token, top_k)
                         if req.logprobs else None)
-                    role_sent[i] = True
-                    progress.text_len[i] = len(c.text)
-                    progress.num_tokens[i] = len(c.token_ids)
-                    progress.finish_sent[i] = c.finish_reason is not None
                     dumped = p.dump(choice)
                     if dumped["delta"]["role"] is None:  # as OpenAI: role only in the first
                         del dumped["delta"]["role"]
-                    events.append({"id": request_id, "object": "chat.completion.chunk",
-                                   "created": progress.created, "model": model_name,
-                                   "choices": [dumped]})
+                    events.append(progress.chunk(request_id, model_name, dumped))
                 return events
 
             return StreamingResponse(sse(request_id, stream, progress, chunks,

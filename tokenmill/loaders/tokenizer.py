@@ -1,8 +1,8 @@
 """The model's tokenizer, as a transformers tokenizer (cached per file).
 
 Building a tokenizer from a GGUF's metadata takes seconds, so the result is
-also saved once under the user's cache directory (TOKENMILL_CACHE_DIR, default
-~/.cache/tokenmill) and loaded from there on later starts.
+also saved once under tokenmill's cache directory (tokenmill/cache.py) and
+loaded from there on later starts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cache import cache_dir
 from tokenmill.loaders.model_source import ModelLoadError, ModelSource
 
 logger = logging.getLogger(__name__)
@@ -22,12 +23,6 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(source: ModelSource) -> Any:
     """A transformers PreTrainedTokenizerFast, cached in-process per path."""
     return _load_tokenizer(source.kind, str(source.path))
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
-    return Path(root)
 
 
 def _gguf_cache_path(path: Path) -> Path:

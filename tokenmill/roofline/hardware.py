@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tokenmill.cache import cache_dir
+
 T = 1e12
 GB = 1e9
 
@@ -116,11 +118,6 @@ def get_hardware(name: str) -> Hardware:
 
 
 # ---- measured CPU ------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tokenmill"
 
 
 def _cpu_model() -> str:

@@ -106,8 +106,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
-        loaded = load_engine_model(self.source, config.dtype, config.quantization, device)
-        self.quantization = loaded.quantization
+        loaded, self.quantization = load_engine_model(self.source, config.dtype,
+                                                      config.quantization, device)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)

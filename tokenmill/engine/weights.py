@@ -42,12 +42,12 @@ def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> 
 
 
 def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
-                      device: torch.device) -> LoadedModel:
+                      device: torch.device) -> tuple[LoadedModel, str]:
+    """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
     loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device)
     method = resolve_method(quantization, loaded.model, dtype)
     summary = quantize_model(loaded.model, method)
-    loaded.quantization = method  # type: ignore[attr-defined]
     logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB dense kept for "
                 "large batches", method, loaded.dtype, len(summary.quantized),
                 summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20)
-    return loaded
+    return loaded, method

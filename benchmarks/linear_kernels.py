@@ -1,6 +1,7 @@
 """Micro-benchmark of one linear layer's kernels at SmolLM2-135M's shapes.
 
-For each shape and batch size (rows): fp32 and bf16 dense matmul, int8
+For each shape and batch size (rows): fp32 and bf16 dense matmul, bf16 with the
+weight packed once for oneDNN (tokenmill.quant.dense, the large-batch path), int8
 (`_weight_int8pack_mm`, per-row scales), int4 (`_weight_int4pack_mm_for_cpu`,
 group 32) and the Q8_0 form of int4 (K doubled), all through the modules of
 tokenmill.models.quantization, plus each one's bandwidth floor (weight bytes ÷
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
 from tokenmill.quant.codes import int4_codes_from_float, int8_codes_from_float
+from tokenmill.quant.dense import DenseWeight
 from tokenmill.quant.linear import Int4Linear, Int8Linear
 
 # name -> (in_features, out_features, count per decode step)
@@ -33,13 +35,22 @@ SHAPES = {
     "lm_head": (576, 49152, 1),
 }
 BATCHES = (1, 2, 4, 8, 16, 64)
-METHODS = ("fp32", "bf16", "int8", "int4", "int4_q8")
+METHODS = ("fp32", "bf16", "bf16_packed", "int8", "int4", "int4_q8")
 
 
 def read_bandwidth_bytes_s(min_run_time: float) -> float:
     buf = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, far beyond the caches
     t = Timer("buf.sum()", globals={"buf": buf}).blocked_autorange(min_run_time=min_run_time)
     return buf.numel() * 4 / t.median
+
+
+class _Packed(torch.nn.Module):
+    def __init__(self, dense: DenseWeight) -> None:
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x)
 
 
 def build(method: str, w: torch.Tensor) -> tuple[torch.nn.Module | torch.Tensor, int]:
@@ -49,6 +60,8 @@ def build(method: str, w: torch.Tensor) -> tuple[torch.nn.Module | torch.Tensor,
         return w, n * k * 4
     if method == "bf16":
         return w.bfloat16(), n * k * 2
+    if method == "bf16_packed":
+        return _Packed(DenseWeight(w.bfloat16())), n * k * 2
     if method == "int8":
         codes, scale = int8_codes_from_float(w)
         m = Int8Linear(codes, scale)

@@ -134,6 +134,7 @@ def test_dense_path_above_the_threshold_agrees_with_the_lowbit_path():
     reference = dequantize_int4(codes, scale, zero)
     linear = Int4Linear(codes, scale, zero, dense_weight=reference.bfloat16(),
                         dense_min_rows=4)
+    assert linear.dense is not None and linear.dense.packed is not None  # oneDNN's layout
     calls = []
     lowbit = linear._lowbit
     linear._lowbit = lambda x2d: calls.append(x2d.shape[0]) or lowbit(x2d)  # type: ignore[method-assign]
@@ -207,9 +208,9 @@ def test_bf16_model_keeps_its_own_weights_for_large_batches(tiny_gguf_path):
     summary = quantize_model(model, "gguf", dense_min_rows=8)
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 9 and all(m.dense_min_rows == 8 for m in linears)
-    # tied: the LM head's dense weight is the embedding's own storage, not a copy
-    assert model.lm_head.dense_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert summary.dense_bytes == sum(m.dense_weight.numel() * 2 for m in linears[:-1])
+    # every linear, the tied LM head included, keeps a bf16 copy packed for oneDNN
+    assert all(m.dense is not None and m.dense.packed is not None for m in linears)
+    assert summary.dense_bytes == sum(m.out_features * m.in_features * 2 for m in linears)
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(5))
     # 12 rows >= 8: every linear takes the model's own bf16 weight, so nothing changes
     assert torch.equal(_logits(model, ids), _logits(reference, ids))

@@ -7,9 +7,10 @@ the edge and outputs back. The kernels dequantize in fp32 from bf16 scales and
 zeros and accumulate in fp32, so a result equals the dequantized reference
 within bf16 rounding (of the input, the scales and zeros, and the output).
 
-At large batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
+At larger batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
 (benchmarks/linear_kernels.py), so a quantized linear may also hold a dense
-weight and use it for inputs of at least `dense_min_rows` rows.
+weight (dense.py: packed for oneDNN) and use it for inputs of at least
+`dense_min_rows` rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
+from tokenmill.quant.dense import DenseWeight
 
 KERNEL_DTYPE = torch.bfloat16
 _N_MULTIPLE = 16  # the int4 pack op needs out_features divisible by 16
@@ -36,18 +38,19 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else bias.detach()
-        # a plain attribute, not a buffer: it may be the tied embedding's own tensor
-        self.dense_weight = None if dense_weight is None else dense_weight.detach()
+        # a plain attribute, not a buffer: oneDNN's packed copy, or a plain tensor that
+        # may be the tied embedding's own (see dense.py)
+        self.dense = None if dense_weight is None else DenseWeight(dense_weight)
         self.dense_min_rows = dense_min_rows if dense_weight is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.dense_min_rows is not None and rows >= self.dense_min_rows:
-            dense: torch.Tensor = self.dense_weight  # type: ignore[assignment]
-            y = F.linear(x.to(dense.dtype), dense).to(x.dtype)
+        x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
+        if self.dense is not None and rows >= self.dense_min_rows:  # type: ignore[operator]
+            y = self.dense(x2d)
         else:
-            x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
-            y = self._lowbit(x2d).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = self._lowbit(x2d)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,14 @@ lm_head. Methods:
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
 
-With a bfloat16 model, each quantized linear keeps the model's own bf16 weight
-and uses it for inputs of `dense_min_rows` rows or more, where a bf16 matmul is
-faster (benchmarks/linear_kernels.py). That costs the bf16 weights' memory
-(~210 MiB for SmolLM2-135M's layers; its tied LM head shares the embedding's
-tensor, which stays anyway). With `dense_min_rows=None`, or a float32 model
-(fp32 matmuls lose to the bf16 low-bit kernels at every batch measured), the
-float weights are freed.
+With a bfloat16 model, each quantized linear also keeps the model's own bf16
+weight, packed for oneDNN (dense.py), and uses it for inputs of
+`dense_min_rows` rows or more, where a bf16 matmul is faster
+(benchmarks/linear_kernels.py). That costs the bf16 weights' memory (~265 MiB
+for SmolLM2-135M, its LM head included: the packed copy is not the tied
+embedding's tensor). With `dense_min_rows=None`, or a float32 model (fp32
+matmuls lose to the bf16 low-bit kernels at every batch measured), the float
+weights are freed.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf
 
 METHODS = ("none", "gguf", "int4", "int8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-# rows from which a bf16 matmul beats the int4 kernel on the 2-core AVX512-BF16 EPYC
-# (benchmarks/linear_kernels.py, one decode step's linears): int4 wins clearly at
-# 1-4 rows, they tie near 8, bf16 wins 1.6x at 16 and 2x at 64 on a quiet machine
-DENSE_MIN_ROWS = 16
+# rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
+# AVX512-BF16 EPYC (benchmarks/linear_kernels.py, one decode step's linears, quiet):
+# int4 wins at 1-2 rows, they tie near 4, packed bf16 wins 1.4x at 8 and 1.9x at 16
+DENSE_MIN_ROWS = 4
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -64,12 +65,13 @@ def quantize_model(model: nn.Module, method: str,
                 _quantize_one(model, name, module, method, dense_min_rows, summary)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
-    # dense weights that are still model parameters (a tied embedding) cost nothing extra
+    # plain dense weights that are still model parameters (a tied embedding) cost
+    # nothing extra; packed ones are always copies
     params = {p.data_ptr() for p in model.parameters()}
     summary.dense_bytes = sum(
-        m.dense_weight.numel() * m.dense_weight.element_size() for m in model.modules()
-        if isinstance(m, QuantizedLinear) and m.dense_weight is not None
-        and m.dense_weight.data_ptr() not in params)
+        m.dense.nbytes for m in model.modules()
+        if isinstance(m, QuantizedLinear) and m.dense is not None
+        and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
     return summary
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tokenmill.models.attention import paged_attention_reference, store_kv_cache
+from tokenmill.models.attention import kv_cache_shape, paged_attention_reference, store_kv_cache
 from tokenmill.models.attention_fast import paged_attention_fast
 from tokenmill.models.context import AttentionMetadata
 
@@ -25,8 +25,9 @@ def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0):
     for n in seq_lens:
         need = -(-n // BLOCK)
         tables.append([free.pop(0) for _ in range(need)])
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    shape = kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     total = sum(query_lens)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(dtype)
     k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -69,11 +70,11 @@ def test_reference_path_ignores_nan_in_padding_slots():
     """The reference path is safe on any pool; the fast path relies on the model
     runner zeroing blocks on first use (tests/engine/test_model_runner.py)."""
     q, _, _, k_cache, v_cache, meta = mixed_step([1, 1, 1], [5, 17, 9], torch.float32, False)
-    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    written = torch.zeros(k_cache.shape[1:3], dtype=torch.bool)  # (blocks, slots)
     for table, n in zip(meta.block_tables.tolist(), meta.seq_lens_list):
         for p in range(n):
             written[table[p // BLOCK], p % BLOCK] = True
-    k_cache[~written] = float("nan")
-    v_cache[~written] = float("nan")
+    k_cache[:, ~written] = float("nan")
+    v_cache[:, ~written] = float("nan")
     out = paged_attention_reference(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     assert torch.isfinite(out).all()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenmill.loaders import load_model
+from tokenmill.models.attention import kv_cache_shape
 from tokenmill.models.context import AttentionMetadata, attention_metadata
 
 BLOCK_SIZE = 4
@@ -41,7 +42,7 @@ def test_paged_cache_matches_no_cache(hf_checkpoint, arch):
         expected = [model.compute_logits(model(t, torch.arange(len(t)))) for t in tokens]
 
     for layer in model.attention_layers():
-        shape = (NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
+        shape = kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
         layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     block_tables = [perm[:4], perm[4:7]]  # shuffled, non-contiguous blocks

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill.loaders import load_model, load_tokenizer, resolve_model
+from tokenmill.models.attention import kv_cache_shape
 from tokenmill.models.context import AttentionMetadata, attention_metadata
 
 PROMPTS = [
@@ -58,7 +59,7 @@ def _greedy_with_paged_cache(model, prompt_ids: list[int], eos: int):
     """Prefill once, then decode one token per step through the paged KV cache."""
     block_size, num_blocks = 16, 8
     for layer in model.attention_layers():
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
         layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
     block_table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]  # reversed blocks
     tokens, first_logits = list(prompt_ids), None

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
+from tokenmill.models.attention import kv_cache_shape
 from tokenmill.models.context import AttentionMetadata, attention_metadata
 
 
@@ -33,7 +34,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
+                               config.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in model.attention_layers():
             # empty, not zeros: pages are touched only as blocks fill, so RSS tracks use
@@ -50,8 +52,8 @@ class ModelRunner:
     def _zero_blocks(self, block_ids: list[int]) -> None:
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for k, v in self.kv_caches:
-            k.index_fill_(0, idx, 0)
-            v.index_fill_(0, idx, 0)
+            k.index_fill_(1, idx, 0)
+            v.index_fill_(1, idx, 0)
         for b in block_ids:
             self._fresh[b] = 0
 

@@ -24,9 +24,17 @@ from tokenmill.models.context import AttentionMetadata, get_attention_metadata
 BACKEND = os.environ.get("TOKENMILL_ATTENTION", "fast")
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    """One layer's K (or V) pool: head-major, so that gathering the blocks of a
+    batch of sequences yields (kv_heads, B * span, head_dim), a plain bmm operand
+    per head and sequence with no transpose copy."""
+    return (num_kv_heads, num_blocks, block_size, head_dim)
+
+
 class Attention(nn.Module):
     """Multi-head attention core (no projections). The model runner assigns
-    `k_cache` and `v_cache`, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+    `k_cache` and `v_cache`, each of `kv_cache_shape(...)`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -57,9 +65,11 @@ class Attention(nn.Module):
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of the caches."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(
+        1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(
+        1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -87,22 +97,22 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if meta.is_decode_only:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     block_size = meta.block_size
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     out = torch.empty_like(q)
     start = 0
     for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         num_blocks = -(-seq_len // block_size)
         block_ids = meta.block_tables[b, :num_blocks].long()
-        k = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # (L, kv, d)
-        v = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k_cache[:, block_ids].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]  # (kv, L, d)
+        v = v_cache[:, block_ids].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
         q_b = q[start:start + query_len].transpose(0, 1)  # (heads, q, d)
         if query_len == seq_len:
-            o = _sdpa(q_b, k.transpose(0, 1), v.transpose(0, 1), scale, is_causal=True)
+            o = _sdpa(q_b, k, v, scale, is_causal=True)
         else:
             # query i sits at position seq_len - query_len + i and sees keys up to it
             q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q, L)
-            o = _sdpa(q_b, k.transpose(0, 1), v.transpose(0, 1), scale, mask=mask)
+            o = _sdpa(q_b, k, v, scale, mask=mask)
         out[start:start + query_len] = o.transpose(0, 1)
         start += query_len
     return out
@@ -112,17 +122,16 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence: gather every sequence's blocks at once and mask the padding."""
     num_seqs = q.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     max_blocks = -(-meta.max_seq_len // meta.block_size)
     block_ids = meta.block_tables[:, :max_blocks].long()  # (B, max_blocks)
-    k = k_cache[block_ids].reshape(num_seqs, -1, num_kv_heads, head_dim)  # (B, S, kv, d)
-    v = v_cache[block_ids].reshape(num_seqs, -1, num_kv_heads, head_dim)
-    key_pos = torch.arange(k.shape[1], device=q.device)
+    k = k_cache[:, block_ids].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
+    v = v_cache[:, block_ids].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
+    key_pos = torch.arange(k.shape[2], device=q.device)  # k, v: (B, kv, S, d)
     mask = key_pos[None, :] < meta.seq_lens.to(q.device).long()[:, None]  # (B, S)
     # never-written slots may hold NaN, and a masked NaN score or a zero weight on a
     # NaN value is still NaN
-    k = k.masked_fill(~mask[:, :, None, None], 0)
-    v = v.masked_fill(~mask[:, :, None, None], 0)
-    out = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale,
-                mask=mask[:, None, None, :])  # (B, heads, 1, d)
+    k = k.masked_fill(~mask[:, None, :, None], 0)
+    v = v.masked_fill(~mask[:, None, :, None], 0)
+    out = _sdpa(q.unsqueeze(2), k, v, scale, mask=mask[:, None, None, :])  # (B, heads, 1, d)
     return out.squeeze(2)

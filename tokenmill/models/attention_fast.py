@@ -86,9 +86,9 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     One index_select per pool gathers the batch's blocks, head-major, into
     (kv_heads * B, span, d): both products are then plain 3-D bmm calls over
     contiguous operands (a 4-D matmul over permuted views made torch copy and
-    fold them on every call, 7x slower at 16 x 1,100 tokens). Scores and
-    softmax are fp32; the weighted sum runs in the cache dtype. Needs finite
-    values in slots past each sequence's end (see ModelRunner).
+    fold them on every call, 7x slower at 16 x 1,100 tokens). Both products run
+    in the cache dtype, softmax in fp32. Needs finite values in slots past each
+    sequence's end (see ModelRunner).
     """
     num_seqs, heads, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
@@ -107,15 +107,14 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            out=_workspace.get("k", shape, k_cache.dtype, k_cache.device))
     v = torch.index_select(v_cache.view(-1, block_size * d), 0, idx,
                            out=_workspace.get("v", shape, v_cache.dtype, v_cache.device))
-    k32 = k.view(rows, span, d)
-    if k32.dtype != torch.float32:
-        k32 = _workspace.get("k32", (rows, span, d), torch.float32, q.device).copy_(k32)
     lens = torch.tensor(seq_lens, device=q.device)
     # slots past a sequence's end hold zeros or stale finite K/V (the model runner
     # zeroes each block on first use), so masking their scores is enough
     pad = torch.arange(span, device=q.device)[None, :] >= lens[:, None]  # (B, S)
-    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).reshape(rows, group, d).float()
-    scores = torch.bmm(qg, k32.transpose(1, 2))  # (kv * B, g, S)
+    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).reshape(rows, group, d)
+    # q.K in the cache dtype, as transformers' eager attention does: an fp32 copy of
+    # K would cost more than the product itself; masking and softmax run in fp32
+    scores = torch.bmm(qg.to(k.dtype), k.view(rows, span, d).transpose(1, 2)).float()
     scores = scores.view(kv_heads, num_seqs, group, span)
     scores.mul_(scale).masked_fill_(pad[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(rows, group, span)

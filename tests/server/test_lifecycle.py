@@ -67,3 +67,20 @@ def test_sigterm_finishes_in_flight_and_exits_0(small_server):
     worker.join(10)
     r = result["response"]
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_port_in_use_exits_1_instead_of_serving_nothing():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "tokenmill.cli", "serve", "smollm2-135m",
+             "--host", "127.0.0.1", "--port", str(port)],
+            check=False, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "address already in use" in (proc.stdout + proc.stderr).lower()

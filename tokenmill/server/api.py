@@ -224,7 +224,9 @@ class _Progress:
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              start_engine: bool = True) -> FastAPI:
+    """start_engine=False: the caller runs the engine loop itself (`engine.run()`)."""
     llm = engine.engine
     tokenizer = llm.tokenizer
     model_name = served_model_name or llm.model_name
@@ -234,7 +236,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        if start_engine:
+            engine.start()
         yield
         await asyncio.to_thread(engine.shutdown)
 

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 
 from tokenmill.engine.args import add_engine_args, engine_config_from_args, parse_bytes
 
@@ -47,15 +48,29 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    engine = LLMEngine(engine_config_from_args(args))
-    app = build_app(AsyncEngine(engine, max_waiting=args.max_waiting),
-                    served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size)
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
+                         max_waiting=args.max_waiting)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+                    max_request_bytes=args.max_request_size, start_engine=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    # uvicorn re-raises the signal it caught once it has shut down gracefully; a
-    # handler that ignores it lets SIGTERM end in exit status 0.
+    server = uvicorn.Server(config)
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # however HTTP ended (shutdown, or a port it could not bind)
+            engine.stop()
+
+    # The engine loop runs here, on the main thread, and HTTP on another
+    # (async_engine.py says why). uvicorn catches signals only on the main thread,
+    # so SIGTERM / SIGINT are routed to it by hand: it drains in-flight requests
+    # (--shutdown-timeout), its lifespan stops the engine loop, and we exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
-    return 0
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=serve_http, name="tokenmill-http")
+    http.start()
+    engine.run()
+    while http.is_alive():  # the engine died: keep answering 503 until told to stop
+        http.join(0.5)
+    return 0 if server.started else 1

@@ -8,23 +8,25 @@ import pytest
 import torch
 
 from tokenmill.models.attention import kv_cache_shape, paged_attention_reference, store_kv_cache
-from tokenmill.models.attention_fast import paged_attention_fast
+from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
 from tokenmill.models.context import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
 
-def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0):
+def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0, shared=0):
+    """shared: every table starts with the same `shared` blocks (a cached prompt)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     free = list(range(num_blocks))
     if not contiguous:
         rng.shuffle(free)
+    common = [free.pop(0) for _ in range(shared)]
     tables = []
     for n in seq_lens:
         need = -(-n // BLOCK)
-        tables.append([free.pop(0) for _ in range(need)])
+        tables.append(common + [free.pop(0) for _ in range(need - shared)])
     shape = kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -64,6 +66,36 @@ def test_fast_path_matches_reference(dtype, contiguous, query_lens, seq_lens):
     fast = paged_attention_fast(q, k, v, k_cache, v_cache, meta, scale).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1, 1], [23, 30, 21, 40]),  # decodes after a 20-token shared prompt
+    ([1, 6, 1, 1], [29, 26, 21, 33]),  # ... with a prompt chunk of a sibling in the step
+])
+def test_decodes_sharing_prefix_blocks_attend_to_them_once_and_match_reference(
+        dtype, contiguous, query_lens, seq_lens):
+    shared = 5  # blocks of 4: 20 tokens, >= MIN_SHARED_BLOCKS
+    q, k, v, k_cache, v_cache, meta = mixed_step(query_lens, seq_lens, dtype, contiguous,
+                                                 shared=shared)
+    decodes = [b for b, n in enumerate(query_lens) if n == 1]
+    plan = _DecodePlan(meta.block_tables[decodes], [seq_lens[b] for b in decodes], k_cache)
+    assert plan.shared == shared  # the shared-prefix path is the one under test
+    scale = HEAD_DIM ** -0.5
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, scale).float()
+    fast = paged_attention_fast(q, k, v, k_cache, v_cache, meta, scale).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+
+
+def test_shared_prefix_stops_where_tables_differ_and_keeps_a_token_of_each_own():
+    _, _, _, k_cache, _, meta = mixed_step([1, 1], [21, 30], torch.float32, True, shared=5)
+    assert _DecodePlan(meta.block_tables, [21, 30], k_cache).shared == 5
+    # 20 tokens in 5 shared blocks and a sequence of exactly 20: it keeps its last block
+    assert _DecodePlan(meta.block_tables, [20, 30], k_cache).shared == 4
+    _, _, _, k_cache, _, meta = mixed_step([1, 1], [21, 30], torch.float32, True, shared=3)
+    assert _DecodePlan(meta.block_tables, [21, 30], k_cache).shared == 0  # below the minimum
 
 
 def test_reference_path_ignores_nan_in_padding_slots():

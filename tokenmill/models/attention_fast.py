@@ -5,7 +5,8 @@ Same contract as `paged_attention_reference`, fewer and cheaper ops:
   pool into reused scratch and three batched ops (scores, softmax, weighted
   sum), with grouped-query heads handled by a reshape instead of repeating
   K/V per query head, and no flash-attention kernel (whose fixed cost
-  dominates a single query);
+  dominates a single query); blocks all of them share (a cached system
+  prompt) are attended once for the whole batch, not gathered per sequence;
 - a prefill chunk with no cached prefix attends to this step's own K/V, not a
   copy gathered back out of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
@@ -81,46 +82,92 @@ class _Workspace:
 _workspace = _Workspace()
 
 
+# a batch's decode rows attend to blocks they all share once, as one matmul, when
+# there are at least this many (below it the extra ops cost more than the gather)
+MIN_SHARED_BLOCKS = 4
+
+
+class _DecodePlan:
+    """What every layer's batched decode attention needs, derived once per step.
+
+    Blocks that every sequence of the batch has at the same place in its table
+    (a prefix-cache hit on a shared system prompt, or n > 1 siblings) are
+    attended once for all queries: one (kv, B * g, P) matmul instead of
+    gathering the same prefix B times; each sequence's own blocks after it are
+    gathered as before, and the two softmax parts are merged exactly (shared
+    maximum, one denominator)."""
+
+    def __init__(self, tables: torch.Tensor, seq_lens: list[int], k_cache: torch.Tensor
+                 ) -> None:
+        kv_heads, pool_blocks, block_size, _ = k_cache.shape
+        device = k_cache.device
+        rows = tables.tolist()
+        shared = 0
+        if len(rows) > 1:
+            limit = (min(seq_lens) - 1) // block_size  # each keeps >= 1 token of its own
+            first = rows[0]
+            while shared < limit and all(r[shared] == first[shared] for r in rows):
+                shared += 1
+        self.shared = shared if shared >= MIN_SHARED_BLOCKS else 0
+        self.shared_table = rows[0][:self.shared]
+        own = [n - self.shared * block_size for n in seq_lens]
+        n_blocks = -(-max(own) // block_size)
+        self.span = n_blocks * block_size
+        # block b of head h is row h * pool_blocks + b of the pool seen as
+        # (kv * blocks, bs * d): a dim-0 gather of whole rows, 2x faster than
+        # index_select along dim 1
+        own_tables = tables[:, self.shared:self.shared + n_blocks].reshape(1, -1).long()
+        heads = torch.arange(0, kv_heads * pool_blocks, pool_blocks, device=device)
+        self.idx = (own_tables + heads[:, None]).reshape(-1)
+        lens = torch.tensor(own, device=device)
+        self.pad = torch.arange(self.span, device=device)[None, :] >= lens[:, None]  # (B, S)
+
+
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  tables: torch.Tensor, seq_lens: list[int], scale: float) -> torch.Tensor:
+                  plan: _DecodePlan, scale: float) -> torch.Tensor:
     """One query per sequence, all sequences at once. q (B, heads, d) -> (B, heads, d).
 
-    One index_select per pool gathers the batch's blocks, head-major, into
-    (kv_heads * B, span, d): both products are then plain 3-D bmm calls over
-    contiguous operands (a 4-D matmul over permuted views made torch copy and
-    fold them on every call, 7x slower at 16 x 1,100 tokens). Both products run
-    in the cache dtype, softmax in fp32. Needs finite values in slots past each
-    sequence's end (see ModelRunner).
+    One index_select per pool gathers the batch's own blocks, head-major, into
+    reused scratch as (kv_heads * B, span, d): both products are then plain 3-D
+    bmm calls over contiguous operands (a 4-D matmul over permuted views made
+    torch copy and fold them on every call, 7x slower at 16 x 1,100 tokens).
+    Both products run in the cache dtype, as transformers' eager attention does
+    (an fp32 copy of K cost more than the product); masking and softmax run in
+    fp32. Needs finite values in slots past each sequence's end (see ModelRunner).
     """
     num_seqs, heads, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
     group = heads // kv_heads
-    n_blocks = -(-max(seq_lens) // block_size)
-    span = n_blocks * block_size
-    rows = kv_heads * num_seqs
-    # block b of head h is row h * num_blocks + b of the pool seen as (kv * blocks, bs * d):
-    # a dim-0 gather of whole rows, 2x faster than index_select along dim 1
-    num_pool_blocks = k_cache.shape[1]
-    idx = (tables[:, :n_blocks].reshape(1, -1).long()
-           + torch.arange(0, rows // num_seqs * num_pool_blocks, num_pool_blocks,
-                          device=q.device)[:, None]).reshape(-1)
-    shape = (kv_heads * num_seqs * n_blocks, block_size * d)
-    k = torch.index_select(k_cache.view(-1, block_size * d), 0, idx,
+    rows, span = kv_heads * num_seqs, plan.span
+    shape = (plan.idx.numel(), block_size * d)
+    k = torch.index_select(k_cache.view(-1, block_size * d), 0, plan.idx,
                            out=_workspace.get("k", shape, k_cache.dtype, k_cache.device))
-    v = torch.index_select(v_cache.view(-1, block_size * d), 0, idx,
+    v = torch.index_select(v_cache.view(-1, block_size * d), 0, plan.idx,
                            out=_workspace.get("v", shape, v_cache.dtype, v_cache.device))
-    lens = torch.tensor(seq_lens, device=q.device)
+    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).to(k.dtype)  # (kv, B, g, d)
+    scores = torch.bmm(qg.reshape(rows, group, d), k.view(rows, span, d).transpose(1, 2))
+    scores = scores.float().view(kv_heads, num_seqs, group, span)
     # slots past a sequence's end hold zeros or stale finite K/V (the model runner
     # zeroes each block on first use), so masking their scores is enough
-    pad = torch.arange(span, device=q.device)[None, :] >= lens[:, None]  # (B, S)
-    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).reshape(rows, group, d)
-    # q.K in the cache dtype, as transformers' eager attention does: an fp32 copy of
-    # K would cost more than the product itself; masking and softmax run in fp32
-    scores = torch.bmm(qg.to(k.dtype), k.view(rows, span, d).transpose(1, 2)).float()
-    scores = scores.view(kv_heads, num_seqs, group, span)
-    scores.mul_(scale).masked_fill_(pad[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(rows, group, span)
-    out = torch.bmm(probs, v.view(rows, span, d))  # (kv * B, g, d)
+    scores.mul_(scale).masked_fill_(plan.pad[None, :, None, :], float("-inf"))
+    if not plan.shared:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(rows, group, span)
+        out = torch.bmm(probs, v.view(rows, span, d))  # (kv * B, g, d)
+    else:
+        prefix_len = plan.shared * block_size
+        kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
+        vp = _seq_kv(v_cache, plan.shared_table, prefix_len)
+        sp = torch.bmm(qg.reshape(kv_heads, num_seqs * group, d), kp.transpose(1, 2))
+        sp = sp.float().mul_(scale).view(kv_heads, num_seqs, group, prefix_len)
+        top = torch.maximum(scores.amax(-1, keepdim=True), sp.amax(-1, keepdim=True))
+        scores.sub_(top).exp_()
+        sp.sub_(top).exp_()
+        denom = scores.sum(-1, keepdim=True).add_(sp.sum(-1, keepdim=True))  # (kv, B, g, 1)
+        out = torch.bmm(scores.to(v.dtype).view(rows, group, span), v.view(rows, span, d))
+        out = out.float().view(kv_heads, num_seqs, group, d)
+        out += torch.bmm(sp.to(vp.dtype).view(kv_heads, num_seqs * group, prefix_len),
+                         vp).float().view(kv_heads, num_seqs, group, d)
+        out /= denom
     return out.view(kv_heads, num_seqs, group, d).transpose(0, 1).reshape(
         num_seqs, heads, d).to(q.dtype)
 
@@ -132,7 +179,11 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     in the caches). Returns (T, heads, d)."""
     query_lens, seq_lens = meta.query_lens_list, meta.seq_lens_list
     if meta.is_decode_only and len(seq_lens) > 1:
-        return _decode_batch(q, k_cache, v_cache, meta.block_tables, seq_lens, scale)
+        decode = meta.derived.get("fast_decode")
+        if decode is None:  # the same for every layer of the step: derive it once
+            decode = meta.derived["fast_decode"] = _DecodePlan(meta.block_tables, seq_lens,
+                                                               k_cache)
+        return _decode_batch(q, k_cache, v_cache, decode, scale)
     plan = meta.derived.get("fast_attention")
     if plan is None:  # the same for every layer of the step: derive it once
         plan = meta.derived["fast_attention"] = _Plan(meta, q.device)
@@ -151,9 +202,10 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out[start:end] = _attend(q[start:end], ks, vs, scale, seq_len - query_len)
         start = end
     if plan.batched_decodes:
-        out[plan.decode_rows] = _decode_batch(
-            q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
-            plan.decode_seq_lens, scale)
+        if plan.decode is None:
+            plan.decode = _DecodePlan(plan.decode_tables, plan.decode_seq_lens, k_cache)
+        out[plan.decode_rows] = _decode_batch(q.index_select(0, plan.decode_rows), k_cache,
+                                              v_cache, plan.decode, scale)
     return out
 
 
@@ -165,6 +217,7 @@ class _Plan:
         lens = meta.query_lens_list
         decodes = [b for b, n in enumerate(lens) if n == 1] if len(lens) > 1 else []
         self.batched_decodes = set(decodes) if len(decodes) > 1 else set()
+        self.decode: _DecodePlan | None = None  # built by the first layer (needs the pool)
         if self.batched_decodes:
             starts = meta.query_start_loc.tolist()
             self.decode_rows = torch.tensor([starts[b] for b in decodes], device=device)

@@ -3,7 +3,7 @@
 Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
 fastest correct path for the machine: on a CPU with native bf16 (AVX512-BF16 or
 AMX) a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively on torch's int4 kernel for
-1-3 rows, with bf16 weights kept (packed for oneDNN) for 4 rows and up, where
+1-7 rows, with bf16 weights kept (packed for oneDNN) for 8 rows and up, where
 a bf16 matmul wins; elsewhere float weights. An explicit `dtype="float32"`
 keeps the exact dequantized fp32 reference path.
 """

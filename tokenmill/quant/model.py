@@ -37,9 +37,11 @@ from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf
 METHODS = ("none", "gguf", "int4", "int8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
-# AVX512-BF16 EPYC (benchmarks/linear_kernels.py, one decode step's linears, quiet):
-# int4 wins at 1-2 rows, they tie near 4, packed bf16 wins 1.4x at 8 and 1.9x at 16
-DENSE_MIN_ROWS = 4
+# AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
+# from memory): int4 wins at 1-4 rows (15.4 vs 19.9 ms at 4), packed bf16 from 8
+# (23.8 vs 28.9 ms). Whole engine decode steps at 200 tokens of context: 4 rows
+# int4 29.3 vs packed 33.6 ms, 6 rows 36.4 vs 37.8, 8 rows a tie (41.0 vs 41.6).
+DENSE_MIN_ROWS = 8
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 

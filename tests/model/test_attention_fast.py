@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from tokenmill.models import attention_fast
 from tokenmill.models.attention import kv_cache_shape, paged_attention_reference, store_kv_cache
 from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
 from tokenmill.models.context import AttentionMetadata
@@ -96,6 +97,20 @@ def test_shared_prefix_stops_where_tables_differ_and_keeps_a_token_of_each_own()
     assert _DecodePlan(meta.block_tables, [20, 30], k_cache).shared == 4
     _, _, _, k_cache, _, meta = mixed_step([1, 1], [21, 30], torch.float32, True, shared=3)
     assert _DecodePlan(meta.block_tables, [21, 30], k_cache).shared == 0  # below the minimum
+
+
+def test_batched_decode_runs_outside_inference_mode_after_running_inside_it(monkeypatch):
+    # the engine runs under inference_mode; the scratch it leaves must not break callers
+    # that do not (a tensor created in inference mode cannot be written outside it)
+    monkeypatch.setattr(attention_fast, "_workspace", attention_fast._Workspace())
+    big = ([1, 1, 1, 1], [45, 57, 49, 60])
+    with torch.inference_mode():  # the scratch is first allocated in here
+        inside = mixed_step(*big, torch.float32, True)
+        paged_attention_fast(*inside, HEAD_DIM ** -0.5)
+    q, k, v, k_cache, v_cache, meta = mixed_step(*big, torch.float32, True)
+    fast = paged_attention_fast(q, k, v, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_path_ignores_nan_in_padding_slots():

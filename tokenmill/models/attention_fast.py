@@ -75,7 +75,11 @@ class _Workspace:
         numel = math.prod(shape)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self._bufs[key] = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
+            # a normal tensor even when first needed under inference_mode: an inference
+            # tensor could not be written by a later call outside it
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
+            self._bufs[key] = buf
         return buf[:numel].view(shape)
 
 

@@ -182,8 +182,3 @@ class RotaryEmbedding(nn.Module):
         x32 = x.float()
         half = x32.shape[-1] // 2
         return (x32 * cos + x32.roll(half, dims=-1) * sin).to(x.dtype)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim)
-        return self.rotate(positions, q), self.rotate(positions, k)

@@ -25,10 +25,6 @@ class DenseWeight:
         self.weight = weight.detach() if self.packed is None else None
 
     @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16
-
-    @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 2
 

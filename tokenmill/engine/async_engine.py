@@ -5,12 +5,11 @@ so the engine needs no locks. Requests from the event loop go into an inbox the
 loop drains between steps; each request gets one asyncio queue that the loop
 fills with `loop.call_soon_threadsafe`.
 
-`tokenmill serve` runs the engine loop on the process's main thread (`run`)
-and the HTTP server on another: with torch's OpenMP (libgomp), a parallel
-region started from any other thread costs ~40 us instead of ~4 us (measured:
-softmax 14 -> 59 us, bf16->fp32 copy 4 -> 40 us), which made every streamed
-token ~15 ms slower at batch 1. `start` runs the same loop on a worker
-thread, for in-process use.
+The owner calls `run` on the process's main thread and serves HTTP from
+another (`tokenmill serve`): with torch's OpenMP (libgomp), a parallel region
+started from any other thread costs ~40 us instead of ~4 us (measured: softmax
+14 -> 59 us, bf16->fp32 copy 4 -> 40 us), which made every streamed token ~15
+ms slower at batch 1 when the loop had a worker thread of its own.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class RequestStream:
         self.finished = False
         self.aborted = False
 
-    def put(self, item: Any) -> None:  # worker thread
+    def put(self, item: Any) -> None:  # engine loop
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -104,7 +103,7 @@ class _Inbox:
 
 
 class AsyncEngine:
-    """Runs `engine.step()` in one background thread while requests come and go.
+    """Runs `engine.step()` in a loop (`run`) while requests come and go.
 
     max_waiting: how many requests may wait for a running slot before new ones
     are refused (None: unbounded). stuck_after_s: a step running longer than
@@ -119,7 +118,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox = _Inbox()
-        self._streams: dict[str, RequestStream] = {}  # worker thread only
+        self._streams: dict[str, RequestStream] = {}  # engine loop only
         self.max_num_seqs = engine.config.max_num_seqs
         self._num_seqs_in_flight = 0  # sequences handed over and not finished (guarded)
         self._stopping = False
@@ -127,16 +126,11 @@ class AsyncEngine:
         self._step_started_at: float | None = None
         self.last_step_end: float = time.monotonic()
         self.stats = _copy_stats(engine.get_stats())  # replaced whole, never mutated
-        self._thread = threading.Thread(target=self.run, name="tokenmill-engine", daemon=True)
         self._loop_thread: threading.Thread | None = None  # the thread running `run`
         self._finished = threading.Event()  # the loop has returned (or died)
         self._dead_reason: str | None = None
 
     # ---- event loop side --------------------------------------------------------
-
-    def start(self) -> None:
-        """Run the engine loop on a worker thread (see the module docstring for `run`)."""
-        self._thread.start()
 
     def _loop_alive(self) -> bool:
         return not self._finished.is_set()
@@ -215,7 +209,7 @@ class AsyncEngine:
         if loop_thread is not None and loop_thread is not threading.current_thread():
             self._finished.wait(timeout_s)
 
-    # ---- worker thread ------------------------------------------------------------
+    # ---- engine loop side -----------------------------------------------------------
 
     def run(self) -> None:
         """The engine loop, on the calling thread, until `stop` / `shutdown`."""
@@ -328,5 +322,5 @@ class AsyncEngine:
 
 
 def _copy_stats(stats: Any) -> Any:
-    """A snapshot the event loop can read while the worker keeps counting."""
+    """A snapshot the event loop can read while the engine loop keeps counting."""
     return copy.deepcopy(stats)

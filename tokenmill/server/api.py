@@ -224,9 +224,8 @@ class _Progress:
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              start_engine: bool = True) -> FastAPI:
-    """start_engine=False: the caller runs the engine loop itself (`engine.run()`)."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app in front of `engine`, whose loop the caller runs (`engine.run()`)."""
     llm = engine.engine
     tokenizer = llm.tokenizer
     model_name = served_model_name or llm.model_name
@@ -236,8 +235,6 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if start_engine:
-            engine.start()
         yield
         await asyncio.to_thread(engine.shutdown)
 

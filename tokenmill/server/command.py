@@ -51,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
                          max_waiting=args.max_waiting)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size, start_engine=False)
+                    max_request_bytes=args.max_request_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)

@@ -190,7 +190,7 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _decode_batch(q, k_cache, v_cache, decode, scale)
     plan = meta.derived.get("fast_attention")
     if plan is None:  # the same for every layer of the step: derive it once
-        plan = meta.derived["fast_attention"] = _Plan(meta, q.device)
+        plan = meta.derived["fast_attention"] = _Plan(meta, k_cache)
     out = torch.empty_like(q)
     start = 0
     for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
@@ -205,9 +205,7 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vs = _seq_kv(v_cache, plan.tables[b], seq_len)
             out[start:end] = _attend(q[start:end], ks, vs, scale, seq_len - query_len)
         start = end
-    if plan.batched_decodes:
-        if plan.decode is None:
-            plan.decode = _DecodePlan(plan.decode_tables, plan.decode_seq_lens, k_cache)
+    if plan.decode is not None:
         out[plan.decode_rows] = _decode_batch(q.index_select(0, plan.decode_rows), k_cache,
                                               v_cache, plan.decode, scale)
     return out
@@ -216,15 +214,15 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class _Plan:
     """How a mixed step splits: single-query rows batched together, the rest per sequence."""
 
-    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+    def __init__(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> None:
         self.tables: list[list[int]] = meta.block_tables.tolist()
         lens = meta.query_lens_list
         decodes = [b for b, n in enumerate(lens) if n == 1] if len(lens) > 1 else []
         self.batched_decodes = set(decodes) if len(decodes) > 1 else set()
-        self.decode: _DecodePlan | None = None  # built by the first layer (needs the pool)
+        self.decode: _DecodePlan | None = None
         if self.batched_decodes:
+            device = k_cache.device
             starts = meta.query_start_loc.tolist()
             self.decode_rows = torch.tensor([starts[b] for b in decodes], device=device)
-            self.decode_tables = meta.block_tables.index_select(
-                0, torch.tensor(decodes, device=device))
-            self.decode_seq_lens = [meta.seq_lens_list[b] for b in decodes]
+            tables = meta.block_tables.index_select(0, torch.tensor(decodes, device=device))
+            self.decode = _DecodePlan(tables, [meta.seq_lens_list[b] for b in decodes], k_cache)

@@ -19,17 +19,11 @@ def embedded_gguf() -> Path:
 def machine() -> str:
     import torch
 
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    flags = " ".join(x for x in ("avx2", "avx512f", "avx512_vnni",
-                                                 "avx512_bf16", "amx_bf16") if x in have)
-                    break
-    except OSError:
-        pass
+    from tokenmill.cpuinfo import cpu_flags
+
+    have = cpu_flags()
+    flags = " ".join(x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+                     if x in have)
     return (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
             f"flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads")
 

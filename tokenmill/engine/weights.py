@@ -10,28 +10,19 @@ keeps the exact dequantized fp32 reference path.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
+from tokenmill.cpuinfo import cpu_flags
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.quant import quantize_model, resolve_method
 
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> torch.dtype:

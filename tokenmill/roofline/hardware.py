@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokenmill.cache import cache_dir
+from tokenmill.cpuinfo import cpuinfo_field
 
 T = 1e12
 GB = 1e9
@@ -121,14 +122,7 @@ def get_hardware(name: str) -> Hardware:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _memory_bytes() -> float:

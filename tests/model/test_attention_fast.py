@@ -15,7 +15,19 @@ from tokenmill.models.context import AttentionMetadata
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
 
-def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0, shared=0):
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def decode_path(request, monkeypatch):
+    """Every test runs with bf16 decode rows on the native kernel (where it builds)
+    and on the plain-torch gather path."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention_fast, "use_native", lambda k_cache: False)
+    elif not attention_fast.native.available():
+        pytest.skip("native kernel not built here (no C compiler?)")
+    return request.param
+
+
+def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0, shared=0, heads=HEADS,
+               kv_heads=KV_HEADS, head_dim=HEAD_DIM):
     """shared: every table starts with the same `shared` blocks (a cached prompt)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -28,13 +40,13 @@ def mixed_step(query_lens, seq_lens, dtype, contiguous, seed=0, shared=0):
     for n in seq_lens:
         need = -(-n // BLOCK)
         tables.append(common + [free.pop(0) for _ in range(need - shared)])
-    shape = kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = kv_cache_shape(num_blocks, BLOCK, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     total = sum(query_lens)
-    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     slots, starts = [], [0]
     for table, ql, sl in zip(tables, query_lens, seq_lens):
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(sl - ql, sl)]

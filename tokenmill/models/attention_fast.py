@@ -1,12 +1,16 @@
-"""The fast attention path for a paged KV cache, in plain torch.
+"""The fast attention path for a paged KV cache on the CPU.
 
 Same contract as `paged_attention_reference`, fewer and cheaper ops:
-- decode rows (one query each) of all sequences go through one gather per
-  pool into reused scratch and three batched ops (scores, softmax, weighted
-  sum), with grouped-query heads handled by a reshape instead of repeating
-  K/V per query head, and no flash-attention kernel (whose fixed cost
-  dominates a single query); blocks all of them share (a cached system
-  prompt) are attended once for the whole batch, not gathered per sequence;
+- decode rows (one query each) of all sequences, with a bf16 cache, go to the
+  native kernel (tokenmill/kernels/paged_decode.c), which reads each
+  sequence's blocks in place through its block table: no copy of any K/V;
+- elsewhere (fp32, no C compiler) they go through one gather per pool into
+  reused scratch and three batched ops (scores, softmax, weighted sum), with
+  grouped-query heads handled by a reshape instead of repeating K/V per query
+  head, and no flash-attention kernel (whose fixed cost dominates a single
+  query);
+- blocks all decode rows share (a cached system prompt) are attended once for
+  the whole batch by one matmul, not read again per sequence;
 - a prefill chunk with no cached prefix attends to this step's own K/V, not a
   copy gathered back out of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
@@ -20,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import paged_decode as native
 from tokenmill.models.context import AttentionMetadata
 
 
@@ -91,8 +96,18 @@ _workspace = _Workspace()
 MIN_SHARED_BLOCKS = 4
 
 
+def use_native(k_cache: torch.Tensor) -> bool:
+    """Whether decode rows go to the native kernel: a bf16 CPU cache and a kernel built."""
+    return (k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
+            and native.available())
+
+
 class _DecodePlan:
     """What every layer's batched decode attention needs, derived once per step.
+
+    With the native kernel (tokenmill/kernels/paged_decode.c: bf16 cache on a CPU
+    where it builds) each sequence's own blocks are read in place through its
+    table; otherwise they are gathered into scratch for two batched matmuls.
 
     Blocks that every sequence of the batch has at the same place in its table
     (a prefix-cache hit on a shared system prompt, or n > 1 siblings) are
@@ -117,6 +132,11 @@ class _DecodePlan:
         own = [n - self.shared * block_size for n in seq_lens]
         n_blocks = -(-max(own) // block_size)
         self.span = n_blocks * block_size
+        self.native = use_native(k_cache)
+        if self.native:  # the kernel walks the block table itself
+            self.tables = tables.to(torch.int32).contiguous()
+            self.own_lens = torch.tensor(own, dtype=torch.int32)
+        # for the gather path (also the fallback should the kernel decline a shape):
         # block b of head h is row h * pool_blocks + b of the pool seen as
         # (kv * blocks, bs * d): a dim-0 gather of whole rows, 2x faster than
         # index_select along dim 1
@@ -142,6 +162,10 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_seqs, heads, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
     group = heads // kv_heads
+    if plan.native:
+        result = _decode_native(q, k_cache, v_cache, plan, scale)
+        if result is not None:
+            return result
     rows, span = kv_heads * num_seqs, plan.span
     shape = (plan.idx.numel(), block_size * d)
     k = torch.index_select(k_cache.view(-1, block_size * d), 0, plan.idx,
@@ -176,13 +200,49 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_seqs, heads, d).to(q.dtype)
 
 
+def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: _DecodePlan, scale: float) -> torch.Tensor | None:
+    """`_decode_batch` through the native kernel; None if the kernel declines the shapes.
+    A shared prefix is still attended once for the batch by one matmul, and merged
+    with the kernel's part through its row maxima and denominators."""
+    num_seqs, heads, d = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = heads // kv_heads
+    max_len = plan.span
+    scratch = _workspace.get("scores", (num_seqs * heads * max_len,), torch.float32, q.device)
+    part = native.paged_decode(q, k_cache, v_cache, plan.tables, plan.shared, plan.own_lens,
+                               max_len, scale, scratch, with_lse=bool(plan.shared))
+    if part is None:
+        return None
+    out, m, l_ = part
+    if not plan.shared:
+        return out.to(q.dtype)
+    prefix_len = plan.shared * block_size
+    kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
+    vp = _seq_kv(v_cache, plan.shared_table, prefix_len)
+    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).to(kp.dtype)  # (kv, B, g, d)
+    sp = torch.bmm(qg.reshape(kv_heads, num_seqs * group, d), kp.transpose(1, 2))
+    sp = sp.float().mul_(scale).view(kv_heads, num_seqs, group, prefix_len)
+    m = m.view(num_seqs, kv_heads, group).transpose(0, 1).unsqueeze(-1)  # (kv, B, g, 1)
+    l_ = l_.view(num_seqs, kv_heads, group).transpose(0, 1).unsqueeze(-1)
+    top = torch.maximum(m, sp.amax(-1, keepdim=True))
+    sp.sub_(top).exp_()
+    own_scale = (m - top).exp_()  # the kernel's part was relative to its own maximum
+    denom = sp.sum(-1, keepdim=True).add_(l_ * own_scale)
+    shared = torch.bmm(sp.to(vp.dtype).view(kv_heads, num_seqs * group, prefix_len),
+                       vp).float().view(kv_heads, num_seqs, group, d)
+    own = out.view(num_seqs, kv_heads, group, d).transpose(0, 1)
+    merged = shared.add_(own * own_scale).div_(denom)  # (kv, B, g, d)
+    return merged.transpose(0, 1).reshape(num_seqs, heads, d).to(q.dtype)
+
+
 def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q (T, heads, d); k, v (T, kv_heads, d) this step's keys/values (already stored
     in the caches). Returns (T, heads, d)."""
     query_lens, seq_lens = meta.query_lens_list, meta.seq_lens_list
-    if meta.is_decode_only and len(seq_lens) > 1:
+    if meta.is_decode_only and (len(seq_lens) > 1 or use_native(k_cache)):
         decode = meta.derived.get("fast_decode")
         if decode is None:  # the same for every layer of the step: derive it once
             decode = meta.derived["fast_decode"] = _DecodePlan(meta.block_tables, seq_lens,

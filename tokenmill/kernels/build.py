@@ -1,0 +1,94 @@
+"""Compile a kernel's C file once per machine and load it with ctypes.
+
+The shared object lives in the tokenmill cache (`tokenmill.cache.cache_dir()`),
+named by a hash of the source, the compiler, the flags and the CPU's flags, so
+an edit, a new compiler or another CPU gets a fresh build and a warm start
+loads in milliseconds. No compiler, or a build that fails, returns None: the
+caller keeps its plain-torch path. TOKENMILL_NATIVE=0 turns native kernels off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tokenmill.cache import cache_dir
+from tokenmill.cpuinfo import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+# -ffast-math lets gcc vectorise the loops' reductions and call glibc's vector expf
+# (libmvec); the second set is for a libc without libmvec (scalar expf)
+FLAG_SETS = (
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-lmvec", "-lm"],
+    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-lm"],
+)
+BUILD_TIMEOUT_S = 120
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENMILL_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled `tokenmill/kernels/<name>.c`, or None where it cannot be built."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found; native kernel %s not built", name)
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    for flags in FLAG_SETS:
+        path = _build(compiler, source, flags)
+        if path is not None:
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as e:
+                logger.warning("could not load native kernel %s: %s", path, e)
+    return None
+
+
+def _build(compiler: str, source: Path, flags: list[str]) -> Path | None:
+    try:
+        version = subprocess.run([compiler, "--version"], check=False, capture_output=True,
+                                 text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join(
+        [source.read_text(), version, " ".join(flags), " ".join(sorted(cpu_flags()))]
+    ).encode()).hexdigest()[:16]
+    out_dir = cache_dir() / "kernels"
+    path = out_dir / f"{source.stem}-{key}.so"
+    if path.exists():
+        return path
+    tmp = None
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        result = subprocess.run([compiler, str(source), "-o", tmp, *flags], check=False,
+                                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            logger.info("building native kernel %s with %s failed:\n%s", source.name,
+                        " ".join(flags), result.stderr[-2000:])
+            return None
+        os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
+        tmp = None
+        return path
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("building native kernel %s failed: %s", source.name, e)
+        return None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

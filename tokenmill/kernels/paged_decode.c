@@ -1,0 +1,223 @@
+/* Decode attention over tokenmill's paged KV cache, reading each block in place.
+ *
+ * One query per sequence (a decode step). K/V pools are head-major,
+ * (kv_heads, num_blocks, block_size, head_dim) in bfloat16; a sequence's
+ * blocks are found through its row of the block table. Nothing is gathered:
+ * each (sequence, kv head) pair is one work item that walks its blocks twice
+ * (scores, then the weighted sum of V) with fp32 accumulation, and the grouped
+ * query heads of that kv head share every K/V row they read.
+ *
+ * Two versions of a work item: AVX512-BF16 intrinsics (q.k with vdpbf16ps,
+ * as torch's bf16 matmul: exact products, fp32 sums) where the compiler
+ * targets it and head_dim is a multiple of 32, and plain C loops that gcc
+ * vectorises for any other CPU.
+ *
+ * Built at first use by tokenmill/kernels/build.py (cc -O3 -march=native
+ * -ffast-math -fopenmp: vectorised loops, expf from glibc's libmvec) and called
+ * through ctypes with raw pointers (tokenmill/kernels/paged_decode.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define TM_AVX512BF16 1
+#endif
+
+#define MAX_D 1024
+#define MAX_GROUP_DIM 8192 /* query heads per kv head x head_dim, held on the stack */
+#define MAX_GROUP 64
+
+typedef struct {
+    const uint16_t *k, *v; /* this kv head's pools: (NB, BS, D) */
+    const int32_t *tab;    /* this sequence's blocks */
+    int64_t len, BS, D, G, s_stride;
+    float scale;
+} item_t;
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* scores s[g * s_stride + t] = scale * q_g . k_t, and each row's maximum */
+static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    const int64_t D = it->D, G = it->G, BS = it->BS;
+    float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    float row[MAX_D] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    for (int64_t t0 = 0; t0 < it->len; t0 += BS) {
+        const uint16_t *blk = it->k + (int64_t)it->tab[t0 / BS] * BS * D;
+        const int64_t n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t i = 0; i < n; i++) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];
+                dot *= it->scale;
+                s[g * it->s_stride + t0 + i] = dot;
+                if (dot > mx[g]) mx[g] = dot;
+            }
+        }
+    }
+}
+
+/* acc[g * D + d] = sum_t p[g, t] v_t[d], p rounded to bf16 as torch's bf16 matmul sees it */
+static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
+    const int64_t D = it->D, G = it->G, BS = it->BS;
+    float row[MAX_D] __attribute__((aligned(64)));
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < it->len; t0 += BS) {
+        const uint16_t *blk = it->v + (int64_t)it->tab[t0 / BS] * BS * D;
+        const int64_t n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t i = 0; i < n; i++) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = s[g * it->s_stride + t0 + i];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * row[d];
+            }
+        }
+    }
+}
+
+#ifdef TM_AVX512BF16
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void prefetch_block(const uint16_t *blk, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)blk + off, _MM_HINT_T0);
+}
+
+static void scores_avx512(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    const int64_t D = it->D, G = it->G, BS = it->BS, C = D / 32;
+    __m512bh qv[MAX_GROUP_DIM / 32];
+    for (int64_t i = 0; i < G * C; i++)
+        qv[i] = (__m512bh)_mm512_loadu_si512((const void *)(qb + 32 * i));
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    const int64_t nblocks = (it->len + BS - 1) / BS;
+    for (int64_t j = 0; j < nblocks; j++) {
+        const uint16_t *blk = it->k + (int64_t)it->tab[j] * BS * D;
+        if (j + 1 < nblocks) prefetch_block(it->k + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
+        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t *krow = blk + i * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t c = 0; c < C; c++)
+                    acc = _mm512_dpbf16_ps(acc, qv[g * C + c],
+                                           (__m512bh)_mm512_loadu_si512((const void *)(krow + 32 * c)));
+                const float dot = _mm512_reduce_add_ps(acc) * it->scale;
+                s[g * it->s_stride + t0 + i] = dot;
+                if (dot > mx[g]) mx[g] = dot;
+            }
+        }
+    }
+}
+
+static void weighted_v_avx512(const item_t *it, const float *s, float *acc) {
+    const int64_t D = it->D, G = it->G, BS = it->BS, C = D / 16;
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    const int64_t nblocks = (it->len + BS - 1) / BS;
+    for (int64_t j = 0; j < nblocks; j++) {
+        const uint16_t *blk = it->v + (int64_t)it->tab[j] * BS * D;
+        if (j + 1 < nblocks) prefetch_block(it->v + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
+        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t c = 0; c < C; c++) { /* one 16-wide slice of d for every group row */
+            __m512 a[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + 16 * c);
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 vv = load_bf16x16(blk + i * D + 16 * c);
+                for (int64_t g = 0; g < G; g++)
+                    a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * it->s_stride + t0 + i]), vv, a[g]);
+            }
+            for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + 16 * c, a[g]);
+        }
+    }
+}
+#endif
+
+/* q: (B, H, D) bf16. tables: (B, table_stride) int32; sequence b attends to lens[b]
+ * tokens held in blocks tables[b][first_block:]. out: (B, H, D) fp32. With m_out and
+ * l_out NULL, out is normalised; otherwise out holds sum_t exp(s_t - m) v_t with its
+ * row maximum m and denominator l (B, H), to be merged with other parts by the caller.
+ * scratch: B * H * max_len fp32 scores. num_threads: torch's count (a torch wheel may
+ * bundle its own libgomp). Returns 0, or -1 for shapes it does not take. */
+int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *tables, int64_t table_stride, int64_t first_block,
+                         const int32_t *lens, int64_t B, int64_t H, int64_t KVH, int64_t NB,
+                         int64_t BS, int64_t D, float scale, float *out, float *m_out,
+                         float *l_out, float *scratch, int64_t max_len,
+                         int64_t num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || D > MAX_D || (H / KVH) * D > MAX_GROUP_DIM ||
+        H / KVH > MAX_GROUP || num_threads < 1)
+        return -1;
+    const int64_t G = H / KVH;
+    for (int64_t b = 0; b < B; b++)
+        if (lens[b] < 1 || lens[b] > max_len) return -1;
+#ifdef TM_AVX512BF16
+    const int vector_path = D % 32 == 0;
+#endif
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < B * KVH; item++) {
+        const int64_t b = item / KVH, kh = item % KVH;
+        item_t it = {k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
+                     tables + b * table_stride + first_block, lens[b], BS, D, G, max_len, scale};
+        const uint16_t *qb = q + (b * H + kh * G) * D;
+        float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
+        float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
+        float mx[MAX_GROUP], sum[MAX_GROUP];
+#ifdef TM_AVX512BF16
+        if (vector_path) scores_avx512(&it, qb, s, mx);
+        else
+#endif
+            scores_generic(&it, qb, s, mx);
+        for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
+            float *sg = s + g * max_len;
+            const float m = mx[g];
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t t = 0; t < it.len; t++) {
+                const float e = expf(sg[t] - m);
+                total += e;
+                sg[t] = bf16_to_f32(f32_to_bf16(e));
+            }
+            sum[g] = total;
+        }
+#ifdef TM_AVX512BF16
+        if (vector_path) weighted_v_avx512(&it, s, acc);
+        else
+#endif
+            weighted_v_generic(&it, s, acc);
+        for (int64_t g = 0; g < G; g++) {
+            float *o = out + (b * H + kh * G + g) * D;
+            const float *ag = acc + g * D;
+            if (m_out) {
+                memcpy(o, ag, (size_t)D * sizeof(float));
+                m_out[b * H + kh * G + g] = mx[g];
+                l_out[b * H + kh * G + g] = sum[g];
+            } else {
+                const float inv = 1.0f / sum[g];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] = ag[d] * inv;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,64 @@
+"""Decode attention that reads a paged bf16 KV cache in place (paged_decode.c).
+
+`paged_decode` returns None when the kernel is not available (no compiler,
+TOKENMILL_NATIVE=0) or does not take the inputs (not CPU, not bf16, shapes
+outside its limits); callers then run their plain-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenmill.kernels.build import load
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _function() -> ctypes._CFuncPtr | None:
+    lib = load("paged_decode")
+    if lib is None:
+        return None
+    fn = lib.tm_paged_decode_bf16
+    if fn.argtypes is None:
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
+                       _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    return _function() is not None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, first_block: int, lens: torch.Tensor, max_len: int,
+                 scale: float, scratch: torch.Tensor, with_lse: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """One query per sequence over its blocks `tables[b, first_block:]`, `lens[b]` tokens.
+
+    q (B, H, D); k_cache, v_cache (KVH, blocks, block_size, D) bf16; tables (B, *)
+    int32; lens (B,) int32, each in 1..max_len; scratch: >= B * H * max_len fp32.
+    Returns fp32 (out (B, H, D), None, None), normalised; with `with_lse`,
+    (sum_t exp(s_t - m) v_t, m, l) with the row maximum m and denominator l
+    (B, H), for the caller to merge with another part of the keys."""
+    fn = _function()
+    if (fn is None or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
+            or k_cache.device.type != "cpu" or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or tables.dtype != torch.int32
+            or lens.dtype != torch.int32 or scratch.dtype != torch.float32):
+        return None
+    num_seqs, heads, d = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    qb = q.to(torch.bfloat16).contiguous()
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = torch.empty(num_seqs, heads, d, dtype=torch.float32)
+    m = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
+    l_ = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
+    rc = fn(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads, kv_heads,
+            num_blocks, block_size, d, scale, out.data_ptr(),
+            m.data_ptr() if m is not None else None, l_.data_ptr() if l_ is not None else None,
+            scratch.data_ptr(), max_len, torch.get_num_threads())
+    return None if rc != 0 else (out, m, l_)

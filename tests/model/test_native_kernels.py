@@ -1,5 +1,6 @@
-"""The native paged-decode kernel: built where a compiler exists, equal to the
-reference attention at real model shapes, and never required."""
+"""The native kernels (tokenmill/kernels): built where a compiler exists, equal to
+the torch code they replace (paged decode attention against the reference, the
+fused layer ops against the torch ops), and never required."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 
 from tests.model.test_attention_fast import mixed_step
-from tokenmill.kernels import build
+from tokenmill.kernels import build, layer_ops
 from tokenmill.kernels import paged_decode as native
 from tokenmill.models import attention_fast
 from tokenmill.models.attention import paged_attention_reference
 from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
+from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 def assert_bf16_close(fast: torch.Tensor, ref: torch.Tensor) -> None:
@@ -31,8 +33,10 @@ def fresh_build(monkeypatch, tmp_path):
     """Builds into an empty cache and forgets what earlier tests loaded."""
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     build.load.cache_clear()
+    layer_ops._lib.reset()
     yield tmp_path
     build.load.cache_clear()
+    layer_ops._lib.reset()
 
 
 def test_kernel_builds_where_a_compiler_exists():
@@ -94,6 +98,14 @@ def test_no_compiler_or_switched_off_means_the_torch_path(monkeypatch, fresh_bui
     ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.25).float()
     fast = paged_attention_fast(q, k, v, k_cache, v_cache, meta, 0.25).float()
     torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
+    assert not layer_ops.available()
+    x = torch.randn(2, 64).bfloat16()
+    assert layer_ops.rms_norm(x, torch.ones(64).bfloat16(), 1e-5) is None
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.ones(64).bfloat16()
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert torch.equal(norm(x), expected)  # the torch ops, as before the kernels
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -110,3 +122,76 @@ def test_decode_plans_use_the_kernel_only_for_bf16_caches():
     _, _, _, k_cache, _, meta = mixed_step([1, 1], [9, 13], torch.float32, True)
     assert not _DecodePlan(meta.block_tables, [9, 13], k_cache).native  # fp32: exact path
     assert attention_fast.use_native(k_cache.bfloat16()) == native.available()
+
+
+# --- fused per-layer ops (layer_ops.c) against the torch ops they replace ---
+
+needs_layer_ops = pytest.mark.skipif(not layer_ops.available(),
+                                     reason="layer ops not built here")
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Run a callable with the fused kernels switched off: the plain torch path."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(layer_ops._lib, "get", lambda name: None)
+            return fn(*args)
+    return run
+
+
+def assert_within_one_bf16_ulp(fast: torch.Tensor, ref: torch.Tensor, ulps: int = 1) -> None:
+    """Equal but for fp32 sums in another order: a rare last-bit difference."""
+    assert fast.dtype == ref.dtype == torch.bfloat16 and fast.shape == ref.shape
+    a, b = fast.view(torch.int16).int(), ref.view(torch.int16).int()
+    assert (a - b).abs().max() <= ulps
+    assert (a != b).float().mean() < 0.01
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: split across threads
+def test_fused_rms_norm_and_residual_add_match_torch(rows, torch_ops):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    x = (3 * torch.randn(rows, 576, generator=gen)).bfloat16()
+    residual = torch.randn(rows, 576, generator=gen).bfloat16()
+    assert_within_one_bf16_ulp(norm(x), torch_ops(norm, x))
+    ref_out, ref_res = torch_ops(norm.add_forward, x.clone(), residual.clone())
+    out, res = norm.add_forward(x.clone(), residual.clone())
+    assert torch.equal(res, ref_res)  # the residual stream: exactly x + residual in bf16
+    assert_within_one_bf16_ulp(out, ref_out)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("tokens", [1, 7, 48])
+def test_fused_rotary_matches_torch_in_place_on_a_strided_view(tokens, torch_ops):
+    gen = torch.Generator().manual_seed(tokens)
+    rotary = RotaryEmbedding(64, 2048, 10000.0)
+    positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, 15 * 64, generator=gen).bfloat16()  # [q 9 | k 3 | v 3] heads
+    qk = qkv[:, :12 * 64].unflatten(-1, (12, 64))  # a view with the fused row stride
+    ref = torch_ops(rotary.rotate, positions, qk.clone())
+    v_before = qkv[:, 12 * 64:].clone()
+    out = rotary.rotate(positions, qk)
+    assert out.data_ptr() == qk.data_ptr()  # in place: no copy of q and k
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # v, beside it in the row, untouched
+    assert_within_one_bf16_ulp(out, ref)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fused_silu_mul_matches_torch(rows, torch_ops):
+    gate_up = (4 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(0))
+               ).bfloat16()
+    # silu(5.9375) = 5.9218745 sits a hair below a bf16 rounding tie: libmvec's expf can
+    # land it on the other side, a last bit that the product with up can double
+    assert_within_one_bf16_ulp(silu_and_mul(gate_up), torch_ops(silu_and_mul, gate_up), ulps=2)
+
+
+def test_fused_ops_leave_float32_to_torch():
+    x = torch.randn(3, 64)
+    assert layer_ops.rms_norm(x, torch.ones(64), 1e-5) is None
+    assert layer_ops.silu_mul(torch.randn(3, 128)) is None
+    assert not layer_ops.rotary_(x.view(3, 1, 64), torch.arange(3), torch.ones(8, 64),
+                                 torch.ones(8, 64))

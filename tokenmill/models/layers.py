@@ -4,6 +4,10 @@ linears whose parameters know how to load checkpoint tensors into themselves.
 Parameters are created with `torch.empty`: the loader overwrites every one of
 them, so random initialisation would only waste time.
 
+With bf16 activations on the CPU, RMSNorm (with its residual add), rotary and
+SiLU * up each run as one fused native call (tokenmill/kernels/layer_ops.c)
+where it is built; the torch ops below are the fallback and the fp32 path.
+
 Each parameter carries `weight_loader(param, loaded_weight, shard_id)`. Fused
 linears (`QKVLinear`, `MergedLinear`) copy a checkpoint shard (q / k / v, or
 gate / up) into its rows of the fused weight.
@@ -17,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.kernels import layer_ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -40,10 +46,26 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = layer_ops.rms_norm(x, self.weight, self.eps)  # bf16 on CPU: one fused call
+        if out is not None:
+            return out
         # normalise in float32 and scale in the input dtype, as Hugging Face does
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's next value r = x + residual (x itself when residual is
+        None) and norm(r). The fused kernel updates `residual` in place and writes the
+        norm over x, both fresh activations of this step."""
+        if residual is None:
+            return self(x), x
+        out = layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 class Embedding(nn.Module):
@@ -112,6 +134,9 @@ class MergedLinear(_FusedLinear):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    out = layer_ops.silu_mul(gate_up)  # bf16 on CPU: one fused call
+    if out is not None:
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -177,7 +202,10 @@ class RotaryEmbedding(nn.Module):
         return self._step[1], self._step[2]
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, heads, head_dim) -> rotated, same dtype (math in float32)."""
+        """x: (T, heads, head_dim) -> rotated, same dtype (math in float32). A bf16 x
+        on the CPU is rotated in place by one fused call."""
+        if layer_ops.rotary_(x, positions, self.cos_cache, self.sin_cache):
+            return x
         cos, sin = self._cos_sin(positions)
         x32 = x.float()
         half = x32.shape[-1] // 2

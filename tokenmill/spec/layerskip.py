@@ -77,6 +77,7 @@ class LayerSkipProposer:
     def _truncated_forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         decoder = self.runner.model.model
         x = decoder.embed_tokens(ids)  # (T, hidden)
+        residual = None
         for layer in decoder.layers[:self.num_layers]:
-            x = layer(pos, x)
-        return decoder.norm(x)
+            x, residual = layer(pos, x, residual)
+        return decoder.norm.add_forward(x, residual)[0]

@@ -1,0 +1,105 @@
+/* The small per-layer steps of a Llama decoder, each fused into one call, for
+ * bfloat16 activations: residual add + RMSNorm, rotary embedding in place, and
+ * SiLU(gate) * up. In torch each is 3-9 separate ops, and at decode batch sizes
+ * the cost of an op is its dispatch, not its arithmetic.
+ *
+ * Every function rounds where torch's bf16 ops round, so results match the
+ * plain torch path of tokenmill/models/layers.py except for the order of fp32
+ * sums (RMSNorm's mean of squares). Rows are split across OpenMP threads only
+ * when there are enough of them to pay for it.
+ *
+ * Built at first use by tokenmill/kernels/build.py; see layer_ops.py.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_ROWS 32 /* fewer rows run on the calling thread */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* out <- weight * bf16(r * rsqrt(mean(r^2) + eps)) with r = x, or, given a residual,
+ * r = bf16(x + residual) stored back into residual (the next layer's input).
+ * x, residual, out: (rows, hidden) contiguous, out may be x; weight: (hidden,) bf16. */
+void tm_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                      uint16_t *out, int64_t rows, int64_t hidden, float eps,
+                      int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * hidden;
+        uint16_t *rr = residual ? residual + r * hidden : 0;
+        uint16_t *orow = out + r * hidden;
+        float ss = 0.0f;
+        if (rr) {
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+                rr[i] = f32_to_bf16(v);
+                ss += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = bf16_to_f32(xr[i]);
+                ss += v * v;
+            }
+        }
+        const uint16_t *src = rr ? rr : xr;
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++)
+            orow[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(src[i]) * inv));
+    }
+}
+
+/* Neox rotary embedding in place: for each token t and head h of x (tokens,
+ * heads, D) with row stride `row_stride` elements, x <- x * cos + roll(x, D/2) * sin
+ * at position pos[t]; cos, sin: (max_pos, D) fp32 with rotate_half's sign in sin. */
+void tm_rotary_bf16(uint16_t *x, const int64_t *pos, const float *cos_table,
+                    const float *sin_table, int64_t tokens, int64_t heads, int64_t D,
+                    int64_t row_stride, int64_t num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + pos[t] * D, *s = sin_table + pos[t] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * row_stride + h * D;
+            float a[512], b[512]; /* first and second halves (D <= 1024) */
+            for (int64_t i = 0; i < half; i++) {
+                a[i] = bf16_to_f32(v[i]);
+                b[i] = bf16_to_f32(v[i + half]);
+            }
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                v[i] = f32_to_bf16(a[i] * c[i] + b[i] * s[i]);
+                v[i + half] = f32_to_bf16(b[i] * c[i + half] + a[i] * s[i + half]);
+            }
+        }
+    }
+}
+
+/* out <- bf16(silu(gate)) * up, rounded, for gate_up (rows, 2 * inter) = [gate | up]. */
+void tm_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                      int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            const float silu = round_bf16(gv / (1.0f + expf(-gv)));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+}

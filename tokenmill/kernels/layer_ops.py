@@ -1,0 +1,98 @@
+"""Fused per-layer steps for bf16 activations on the CPU (layer_ops.c).
+
+Each function returns None (or False) when the kernel is not built or does
+not take the tensors (not bf16, not on the CPU, not laid out as it needs);
+the caller then runs its plain torch ops, which compute the same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenmill.kernels.build import load
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "tm_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64],
+    "tm_rotary_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "tm_silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _I64],
+}
+
+
+class _Lib:
+    def __init__(self) -> None:
+        self.loaded = False
+        self.fns: dict[str, ctypes._CFuncPtr] = {}
+
+    def get(self, name: str) -> ctypes._CFuncPtr | None:
+        if not self.loaded:
+            lib = load("layer_ops")
+            if lib is not None:
+                for fn_name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, fn_name)
+                    fn.argtypes, fn.restype = argtypes, None
+                    self.fns[fn_name] = fn
+            self.loaded = True
+        return self.fns.get(name)
+
+    def reset(self) -> None:
+        """Forget the loaded library (tests that switch kernels off)."""
+        self.loaded = False
+        self.fns = {}
+
+
+_lib = _Lib()
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def available() -> bool:
+    return _lib.get("tm_rms_norm_bf16") is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """weight * norm(x), or with a residual: residual <- x + residual (in place) and
+    the norm of that, written over x. None if the kernel does not take the inputs."""
+    fn = _lib.get("tm_rms_norm_bf16")
+    if (fn is None or not _takes(x, weight) or not x.is_contiguous()
+            or residual is not None and (not _takes(residual) or not residual.is_contiguous()
+                                         or residual.shape != x.shape)):
+        return None
+    hidden = x.shape[-1]
+    out = x if residual is not None else torch.empty_like(x)
+    fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+       out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> bool:
+    """Rotate x (T, heads, D) in place at `positions` (T,) int64 with fp32 tables
+    (max_pos, D). False (x untouched) if the kernel does not take the inputs."""
+    fn = _lib.get("tm_rotary_bf16")
+    tokens, heads, d = x.shape
+    if (fn is None or not _takes(x) or x.stride(2) != 1 or x.stride(1) != d or d > 1024
+            or d % 2 or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or cos.dtype != torch.float32 or not cos.is_contiguous()
+            or not sin.is_contiguous() or positions.device.type != "cpu"):
+        return False
+    fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, d,
+       x.stride(0), torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up (..., 2 * inter) = [gate | up]; None if not taken."""
+    fn = _lib.get("tm_silu_mul_bf16")
+    if fn is None or not _takes(gate_up) or not gate_up.is_contiguous():
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+       torch.get_num_threads())
+    return out

@@ -85,7 +85,7 @@ def time_call(ops: list[torch.nn.Module | torch.Tensor], x: torch.Tensor,
     else:
         stmt, x = "for m in ops: m(x)", x.bfloat16()
     with torch.inference_mode():
-        t = Timer(stmt, globals={"F": F, "x": x, "ops": ops})
+        t = Timer(stmt, globals={"F": F, "x": x, "ops": ops}, num_threads=torch.get_num_threads())
         return t.blocked_autorange(min_run_time=min_run_time).median / len(ops)
 
 

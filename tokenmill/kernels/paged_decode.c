@@ -150,6 +150,114 @@ static void weighted_v_avx512(const item_t *it, const float *s, float *acc) {
         }
     }
 }
+
+/* lane j = sum of the 16 lanes of a[j]: a 16 x 16 transpose folded into adds */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes [x0+x2, x1+x3, y0+y2, y1+y3] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* lane L: 4 partial sums of vector 4i + L */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+    const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+    /* r holds the sum of vector 4m + L at position 4L + m */
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, r);
+}
+
+/* scores 16 tokens at a time, G and C (= D / 32) known at compile time once inlined */
+static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
+                                                               const uint16_t *qb, float *s,
+                                                               float *mx, const int64_t G,
+                                                               const int64_t C) {
+    const int64_t BS = it->BS, D = it->D;
+    __m512bh qv[16];
+    for (int64_t i = 0; i < G * C; i++)
+        qv[i] = (__m512bh)_mm512_loadu_si512((const void *)(qb + 32 * i));
+    __m512 vmax[8];
+    for (int64_t g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
+    const __m512 scale = _mm512_set1_ps(it->scale);
+    const int64_t nblocks = (it->len + BS - 1) / BS;
+    for (int64_t j = 0; j < nblocks; j++) {
+        const uint16_t *blk = it->k + (int64_t)it->tab[j] * BS * D;
+        if (j + 1 < nblocks) prefetch_block(it->k + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
+        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t nt = n - i0 < 16 ? n - i0 : 16;
+            const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    a[i] = _mm512_setzero_ps();
+                    if (i < nt)
+                        for (int64_t c = 0; c < C; c++)
+                            a[i] = _mm512_dpbf16_ps(
+                                a[i], qv[g * C + c],
+                                (__m512bh)_mm512_loadu_si512(
+                                    (const void *)(blk + (i0 + i) * D + 32 * c)));
+                }
+                const __m512 sc = _mm512_mul_ps(hsum16(a), scale);
+                _mm512_mask_storeu_ps(s + g * it->s_stride + t0 + i0, keep, sc);
+                vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], sc);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmax[g]);
+}
+
+/* acc = sum_t p_t v_t with bf16 p (already rounded in s) and bf16 V, two tokens per
+ * vdpbf16ps: rows t and t+1 interleaved by unpacklo/hi_epi16, which order the output
+ * lanes as d = 32c + 8L + k (lo) and 32c + 8L + 4 + k (hi) in 128-bit lane L */
+static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t *it,
+                                                                   const float *s, float *acc,
+                                                                   const int64_t G,
+                                                                   const int64_t C) {
+    const int64_t BS = it->BS, D = it->D;
+    __m512 lo[16], hi[16]; /* [g * C + c] */
+    for (int64_t i = 0; i < G * C; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    const int64_t nblocks = (it->len + BS - 1) / BS;
+    for (int64_t j = 0; j < nblocks; j++) {
+        const uint16_t *blk = it->v + (int64_t)it->tab[j] * BS * D;
+        if (j + 1 < nblocks) prefetch_block(it->v + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
+        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+        for (int64_t i = 0; i < n; i += 2) {
+            const int pair = i + 1 < n; /* a lone last token pairs with itself at p = 0 */
+            const uint16_t *r0 = blk + i * D, *r1 = pair ? r0 + D : r0;
+            __m512bh pp[8];
+            for (int64_t g = 0; g < G; g++) {
+                union { float f; uint32_t u; } a, b;
+                a.f = s[g * it->s_stride + t0 + i];
+                b.f = pair ? s[g * it->s_stride + t0 + i + 1] : 0.0f;
+                pp[g] = (__m512bh)_mm512_set1_epi32((int)((a.u >> 16) | (b.u & 0xFFFF0000u)));
+            }
+            for (int64_t c = 0; c < C; c++) {
+                const __m512i x0 = _mm512_loadu_si512((const void *)(r0 + 32 * c));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(r1 + 32 * c));
+                const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                const __m512bh h = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+                for (int64_t g = 0; g < G; g++) {
+                    lo[g * C + c] = _mm512_dpbf16_ps(lo[g * C + c], l, pp[g]);
+                    hi[g * C + c] = _mm512_dpbf16_ps(hi[g * C + c], h, pp[g]);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < C; c++) {
+            float l[16], h[16];
+            _mm512_storeu_ps(l, lo[g * C + c]);
+            _mm512_storeu_ps(h, hi[g * C + c]);
+            float *out = acc + g * D + 32 * c;
+            for (int L = 0; L < 4; L++)
+                for (int k = 0; k < 4; k++) {
+                    out[8 * L + k] = l[4 * L + k];
+                    out[8 * L + 4 + k] = h[4 * L + k];
+                }
+        }
+}
 #endif
 
 /* q: (B, H, D) bf16. tables: (B, table_stride) int32; sequence b attends to lens[b]
@@ -184,7 +292,11 @@ int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
 #ifdef TM_AVX512BF16
-        if (vector_path) scores_avx512(&it, qb, s, mx);
+        if (vector_path && G == 3 && D == 64) scores_tiled(&it, qb, s, mx, 3, 2);
+        else if (vector_path && G == 4 && D == 128) scores_tiled(&it, qb, s, mx, 4, 4);
+        else if (vector_path && G == 1 && D == 64) scores_tiled(&it, qb, s, mx, 1, 2);
+        else if (vector_path && G <= 8 && (G * D) / 32 <= 16) scores_tiled(&it, qb, s, mx, G, D / 32);
+        else if (vector_path) scores_avx512(&it, qb, s, mx);
         else
 #endif
             scores_generic(&it, qb, s, mx);
@@ -201,7 +313,11 @@ int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
             sum[g] = total;
         }
 #ifdef TM_AVX512BF16
-        if (vector_path) weighted_v_avx512(&it, s, acc);
+        if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
+        else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
+        else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
+        else if (vector_path && G <= 8 && (G * D) / 32 <= 16) weighted_v_pairs(&it, s, acc, G, D / 32);
+        else if (vector_path) weighted_v_avx512(&it, s, acc);
         else
 #endif
             weighted_v_generic(&it, s, acc);

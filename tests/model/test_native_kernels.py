@@ -13,7 +13,11 @@ from tests.model.test_attention_fast import mixed_step
 from tokenmill.kernels import build, layer_ops
 from tokenmill.kernels import paged_decode as native
 from tokenmill.models import attention_fast
-from tokenmill.models.attention import paged_attention_reference
+from tokenmill.models.attention import (
+    kv_cache_shape,
+    paged_attention_reference,
+    store_kv_cache,
+)
 from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
 from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -195,3 +199,51 @@ def test_fused_ops_leave_float32_to_torch():
     assert layer_ops.silu_mul(torch.randn(3, 128)) is None
     assert not layer_ops.rotary_(x.view(3, 1, 64), torch.arange(3), torch.ones(8, 64),
                                  torch.ones(8, 64))
+
+
+@needs_kernel
+def test_native_kv_store_writes_what_index_copy_writes_from_strided_rows():
+    gen = torch.Generator().manual_seed(0)
+    tokens, kv_heads, d, blocks = 7, 3, 64, 16
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * d, generator=gen).bfloat16()
+    k = qkv[:, 9 * d:12 * d].unflatten(-1, (kv_heads, d))  # rows 15 * d apart, as in the model
+    v = qkv[:, 12 * d:].unflatten(-1, (kv_heads, d))
+    slots = torch.randperm(blocks * 4, generator=gen)[:tokens]
+    shape = kv_cache_shape(blocks, 4, kv_heads, d)
+    k_cache, v_cache = torch.zeros(shape).bfloat16(), torch.zeros(shape).bfloat16()
+    assert native.store_kv(k, v, k_cache, v_cache, slots)
+    k_ref, v_ref = torch.zeros(shape).bfloat16(), torch.zeros(shape).bfloat16()
+    k_ref.view(kv_heads, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    v_ref.view(kv_heads, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # a slot past the pool: nothing written, and the caller's torch path raises
+    bad = slots.clone()
+    bad[3] = blocks * 4
+    before = k_cache.clone()
+    assert not native.store_kv(k, v, k_cache, v_cache, bad)
+    assert torch.equal(k_cache, before)
+    with pytest.raises(IndexError):
+        store_kv_cache(k, v, k_cache, v_cache, bad)
+
+
+@needs_kernel
+def test_native_decode_reads_q_in_place_from_the_fused_qkv_rows():
+    seq_lens = [23, 61, 21]
+    q, k, v, k_cache, v_cache, meta = mixed_step([1] * 3, seq_lens, torch.bfloat16, False,
+                                                 heads=9, kv_heads=3, head_dim=64)
+    wide = torch.cat([q.flatten(1), torch.randn(3, 6 * 64).bfloat16()], dim=1)
+    q_view = wide[:, :9 * 64].unflatten(-1, (9, 64))  # rows 15 * 64 apart
+    assert not q_view.is_contiguous()
+    scale = 0.125
+    assert torch.equal(paged_attention_fast(q_view, k, v, k_cache, v_cache, meta, scale),
+                       paged_attention_fast(q, k, v, k_cache, v_cache, meta, scale))
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone(fresh_build):
+    # a library linked with -ffast-math turns on flush-to-zero for the whole process
+    # as it loads (gcc's crtfastmath.o): every float op of the server would change
+    tiny = 1e-310
+    assert tiny / 1e5 != 0.0
+    assert build.load("paged_decode") is not None and build.load("layer_ops") is not None
+    assert tiny / 1e5 != 0.0

@@ -25,11 +25,15 @@ from tokenmill.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# -ffast-math lets gcc vectorise the loops' reductions and call glibc's vector expf
-# (libmvec); the second set is for a libc without libmvec (scalar expf)
+# (compile flags, link flags). -ffast-math lets gcc vectorise the loops' reductions and
+# call glibc's vector expf (libmvec); the second set is for a libc without libmvec
+# (scalar expf). The link step must not see -ffast-math: gcc then links crtfastmath.o,
+# whose constructor turns on flush-to-zero for the whole process as the library loads.
 FLAG_SETS = (
-    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-lmvec", "-lm"],
-    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-lm"],
+    (["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"],
+     ["-shared", "-fopenmp", "-lmvec", "-lm"]),
+    (["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"],
+     ["-shared", "-fopenmp", "-lm"]),
 )
 BUILD_TIMEOUT_S = 120
 
@@ -58,30 +62,35 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
-def _build(compiler: str, source: Path, flags: list[str]) -> Path | None:
+def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> Path | None:
     try:
         version = subprocess.run([compiler, "--version"], check=False, capture_output=True,
                                  text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+    compile_flags, link_flags = flags
     key = hashlib.sha256("\0".join(
-        [source.read_text(), version, " ".join(flags), " ".join(sorted(cpu_flags()))]
+        [source.read_text(), version, " ".join(compile_flags), " ".join(link_flags),
+         " ".join(sorted(cpu_flags()))]
     ).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
     path = out_dir / f"{source.stem}-{key}.so"
     if path.exists():
         return path
-    tmp = None
+    tmp = obj = None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        result = subprocess.run([compiler, str(source), "-o", tmp, *flags], check=False,
-                                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            logger.info("building native kernel %s with %s failed:\n%s", source.name,
-                        " ".join(flags), result.stderr[-2000:])
-            return None
+        obj = tmp[:-3] + ".o"
+        for cmd in ([compiler, "-c", str(source), "-o", obj, *compile_flags],
+                    [compiler, obj, "-o", tmp, *link_flags]):
+            result = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                                    timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                logger.info("building native kernel %s failed: %s\n%s", source.name,
+                            " ".join(cmd), result.stderr[-2000:])
+                return None
         os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
         tmp = None
         return path
@@ -89,6 +98,7 @@ def _build(compiler: str, source: Path, flags: list[str]) -> Path | None:
         logger.warning("building native kernel %s failed: %s", source.name, e)
         return None
     finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)

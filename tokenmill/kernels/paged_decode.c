@@ -13,8 +13,9 @@
  * vectorises for any other CPU.
  *
  * Built at first use by tokenmill/kernels/build.py (cc -O3 -march=native
- * -ffast-math -fopenmp: vectorised loops, expf from glibc's libmvec) and called
- * through ctypes with raw pointers (tokenmill/kernels/paged_decode.py).
+ * -ffast-math -fopenmp: vectorised loops, expf from glibc's libmvec; linked without
+ * -ffast-math, which would flush subnormals process-wide) and called through
+ * ctypes with raw pointers (tokenmill/kernels/paged_decode.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -260,18 +261,38 @@ static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t 
 }
 #endif
 
-/* q: (B, H, D) bf16. tables: (B, table_stride) int32; sequence b attends to lens[b]
- * tokens held in blocks tables[b][first_block:]. out: (B, H, D) fp32. With m_out and
- * l_out NULL, out is normalised; otherwise out holds sum_t exp(s_t - m) v_t with its
- * row maximum m and denominator l (B, H), to be merged with other parts by the caller.
+/* Write this step's K and V rows into their slots: k, v (T, KVH, D) bf16 whose token
+ * rows are k_stride / v_stride elements apart (views of the fused QKV output).
+ * Returns -1, writing nothing, if a slot is outside the pool. */
+int tm_store_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T,
+                     int64_t KVH, int64_t NB, int64_t BS, int64_t D) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= NB * BS) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t dst = ((h * NB + blk) * BS + off) * D;
+            memcpy(k_cache + dst, k + t * k_stride + h * D, (size_t)D * 2);
+            memcpy(v_cache + dst, v + t * v_stride + h * D, (size_t)D * 2);
+        }
+    }
+    return 0;
+}
+
+/* q: (B, H, D) bf16, rows q_stride elements apart. tables: (B, table_stride) int32;
+ * sequence b attends to lens[b] tokens held in blocks tables[b][first_block:].
+ * Output (B, H, D): with m_out and l_out NULL, normalised, into out_bf16 (rounded) if
+ * given, else into out (fp32); otherwise out holds sum_t exp(s_t - m) v_t with its row
+ * maximum m and denominator l (B, H), to be merged with other parts by the caller.
  * scratch: B * H * max_len fp32 scores. num_threads: torch's count (a torch wheel may
  * bundle its own libgomp). Returns 0, or -1 for shapes it does not take. */
-int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int32_t *tables, int64_t table_stride, int64_t first_block,
-                         const int32_t *lens, int64_t B, int64_t H, int64_t KVH, int64_t NB,
-                         int64_t BS, int64_t D, float scale, float *out, float *m_out,
-                         float *l_out, float *scratch, int64_t max_len,
-                         int64_t num_threads) {
+int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *tables, int64_t table_stride,
+                         int64_t first_block, const int32_t *lens, int64_t B, int64_t H,
+                         int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale,
+                         float *out, uint16_t *out_bf16, float *m_out, float *l_out,
+                         float *scratch, int64_t max_len, int64_t num_threads) {
     if (KVH <= 0 || H % KVH != 0 || D > MAX_D || (H / KVH) * D > MAX_GROUP_DIM ||
         H / KVH > MAX_GROUP || num_threads < 1)
         return -1;
@@ -287,7 +308,7 @@ int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
         const int64_t b = item / KVH, kh = item % KVH;
         item_t it = {k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
                      tables + b * table_stride + first_block, lens[b], BS, D, G, max_len, scale};
-        const uint16_t *qb = q + (b * H + kh * G) * D;
+        const uint16_t *qb = q + b * q_stride + kh * G * D;
         float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
@@ -328,6 +349,11 @@ int tm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
                 memcpy(o, ag, (size_t)D * sizeof(float));
                 m_out[b * H + kh * G + g] = mx[g];
                 l_out[b * H + kh * G + g] = sum[g];
+            } else if (out_bf16) {
+                uint16_t *ob = out_bf16 + (b * H + kh * G + g) * D;
+                const float inv = 1.0f / sum[g];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ob[d] = f32_to_bf16(ag[d] * inv);
             } else {
                 const float inv = 1.0f / sum[g];
 #pragma omp simd

@@ -16,15 +16,20 @@ from tokenmill.kernels.build import load
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
-def _function() -> ctypes._CFuncPtr | None:
+def _function(name: str = "tm_paged_decode_bf16") -> ctypes._CFuncPtr | None:
     lib = load("paged_decode")
     if lib is None:
         return None
-    fn = lib.tm_paged_decode_bf16
+    fn = getattr(lib, name)
     if fn.argtypes is None:
-        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
-                       _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
-        fn.restype = ctypes.c_int
+        if name == "tm_paged_decode_bf16":
+            fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64,
+                           _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
+            fn.restype = ctypes.c_int
+        else:  # tm_store_kv_bf16
+            fn.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                           _I64]
+            fn.restype = ctypes.c_int
     return fn
 
 
@@ -40,8 +45,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     q (B, H, D); k_cache, v_cache (KVH, blocks, block_size, D) bf16; tables (B, *)
     int32; lens (B,) int32, each in 1..max_len; scratch: >= B * H * max_len fp32.
-    Returns fp32 (out (B, H, D), None, None), normalised; with `with_lse`,
-    (sum_t exp(s_t - m) v_t, m, l) with the row maximum m and denominator l
+    Returns (out (B, H, D), None, None), normalised, in q's dtype; with `with_lse`,
+    fp32 (sum_t exp(s_t - m) v_t, m, l) with the row maximum m and denominator l
     (B, H), for the caller to merge with another part of the keys."""
     fn = _function()
     if (fn is None or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
@@ -51,14 +56,41 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return None
     num_seqs, heads, d = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
-    qb = q.to(torch.bfloat16).contiguous()
+    qb = q.to(torch.bfloat16)
+    if qb.stride(2) != 1 or qb.stride(1) != d:  # rows may be apart (a view of QKV)
+        qb = qb.contiguous()
     tables, lens = tables.contiguous(), lens.contiguous()
-    out = torch.empty(num_seqs, heads, d, dtype=torch.float32)
+    bf16_out = not with_lse and q.dtype == torch.bfloat16
+    out = torch.empty(num_seqs, heads, d, dtype=q.dtype if bf16_out else torch.float32)
     m = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
     l_ = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
-    rc = fn(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-            tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads, kv_heads,
-            num_blocks, block_size, d, scale, out.data_ptr(),
+    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads,
+            kv_heads, num_blocks, block_size, d, scale,
+            None if bf16_out else out.data_ptr(), out.data_ptr() if bf16_out else None,
             m.data_ptr() if m is not None else None, l_.data_ptr() if l_ is not None else None,
             scratch.data_ptr(), max_len, torch.get_num_threads())
-    return None if rc != 0 else (out, m, l_)
+    if rc != 0:
+        return None
+    return (out if bf16_out or with_lse else out.to(q.dtype)), m, l_
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """k, v (T, kv_heads, D) into the slots (T,) int64 of bf16 pools; False (nothing
+    written) when the kernel does not take the inputs or a slot is out of range."""
+    fn = _function("tm_store_kv_bf16") if k_cache.dtype == torch.bfloat16 else None
+    if (fn is None or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
+            or k_cache.device.type != "cpu" or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or v_cache.dtype != torch.bfloat16
+            or slots.dtype != torch.int64 or not slots.is_contiguous()
+            or slots.device.type != "cpu"):
+        return False
+    tokens, kv_heads, d = k.shape
+    if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d:
+        return False
+    _, num_blocks, block_size, _ = k_cache.shape
+    # a slot outside the pool writes nothing and returns -1: the torch path then raises
+    return fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+              v_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, num_blocks, block_size,
+              d) == 0

@@ -216,7 +216,7 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return None
     out, m, l_ = part
     if not plan.shared:
-        return out.to(q.dtype)
+        return out
     prefix_len = plan.shared * block_size
     kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
     vp = _seq_kv(v_cache, plan.shared_table, prefix_len)

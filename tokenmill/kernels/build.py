@@ -1,9 +1,9 @@
 """Compile a kernel's C file once per machine and load it with ctypes.
 
 The shared object lives in the tokenmill cache (`tokenmill.cache.cache_dir()`),
-named by a hash of the source, the compiler, the flags and the CPU's flags, so
-an edit, a new compiler or another CPU gets a fresh build and a warm start
-loads in milliseconds. No compiler, or a build that fails, returns None: the
+named by a hash of the source (and the headers beside it), the compiler, the flags
+and the CPU's flags, so an edit, a new compiler or another CPU gets a fresh build
+and a warm start loads in milliseconds. No compiler, or a build that fails, returns None: the
 caller keeps its plain-torch path. TOKENMILL_NATIVE=0 turns native kernels off.
 """
 
@@ -69,8 +69,9 @@ def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> P
     except (OSError, subprocess.SubprocessError):
         return None
     compile_flags, link_flags = flags
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # bf16.h
     key = hashlib.sha256("\0".join(
-        [source.read_text(), version, " ".join(compile_flags), " ".join(link_flags),
+        [source.read_text(), *headers, version, " ".join(compile_flags), " ".join(link_flags),
          " ".join(sorted(cpu_flags()))]
     ).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"

@@ -13,21 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define PARALLEL_ROWS 32 /* fewer rows run on the calling thread */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)h << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* out <- weight * bf16(r * rsqrt(mean(r^2) + eps)) with r = x, or, given a residual,
  * r = bf16(x + residual) stored back into residual (the next layer's input).

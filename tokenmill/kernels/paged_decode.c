@@ -20,6 +20,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TM_AVX512BF16 1
@@ -35,18 +37,6 @@ typedef struct {
     int64_t len, BS, D, G, s_stride;
     float scale;
 } item_t;
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)h << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 /* scores s[g * s_stride + t] = scale * q_g . k_t, and each row's maximum */
 static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float *mx) {

@@ -3,8 +3,9 @@
 The shared object lives in the tokenmill cache (`tokenmill.cache.cache_dir()`),
 named by a hash of the source (and the headers beside it), the compiler, the flags
 and the CPU's flags, so an edit, a new compiler or another CPU gets a fresh build
-and a warm start loads in milliseconds. No compiler, or a build that fails, returns None: the
-caller keeps its plain-torch path. TOKENMILL_NATIVE=0 turns native kernels off.
+and a warm start loads in milliseconds. No compiler, or a build that fails,
+returns None: the caller keeps its plain-torch path. TOKENMILL_NATIVE=0 turns
+native kernels off.
 """
 
 from __future__ import annotations

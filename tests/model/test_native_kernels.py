@@ -56,6 +56,8 @@ def test_kernel_builds_where_a_compiler_exists():
     (8, 2, 128),  # Llama-3-8B's grouping and head size
     (4, 4, 32),  # no grouping
     (6, 2, 16),  # head_dim not a multiple of 32: the plain C loops
+    (16, 2, 128),  # 8 x 128 per kv head: the vector path with its operands spilled
+    (10, 1, 64),  # one kv head for ten query heads
 ])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("shared", [0, 5])

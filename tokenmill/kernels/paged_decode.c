@@ -38,6 +38,14 @@ typedef struct {
     float scale;
 } item_t;
 
+/* the rows of the sequence's j-th block in `pool` (its K or V), and how many it holds */
+static inline const uint16_t *block_rows(const item_t *it, const uint16_t *pool, int64_t j,
+                                         int64_t *n) {
+    const int64_t t0 = j * it->BS;
+    *n = it->len - t0 < it->BS ? it->len - t0 : it->BS;
+    return pool + (int64_t)it->tab[j] * it->BS * it->D;
+}
+
 /* scores s[g * s_stride + t] = scale * q_g . k_t, and each row's maximum */
 static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float *mx) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
@@ -45,9 +53,8 @@ static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float
     float row[MAX_D] __attribute__((aligned(64)));
     for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
     for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
-    for (int64_t t0 = 0; t0 < it->len; t0 += BS) {
-        const uint16_t *blk = it->k + (int64_t)it->tab[t0 / BS] * BS * D;
-        const int64_t n = it->len - t0 < BS ? it->len - t0 : BS;
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->k, j, &n);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -69,9 +76,8 @@ static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float row[MAX_D] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t t0 = 0; t0 < it->len; t0 += BS) {
-        const uint16_t *blk = it->v + (int64_t)it->tab[t0 / BS] * BS * D;
-        const int64_t n = it->len - t0 < BS ? it->len - t0 : BS;
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->v, j, &n);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -86,60 +92,8 @@ static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
 }
 
 #ifdef TM_AVX512BF16
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static void prefetch_block(const uint16_t *blk, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)blk + off, _MM_HINT_T0);
-}
-
-static void scores_avx512(const item_t *it, const uint16_t *qb, float *s, float *mx) {
-    const int64_t D = it->D, G = it->G, BS = it->BS, C = D / 32;
-    __m512bh qv[MAX_GROUP_DIM / 32];
-    for (int64_t i = 0; i < G * C; i++)
-        qv[i] = (__m512bh)_mm512_loadu_si512((const void *)(qb + 32 * i));
-    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
-    const int64_t nblocks = (it->len + BS - 1) / BS;
-    for (int64_t j = 0; j < nblocks; j++) {
-        const uint16_t *blk = it->k + (int64_t)it->tab[j] * BS * D;
-        if (j + 1 < nblocks) prefetch_block(it->k + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
-        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
-        for (int64_t i = 0; i < n; i++) {
-            const uint16_t *krow = blk + i * D;
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t c = 0; c < C; c++)
-                    acc = _mm512_dpbf16_ps(acc, qv[g * C + c],
-                                           (__m512bh)_mm512_loadu_si512((const void *)(krow + 32 * c)));
-                const float dot = _mm512_reduce_add_ps(acc) * it->scale;
-                s[g * it->s_stride + t0 + i] = dot;
-                if (dot > mx[g]) mx[g] = dot;
-            }
-        }
-    }
-}
-
-static void weighted_v_avx512(const item_t *it, const float *s, float *acc) {
-    const int64_t D = it->D, G = it->G, BS = it->BS, C = D / 16;
-    memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    const int64_t nblocks = (it->len + BS - 1) / BS;
-    for (int64_t j = 0; j < nblocks; j++) {
-        const uint16_t *blk = it->v + (int64_t)it->tab[j] * BS * D;
-        if (j + 1 < nblocks) prefetch_block(it->v + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
-        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
-        for (int64_t c = 0; c < C; c++) { /* one 16-wide slice of d for every group row */
-            __m512 a[MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + 16 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 vv = load_bf16x16(blk + i * D + 16 * c);
-                for (int64_t g = 0; g < G; g++)
-                    a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * it->s_stride + t0 + i]), vv, a[g]);
-            }
-            for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + 16 * c, a[g]);
-        }
-    }
 }
 
 /* lane j = sum of the 16 lanes of a[j]: a 16 x 16 transpose folded into adds */
@@ -165,17 +119,16 @@ static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
                                                                float *mx, const int64_t G,
                                                                const int64_t C) {
     const int64_t BS = it->BS, D = it->D;
-    __m512bh qv[16];
+    __m512bh qv[MAX_GROUP_DIM / 32]; /* registers for the small shapes, else spilled */
     for (int64_t i = 0; i < G * C; i++)
         qv[i] = (__m512bh)_mm512_loadu_si512((const void *)(qb + 32 * i));
-    __m512 vmax[8];
+    __m512 vmax[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
     const __m512 scale = _mm512_set1_ps(it->scale);
     const int64_t nblocks = (it->len + BS - 1) / BS;
-    for (int64_t j = 0; j < nblocks; j++) {
-        const uint16_t *blk = it->k + (int64_t)it->tab[j] * BS * D;
-        if (j + 1 < nblocks) prefetch_block(it->k + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
-        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+    for (int64_t j = 0, t0 = 0, n, unused; j < nblocks; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->k, j, &n);
+        if (j + 1 < nblocks) prefetch_block(block_rows(it, it->k, j + 1, &unused), BS * D * 2);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t nt = n - i0 < 16 ? n - i0 : 16;
             const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
@@ -207,17 +160,16 @@ static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t 
                                                                    const int64_t G,
                                                                    const int64_t C) {
     const int64_t BS = it->BS, D = it->D;
-    __m512 lo[16], hi[16]; /* [g * C + c] */
+    __m512 lo[MAX_GROUP_DIM / 32], hi[MAX_GROUP_DIM / 32]; /* [g * C + c] */
     for (int64_t i = 0; i < G * C; i++) lo[i] = hi[i] = _mm512_setzero_ps();
     const int64_t nblocks = (it->len + BS - 1) / BS;
-    for (int64_t j = 0; j < nblocks; j++) {
-        const uint16_t *blk = it->v + (int64_t)it->tab[j] * BS * D;
-        if (j + 1 < nblocks) prefetch_block(it->v + (int64_t)it->tab[j + 1] * BS * D, BS * D * 2);
-        const int64_t t0 = j * BS, n = it->len - t0 < BS ? it->len - t0 : BS;
+    for (int64_t j = 0, t0 = 0, n, unused; j < nblocks; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->v, j, &n);
+        if (j + 1 < nblocks) prefetch_block(block_rows(it, it->v, j + 1, &unused), BS * D * 2);
         for (int64_t i = 0; i < n; i += 2) {
             const int pair = i + 1 < n; /* a lone last token pairs with itself at p = 0 */
             const uint16_t *r0 = blk + i * D, *r1 = pair ? r0 + D : r0;
-            __m512bh pp[8];
+            __m512bh pp[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) {
                 union { float f; uint32_t u; } a, b;
                 a.f = s[g * it->s_stride + t0 + i];
@@ -306,8 +258,7 @@ int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
         if (vector_path && G == 3 && D == 64) scores_tiled(&it, qb, s, mx, 3, 2);
         else if (vector_path && G == 4 && D == 128) scores_tiled(&it, qb, s, mx, 4, 4);
         else if (vector_path && G == 1 && D == 64) scores_tiled(&it, qb, s, mx, 1, 2);
-        else if (vector_path && G <= 8 && (G * D) / 32 <= 16) scores_tiled(&it, qb, s, mx, G, D / 32);
-        else if (vector_path) scores_avx512(&it, qb, s, mx);
+        else if (vector_path) scores_tiled(&it, qb, s, mx, G, D / 32);
         else
 #endif
             scores_generic(&it, qb, s, mx);
@@ -327,8 +278,7 @@ int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
         if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
         else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
         else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
-        else if (vector_path && G <= 8 && (G * D) / 32 <= 16) weighted_v_pairs(&it, s, acc, G, D / 32);
-        else if (vector_path) weighted_v_avx512(&it, s, acc);
+        else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
         else
 #endif
             weighted_v_generic(&it, s, acc);

@@ -37,10 +37,8 @@ def fresh_build(monkeypatch, tmp_path):
     """Builds into an empty cache and forgets what earlier tests loaded."""
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     build.load.cache_clear()
-    layer_ops._lib.reset()
     yield tmp_path
     build.load.cache_clear()
-    layer_ops._lib.reset()
 
 
 def test_kernel_builds_where_a_compiler_exists():

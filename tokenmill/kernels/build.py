@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tokenmill.cache import cache_dir
 from tokenmill.cpuinfo import cpu_flags
@@ -104,3 +105,29 @@ def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> P
             if leftover is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
+
+
+class Library:
+    """A kernel's functions with their ctypes signatures, bound once per loaded library
+    (`load` is cached; clearing its cache makes the next call bind a fresh build).
+
+    signatures: function name -> (argument types, return type)."""
+
+    def __init__(self, name: str, signatures: dict[str, tuple[list[Any], Any]]) -> None:
+        self.name = name
+        self.signatures = signatures
+        self._bound: tuple[ctypes.CDLL | None, dict[str, Any]] = (None, {})
+
+    def get(self, function: str) -> Any:
+        """The bound function, or None where the kernel is not built."""
+        lib = load(self.name)
+        if lib is None:
+            return None
+        if self._bound[0] is not lib:
+            fns = {}
+            for fn_name, (argtypes, restype) in self.signatures.items():
+                fn = getattr(lib, fn_name)
+                fn.argtypes, fn.restype = argtypes, restype
+                fns[fn_name] = fn
+            self._bound = (lib, fns)
+        return self._bound[1][function]

@@ -11,39 +11,14 @@ import ctypes
 
 import torch
 
-from tokenmill.kernels.build import load
+from tokenmill.kernels.build import Library
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES = {
-    "tm_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64],
-    "tm_rotary_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
-    "tm_silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _I64],
-}
-
-
-class _Lib:
-    def __init__(self) -> None:
-        self.loaded = False
-        self.fns: dict[str, ctypes._CFuncPtr] = {}
-
-    def get(self, name: str) -> ctypes._CFuncPtr | None:
-        if not self.loaded:
-            lib = load("layer_ops")
-            if lib is not None:
-                for fn_name, argtypes in _SIGNATURES.items():
-                    fn = getattr(lib, fn_name)
-                    fn.argtypes, fn.restype = argtypes, None
-                    self.fns[fn_name] = fn
-            self.loaded = True
-        return self.fns.get(name)
-
-    def reset(self) -> None:
-        """Forget the loaded library (tests that switch kernels off)."""
-        self.loaded = False
-        self.fns = {}
-
-
-_lib = _Lib()
+_lib = Library("layer_ops", {
+    "tm_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64], None),
+    "tm_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64], None),
+    "tm_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
+})
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

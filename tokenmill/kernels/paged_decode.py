@@ -11,30 +11,20 @@ import ctypes
 
 import torch
 
-from tokenmill.kernels.build import load
+from tokenmill.kernels.build import Library
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-def _function(name: str = "tm_paged_decode_bf16") -> ctypes._CFuncPtr | None:
-    lib = load("paged_decode")
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
-    if fn.argtypes is None:
-        if name == "tm_paged_decode_bf16":
-            fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64,
-                           _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
-            fn.restype = ctypes.c_int
-        else:  # tm_store_kv_bf16
-            fn.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                           _I64]
-            fn.restype = ctypes.c_int
-    return fn
+_lib = Library("paged_decode", {
+    "tm_paged_decode_bf16": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64,
+                              _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR,
+                              _I64, _I64], ctypes.c_int),
+    "tm_store_kv_bf16": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                          _I64], ctypes.c_int),
+})
 
 
 def available() -> bool:
-    return _function() is not None
+    return _lib.get("tm_paged_decode_bf16") is not None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -48,7 +38,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Returns (out (B, H, D), None, None), normalised, in q's dtype; with `with_lse`,
     fp32 (sum_t exp(s_t - m) v_t, m, l) with the row maximum m and denominator l
     (B, H), for the caller to merge with another part of the keys."""
-    fn = _function()
+    fn = _lib.get("tm_paged_decode_bf16")
     if (fn is None or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
             or k_cache.device.type != "cpu" or not k_cache.is_contiguous()
             or not v_cache.is_contiguous() or tables.dtype != torch.int32
@@ -79,12 +69,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slots: torch.Tensor) -> bool:
     """k, v (T, kv_heads, D) into the slots (T,) int64 of bf16 pools; False (nothing
     written) when the kernel does not take the inputs or a slot is out of range."""
-    fn = _function("tm_store_kv_bf16") if k_cache.dtype == torch.bfloat16 else None
-    if (fn is None or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
-            or k_cache.device.type != "cpu" or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous() or v_cache.dtype != torch.bfloat16
-            or slots.dtype != torch.int64 or not slots.is_contiguous()
-            or slots.device.type != "cpu"):
+    if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+            or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or v_cache.dtype != torch.bfloat16 or slots.dtype != torch.int64
+            or not slots.is_contiguous() or slots.device.type != "cpu"):
+        return False  # checked before the kernel is looked up: no build on a GPU machine
+    fn = _lib.get("tm_store_kv_bf16")
+    if fn is None:
         return False
     tokens, kv_heads, d = k.shape
     if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d:

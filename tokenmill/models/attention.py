@@ -66,7 +66,7 @@ class Attention(nn.Module):
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of the caches."""
-    if k_cache.device.type == "cpu" and native.store_kv(k, v, k_cache, v_cache, slot_mapping):
+    if native.store_kv(k, v, k_cache, v_cache, slot_mapping):
         return  # bf16: one native call instead of two strided index_copy_
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(

@@ -147,6 +147,26 @@ class _DecodePlan:
         self.pad = torch.arange(self.span, device=device)[None, :] >= lens[:, None]  # (B, S)
 
 
+def _prefix_scores(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: _DecodePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled scores of every decode row against the blocks all rows share, fp32
+    (kv, B, g, P), one matmul for the batch, and those blocks' V (kv, P, d).
+    qg: the queries (kv, B, g, d) in the cache dtype."""
+    kv_heads, num_seqs, group, d = qg.shape
+    prefix_len = plan.shared * k_cache.shape[2]
+    kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
+    vp = _seq_kv(v_cache, plan.shared_table, prefix_len)
+    sp = torch.bmm(qg.reshape(kv_heads, num_seqs * group, d), kp.transpose(1, 2))
+    return sp.float().mul_(scale).view(kv_heads, num_seqs, group, prefix_len), vp
+
+
+def _prefix_values(weights: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+    """sum_t w_t v_t over the shared blocks: weights (kv, B, g, P) -> fp32 (kv, B, g, d)."""
+    kv_heads, num_seqs, group, prefix_len = weights.shape
+    return torch.bmm(weights.to(vp.dtype).view(kv_heads, num_seqs * group, prefix_len),
+                     vp).float().view(kv_heads, num_seqs, group, vp.shape[-1])
+
+
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   plan: _DecodePlan, scale: float) -> torch.Tensor:
     """One query per sequence, all sequences at once. q (B, heads, d) -> (B, heads, d).
@@ -182,19 +202,14 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         probs = torch.softmax(scores, dim=-1).to(v.dtype).view(rows, group, span)
         out = torch.bmm(probs, v.view(rows, span, d))  # (kv * B, g, d)
     else:
-        prefix_len = plan.shared * block_size
-        kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
-        vp = _seq_kv(v_cache, plan.shared_table, prefix_len)
-        sp = torch.bmm(qg.reshape(kv_heads, num_seqs * group, d), kp.transpose(1, 2))
-        sp = sp.float().mul_(scale).view(kv_heads, num_seqs, group, prefix_len)
+        sp, vp = _prefix_scores(qg, k_cache, v_cache, plan, scale)
         top = torch.maximum(scores.amax(-1, keepdim=True), sp.amax(-1, keepdim=True))
         scores.sub_(top).exp_()
         sp.sub_(top).exp_()
         denom = scores.sum(-1, keepdim=True).add_(sp.sum(-1, keepdim=True))  # (kv, B, g, 1)
         out = torch.bmm(scores.to(v.dtype).view(rows, group, span), v.view(rows, span, d))
         out = out.float().view(kv_heads, num_seqs, group, d)
-        out += torch.bmm(sp.to(vp.dtype).view(kv_heads, num_seqs * group, prefix_len),
-                         vp).float().view(kv_heads, num_seqs, group, d)
+        out += _prefix_values(sp, vp)
         out /= denom
     return out.view(kv_heads, num_seqs, group, d).transpose(0, 1).reshape(
         num_seqs, heads, d).to(q.dtype)
@@ -206,7 +221,7 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     A shared prefix is still attended once for the batch by one matmul, and merged
     with the kernel's part through its row maxima and denominators."""
     num_seqs, heads, d = q.shape
-    kv_heads, _, block_size, _ = k_cache.shape
+    kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     max_len = plan.span
     scratch = _workspace.get("scores", (num_seqs * heads * max_len,), torch.float32, q.device)
@@ -217,20 +232,15 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out, m, l_ = part
     if not plan.shared:
         return out
-    prefix_len = plan.shared * block_size
-    kp = _seq_kv(k_cache, plan.shared_table, prefix_len)  # (kv, P, d)
-    vp = _seq_kv(v_cache, plan.shared_table, prefix_len)
-    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).to(kp.dtype)  # (kv, B, g, d)
-    sp = torch.bmm(qg.reshape(kv_heads, num_seqs * group, d), kp.transpose(1, 2))
-    sp = sp.float().mul_(scale).view(kv_heads, num_seqs, group, prefix_len)
+    qg = q.view(num_seqs, kv_heads, group, d).transpose(0, 1).to(k_cache.dtype)  # (kv, B, g, d)
+    sp, vp = _prefix_scores(qg, k_cache, v_cache, plan, scale)
     m = m.view(num_seqs, kv_heads, group).transpose(0, 1).unsqueeze(-1)  # (kv, B, g, 1)
     l_ = l_.view(num_seqs, kv_heads, group).transpose(0, 1).unsqueeze(-1)
     top = torch.maximum(m, sp.amax(-1, keepdim=True))
     sp.sub_(top).exp_()
     own_scale = (m - top).exp_()  # the kernel's part was relative to its own maximum
     denom = sp.sum(-1, keepdim=True).add_(l_ * own_scale)
-    shared = torch.bmm(sp.to(vp.dtype).view(kv_heads, num_seqs * group, prefix_len),
-                       vp).float().view(kv_heads, num_seqs, group, d)
+    shared = _prefix_values(sp, vp)
     own = out.view(num_seqs, kv_heads, group, d).transpose(0, 1)
     merged = shared.add_(own * own_scale).div_(denom)  # (kv, B, g, d)
     return merged.transpose(0, 1).reshape(num_seqs, heads, d).to(q.dtype)

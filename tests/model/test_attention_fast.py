@@ -10,7 +10,7 @@ import torch
 from tokenmill.models import attention_fast
 from tokenmill.models.attention import kv_cache_shape, paged_attention_reference, store_kv_cache
 from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
-from tokenmill.models.context import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.loaders import load_model
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.models.context import AttentionMetadata, attention_metadata
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

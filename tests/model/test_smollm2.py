@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.loaders import load_model, load_tokenizer, resolve_model
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.models.context import AttentionMetadata, attention_metadata
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 PROMPTS = [
     "The capital of France is",

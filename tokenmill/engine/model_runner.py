@@ -16,7 +16,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.models.context import AttentionMetadata, attention_metadata
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 
 class Scheduled(Protocol):

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.kernels import paged_decode as native
 from tokenmill.models.attention_fast import paged_attention_fast
-from tokenmill.models.context import AttentionMetadata, get_attention_metadata
+from tokenmill.attention.metadata import AttentionMetadata, get_attention_metadata
 
 # "fast" (CPU default) or "reference"; TOKENMILL_ATTENTION=reference forces the plain path
 BACKEND = os.environ.get("TOKENMILL_ATTENTION", "fast")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import paged_decode as native
-from tokenmill.models.context import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 
 
 def _seq_kv(cache: torch.Tensor, table: list[int], seq_len: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One decoder for Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 forward takes a flat batch of tokens (T,) and their positions (T,); attention
-metadata for the step comes from `tokenmill.models.context`.
+metadata for the step comes from `tokenmill.attention.metadata`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sequence import Sequence
-from tokenmill.models.context import attention_metadata
+from tokenmill.attention.metadata import attention_metadata
 
 
 @dataclass

@@ -29,6 +29,9 @@ class AttentionMetadata:
     # the same numbers as Python lists: CPU paths loop without device syncs
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # what every layer of this step shares, built once by the attention
+    # backend's plan(meta) (AttentionBackend.plan) before the forward pass
+    plan: object = None
     # per-step values that attention layers derive once and share (e.g. the
     # block tables as lists); filled lazily by the attention backend
     derived: dict = field(default_factory=dict)

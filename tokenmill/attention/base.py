@@ -1,0 +1,69 @@
+"""The attention-backend interface: one object per engine, chosen once at start-up.
+
+A backend owns three things the rest of the engine must not assume:
+- the KV-cache layout (`kv_cache_shape`, `block_dim`): the pool allocator asks
+  it for the shape of one layer's K (and V) tensor;
+- the per-step plan (`plan`): whatever every layer of one step shares (block
+  tables as lists, a decode plan, kernel launch parameters) is derived once by
+  the model runner's call to `plan(meta)` and stored in `meta.plan`;
+- the two per-layer operations: `store_kv` (this step's K/V into the pool at
+  `meta.slot_mapping`) and `forward` (attention of this step's queries over
+  each sequence's cached prefix plus its new tokens).
+
+Models never branch on the device or the backend: `Attention.forward` calls
+`store_kv` and `forward` on whatever backend the runner assigned.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class BackendUnavailable(RuntimeError):
+    """The chosen backend cannot run here (missing library, wrong device)."""
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    # the index of the block dimension in kv_cache_shape(...)
+    block_dim: ClassVar[int]
+    # True: attention reads whole blocks and masks slots past a sequence's end
+    # afterwards, so a NaN left in fresh memory would leak into the output; the
+    # pool then zeroes each block the first time a step uses it
+    needs_zeroed_blocks: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype  # the KV cache's dtype
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """None when this backend can run on `device`; else why not (one line)."""
+        return None
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K pool (V has the same)."""
+
+    def plan(self, meta: AttentionMetadata) -> object | None:
+        """Called once per step by the model runner before the forward pass; the
+        result is stored in `meta.plan` and read by every layer."""
+        return None
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v: (T, num_kv_heads, head_dim) -> the caches at meta.slot_mapping (T,)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q: (T, num_heads, head_dim); k, v: this step's (T, num_kv_heads, head_dim),
+        already in the caches. Returns (T, num_heads, head_dim)."""

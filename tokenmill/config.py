@@ -114,7 +114,7 @@ class KVEventsConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"kv-events-config is not valid JSON: {e}") from e
         if not isinstance(raw, dict):
-            raise ValueError("kv-events-config must be a JSON object")
+            raise TypeError("kv-events-config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -25,8 +25,8 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.engine.weights import load_engine_model
 from tokenmill.kvcache.block_manager import BlockManager
-from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.kvcache.budget import choose_num_blocks
+from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
 

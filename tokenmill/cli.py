@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | chat | bench | roofline | explain`.
+"""`tokenmill serve | generate | chat | bench | roofline | explain | export-tokenizer`.
 
 Each feature module registers its own subcommand; this file only composes them,
 importing each lazily so `tokenmill roofline` never pays for torch or FastAPI.
@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": "tokenmill.bench.command",
     "roofline": "tokenmill.roofline.command",
     "explain": "tokenmill.roofline.command",
+    "export-tokenizer": "tokenmill.loaders.command",
 }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
@@ -81,11 +82,55 @@ class ModelConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields and defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled, as vLLM
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # accepted for vLLM compatibility; sends are synchronous
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv-events-config: publisher must be 'zmq' or 'null', "
+                             f"got {self.publisher!r}")
+        if self.buffer_steps < 1 or self.hwm < 0:
+            raise ValueError("kv-events-config: buffer_steps must be >= 1 and hwm >= 0")
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv-events-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise TypeError("kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv-events-config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+
+@dataclass
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit block count wins over the byte budget
     kv_cache_memory_bytes: int | None = None  # None: a share of free RAM / GPU memory
     enable_prefix_caching: bool = True
+    # vLLM's --kv-events-config: publish the prefix cache's changes for routers
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -94,6 +139,9 @@ class CacheConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory must be positive")
+        if self.kv_events is not None and self.kv_events.active and not self.enable_prefix_caching:
+            raise ValueError("KV cache events describe the prefix cache: they need prefix "
+                             "caching on (drop --no-enable-prefix-caching)")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -25,6 +25,13 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return int(value)
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
@@ -51,6 +58,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
                    dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="publish prefix-cache changes in vLLM's KV-event format, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' "
+                        "(docs/scale-out.md)")
     g.add_argument("--attention-backend", default="auto", metavar="NAME",
                    help="attention kernels: auto (cpu on a CPU), torch (the plain "
                         "reference), cpu (native kernels); an unavailable one is an error")
@@ -97,5 +109,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_bytes=args.kv_cache_memory,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_events=args.kv_events_config,
         ),
     )

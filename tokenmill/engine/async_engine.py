@@ -226,6 +226,7 @@ class AsyncEngine:
                     self._wake.wait(0.5)
             self._abort_all(_Aborted())
             self._snapshot_stats()
+            self.engine.close()
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._dead_reason = "the engine loop stopped after an internal error"

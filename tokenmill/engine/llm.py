@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -20,16 +20,23 @@ class LLM:
 
     Engine keywords (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, num_kv_blocks, block_size, enable_prefix_caching, seed,
-    quantization, device) are named as the CLI flags.
+    quantization, device) are named as the CLI flags; `kv_events_config` is
+    vLLM's (a KVEventsConfig, its dict, or its JSON text).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto",
                  kv_cache_memory: int | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
+                 kv_events_config: KVEventsConfig | dict | str | None = None,
                  **engine_kwargs: Any) -> None:
+        if isinstance(kv_events_config, str):
+            kv_events_config = KVEventsConfig.from_json(kv_events_config)
+        elif isinstance(kv_events_config, dict):
+            kv_events_config = KVEventsConfig(**kv_events_config)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_bytes=kv_cache_memory,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching,
+                            kv_events=kv_events_config)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, cache=cache,
                                              **engine_kwargs))
         self._ids = itertools.count()

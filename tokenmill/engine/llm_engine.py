@@ -26,6 +26,7 @@ from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.engine.weights import load_engine_model
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.budget import choose_num_blocks
+from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -124,6 +125,8 @@ class LLMEngine:
                                   loaded.dtype, device, config.attention_backend)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
+        self.kv_events = KVEventStream.start(config.cache.kv_events, self.block_manager,
+                                             device.type)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -242,6 +245,8 @@ class LLMEngine:
             emitted = self._sample(batch, logits)
         with timer("postprocess"):
             outputs = self._postprocess(batch, emitted)
+        if self.kv_events is not None:
+            self.kv_events.publish()
         if self.config.debug_kv_integrity:
             self.check_kv_integrity()
         return outputs
@@ -347,6 +352,12 @@ class LLMEngine:
                 finished_time=time.monotonic() if finished else None,
             ),
         )
+
+    def close(self) -> None:
+        """Release what outlives a step (the KV-event sockets); idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def get_stats(self) -> EngineStats:
         st = self.stats

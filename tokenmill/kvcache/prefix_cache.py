@@ -9,6 +9,8 @@ Blocks whose ref count drops to 0 keep their entry and wait in an LRU
 ("evictable"); they are handed out again as fresh blocks only when no
 never-cached block is free, least recently freed first. The block manager
 owns ref counts and the plain free list; this class owns hashes and the LRU.
+With `events` set (a KVEventRecorder), every entry stored, evicted or reset
+is also recorded, for routers that follow where each prefix lives.
 Plain Python, no torch.
 """
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tokenmill.kvcache.events import KVEventRecorder
 
 ROOT_HASH = 0  # parent hash of a sequence's first block
 
@@ -40,6 +44,7 @@ class PrefixCache:
         self._entry_by_block: dict[int, _Entry] = {}
         # cached blocks with ref count 0, least recently freed first
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.events: KVEventRecorder | None = None
 
     def __len__(self) -> int:
         return len(self._entry_by_block)
@@ -71,7 +76,10 @@ class PrefixCache:
         if owner is None:
             assert block_id not in self._entry_by_block, "block is already cached"
             self._block_by_hash[block_hash] = block_id
-            self._entry_by_block[block_id] = _Entry(block_hash, parent_hash, tuple(token_ids))
+            entry = _Entry(block_hash, parent_hash, tuple(token_ids))
+            self._entry_by_block[block_id] = entry
+            if self.events is not None:
+                self.events.stored(block_hash, parent_hash, entry.token_ids)
             return block_hash
         entry = self._entry_by_block[owner]
         if entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):
@@ -99,6 +107,8 @@ class PrefixCache:
         block_id, _ = self._evictable.popitem(last=False)
         entry = self._entry_by_block.pop(block_id)
         del self._block_by_hash[entry.block_hash]
+        if self.events is not None:
+            self.events.removed(entry.block_hash)
         return block_id
 
     @property
@@ -135,4 +145,6 @@ class PrefixCache:
         self._block_by_hash.clear()
         self._entry_by_block.clear()
         self._evictable.clear()
+        if self.events is not None:
+            self.events.cleared()
         return freed

@@ -17,18 +17,20 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
-from tokenmill.server.serving import Serving
+from tokenmill.server.serving import Serving, ServingConfig
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              config: ServingConfig | None = None) -> FastAPI:
     """The app in front of `engine`, whose loop the caller runs (`engine.run()`)."""
-    serving = Serving(engine, served_model_name)
+    serving = Serving(engine, served_model_name, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        serving.tokenizers.shutdown()
         await asyncio.to_thread(serving.engine.shutdown)
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,

@@ -13,6 +13,7 @@ from tokenmill.server import protocol as p
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.serving import ServingDep
 from tokenmill.server.sse import event_stream
+from tokenmill.server.streams import Part
 
 router = APIRouter()
 
@@ -26,17 +27,17 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                            serving: ServingDep) -> Any:
     serving.check_model(req.model)
     params = serving.sampling_params(req)
-    prompt_ids = serving.render_chat(req.messages, req.add_generation_prompt)
+    prompt_ids = await serving.render_chat(req.messages, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    progress = serving.progress(req.n, "chat.completion.chunk")
-    stream = await serving.submit(request_id, prompt_ids, params)
+    parts = await serving.submit_all(request_id, [prompt_ids], params,
+                                     "chat.completion.chunk")
     top_k = req.top_logprobs or 0
     decode = serving.decode_token
 
     if req.stream:
-        def chunks(out: RequestOutput) -> list[dict]:
+        def chunks(part: Part, out: RequestOutput) -> list[dict]:
             events = []
-            for c, delta, first_token, _, first in progress.deltas(
+            for c, delta, first_token, _, first in part.progress.deltas(
                     out, bool(req.logprobs), announce=True):
                 choice = p.ChatChunkChoice(
                     index=c.index,
@@ -47,19 +48,19 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                 dumped = p.dump(choice)
                 if dumped["delta"]["role"] is None:  # as OpenAI: role only in the first
                     del dumped["delta"]["role"]
-                events.append(progress.chunk(request_id, serving.model_name, dumped))
+                events.append(part.progress.chunk(request_id, serving.model_name, dumped))
             return events
 
-        return StreamingResponse(event_stream(serving, request_id, stream, progress, chunks,
-                                              req.include_usage),
+        return StreamingResponse(event_stream(serving, request_id, parts, chunks,
+                                              req.include_usage, req.continuous_usage),
                                  media_type="text/event-stream")
 
-    final = await serving.collect(request, stream, progress)
+    final, = await serving.collect(request, parts)
     choices = [p.ChatChoice(
         index=c.index, message=p.ChatResponseMessage(content=c.text),
         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
         logprobs=chat_logprobs(c, 0, top_k, decode) if req.logprobs else None)
         for c in final.outputs]
     return JSONResponse(p.dump(p.ChatCompletionResponse(
-        id=request_id, created=progress.created, model=serving.model_name, choices=choices,
-        usage=serving.usage(final))))
+        id=request_id, created=parts[0].progress.created, model=serving.model_name,
+        choices=choices, usage=serving.usage([final]))))

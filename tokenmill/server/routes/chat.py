@@ -10,12 +10,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server import protocol as p
+from tokenmill.server.json_body import OffLoopJSONRoute
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.serving import ServingDep
 from tokenmill.server.sse import event_stream
 from tokenmill.server.streams import Part
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": p.ErrorResponse} for s in (400, 404, 503)}

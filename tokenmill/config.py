@@ -128,6 +128,9 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit block count wins over the byte budget
     kv_cache_memory_bytes: int | None = None  # None: a share of free RAM / GPU memory
+    # vLLM's --gpu-memory-utilization: on CUDA the share of the GPU's memory for the
+    # whole instance; on a CPU the share of available RAM for the KV cache
+    memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # vLLM's --kv-events-config: publish the prefix cache's changes for routers
     kv_events: KVEventsConfig | None = None
@@ -142,6 +145,8 @@ class CacheConfig:
         if self.kv_events is not None and self.kv_events.active and not self.enable_prefix_caching:
             raise ValueError("KV cache events describe the prefix cache: they need prefix "
                              "caching on (drop --no-enable-prefix-caching)")
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass
@@ -149,6 +154,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
+    # off: a prompt is admitted only when all of it fits in one step's budget
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -165,9 +172,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None: the fastest correct default for the weights
-    max_model_len: int | None = None  # None: min(model's context, 8192)
+    max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     # auto | torch | cpu | ... (tokenmill/attention); auto = cpu on a CPU. Checked

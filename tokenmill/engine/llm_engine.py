@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
@@ -115,22 +116,31 @@ class LLMEngine:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
-        self.max_model_len = min(config.max_model_len or min(
-            self.model_config.max_position_embeddings, 8192),
-            self.model_config.max_position_embeddings)
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
         block_size = config.cache.block_size
         num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
                                        self.max_model_len, config.max_num_seqs)
+        if config.max_model_len is None and self.max_model_len > num_blocks * block_size:
+            # as vLLM: the model's own context by default, but never more than fits
+            logger.warning("max_model_len is %d, not the model's %d: the KV cache holds %d "
+                           "tokens (raise --kv-cache-memory or --gpu-memory-utilization)",
+                           num_blocks * block_size, model_max, num_blocks * block_size)
+            self.max_model_len = num_blocks * block_size
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
                                   loaded.dtype, device, config.attention_backend)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.kv_events = KVEventStream.start(config.cache.kv_events, self.block_manager,
                                              device.type)
+        step_tokens = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # a whole prompt must fit one step, as vLLM
+            step_tokens = max(step_tokens, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len),
+                            max_num_batched_tokens=step_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
@@ -143,6 +153,8 @@ class LLMEngine:
             self.speculator = build_speculator(config, self.runner, self.block_manager,
                                                self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
+        # seq_id of a request's first sample -> its prompt logprobs so far
+        self.prompt_logprobs: dict[int, list] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                     "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
@@ -206,6 +218,8 @@ class LLMEngine:
             req.seqs += [Sequence(request_id, ids, params, index=i, arrival_time=now)
                          for i in range(1, params.n)]
         self.requests[request_id] = req
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[first.seq_id] = [None]  # the first token has no context
         for seq in req.seqs:
             self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
@@ -216,6 +230,7 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is not None:
                 req.pending_siblings = 0
+                self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
                 aborted = self.scheduler.abort(rid)
                 if self.speculator is not None:
                     self.speculator.forget(aborted)
@@ -239,8 +254,12 @@ class LLMEngine:
             self.speculator.extend(batch, self.scheduler.num_running)
         with timer("prepare"):
             ids, pos, meta, rows = self.runner.prepare(batch.scheduled)
+            extra = prompt_rows(batch.scheduled, self.prompt_logprobs)
         with timer("forward"):
-            logits = self.runner.forward(ids, pos, meta, rows)
+            logits = self.runner.forward(ids, pos, meta, rows + extra.rows)
+        if extra.rows:  # prompt rows come after the sampling rows
+            record_prompt_logprobs(logits[len(rows):], extra, self.prompt_logprobs)
+            logits = logits[:len(rows)]
         with timer("sample"):
             emitted = self._sample(batch, logits)
         with timer("postprocess"):
@@ -309,7 +328,8 @@ class LLMEngine:
         outputs = [self._request_output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
-                del self.requests[out.request_id]
+                req = self.requests.pop(out.request_id)
+                self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
         return outputs
 
     def _add_siblings(self, req: _Request) -> None:
@@ -337,6 +357,7 @@ class LLMEngine:
         finished = (not req.pending_siblings and len(req.seqs) == req.params.n
                     and all(s.is_finished for s in req.seqs))
         first = req.seqs[0]
+        prompt_logprobs = self.prompt_logprobs.get(first.seq_id)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -351,6 +372,7 @@ class LLMEngine:
                                       if s.first_token_time), default=None),
                 finished_time=time.monotonic() if finished else None,
             ),
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 
     def close(self) -> None:

@@ -10,9 +10,10 @@ Unknown fields are ignored, as OpenAI and vLLM do.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class ErrorResponse(_Model):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk too
 
 
 class _SamplingRequest(_Model):
@@ -79,15 +81,22 @@ class _SamplingRequest(_Model):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, Any] | None) -> SamplingParams:
+        """`defaults`: --generation-config's values for the fields the request left unset."""
+        defaults = defaults or {}
+
+        def pick(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, builtin)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,
@@ -105,17 +114,40 @@ class _SamplingRequest(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingRequest):
-    # a string, token ids, or a batch of one of either
+    # a string, token ids, or a batch of either: one choice per prompt x n
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    echo: bool = False  # before max_tokens: its validator reads it
+    # 0 with echo: score the prompt only (lm-eval's loglikelihood requests)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_need_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("must be at least 1 (0 only with echo, to score the prompt)")
+        return value
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.max_tokens == 0
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        params = self._sampling_params(1 if self.prompt_only else self.max_tokens,
+                                       self.logprobs, defaults)
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        params.prompt_logprobs = max(wanted) if wanted else None
+        return params
 
 
 class TextPart(_Model):
@@ -129,18 +161,51 @@ class ChatMessage(_Model):
     name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # parts joined with newlines, as vLLM
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self, content_format: str) -> dict[str, Any]:
+        """The message as the chat template sees it: content as one string, or
+        ("openai") as a list of text parts, for templates that loop over parts."""
+        content: Any = self.text()
+        if content_format == "openai":
+            content = [{"type": "text", "text": part.text} for part in self.content] \
+                if isinstance(self.content, list) else [{"type": "text", "text": content}]
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
-class ChatCompletionRequest(_SamplingRequest):
+
+class ChatTemplateFields(_Model):
+    """How the conversation is rendered, as vLLM's chat and /tokenize take it."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    documents: list[dict[str, str]] | None = None  # for RAG templates
+    chat_template: str | None = None  # refused: the server's template is fixed
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true; set add_generation_prompt to false")
+        return self
+
+    def check_messages(self, messages: list[ChatMessage]) -> None:
+        if self.continue_final_message and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the "
+                             "assistant's")
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # deprecated alias, still sent
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -148,19 +213,21 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
-        # None: up to the context limit, as vLLM does for chat
-        max_tokens = self.max_completion_tokens or self.max_tokens
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        # None: the generation config's max_new_tokens, else up to the context limit,
+        # as vLLM does for chat
+        max_tokens = (self.max_completion_tokens or self.max_tokens
+                      or (defaults or {}).get("max_tokens"))
         return self._sampling_params(max_tokens,
-                                     (self.top_logprobs or 0) if self.logprobs else None)
+                                     (self.top_logprobs or 0) if self.logprobs else None,
+                                     defaults)
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -177,10 +244,15 @@ class DetokenizeRequest(_Model):
 # ---- responses -------------------------------------------------------------------
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Model):
@@ -190,12 +262,20 @@ class CompletionLogprobs(_Model):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Model):  # vLLM's
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Model):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM: per prompt token, None for the first; keys are token ids
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Model):

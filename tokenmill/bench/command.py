@@ -89,6 +89,10 @@ def register(subparsers) -> None:
     ld.add_argument("--warmup", type=int, default=0,
                     help="requests sent (and left out of the statistics) before each run")
     ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--workers", type=int, default=1,
+                    help="load-generator processes (default 1): the schedule is sharded "
+                    "across them (request i goes to worker i mod N, each with its share of "
+                    "--concurrency), all timestamp on one clock, results are merged")
     ld.add_argument("--sweep", metavar="KIND=V1,V2,...",
                     help="one run per value: rate=1,2,4 or concurrency=1,4,16,32")
     ld.add_argument("--max-rate-under-slo", action="store_true",
@@ -109,6 +113,11 @@ def register(subparsers) -> None:
     m.add_argument("--output", help="write the result JSON here")
     m.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     m.add_argument("--no-progress", action="store_true")
+    m.add_argument("--no-scrape", dest="scrape", action="store_false",
+                   help="do not read the server's /metrics before, during and after each "
+                   "run (the `server` section and the client-vs-server comparison)")
+    m.add_argument("--scrape-interval", type=float, default=2.0,
+                   help="seconds between /metrics scrapes during a run (default 2)")
 
     from tokenmill.engine.args import add_engine_args
 
@@ -145,7 +154,6 @@ def _main(args: argparse.Namespace, console, err) -> int:
         print_runs,
         print_summary,
         write_json,
-        write_plots,
     )
     from tokenmill.bench.workload import LengthSpec, WorkloadSpec, build_workload
 
@@ -182,7 +190,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
         target=target, config=config, make_requests=make_requests, warmup=args.warmup,
         request_cap=args.num_requests if args.duration else None, seed=args.seed, slo=slo,
         cost_per_hour=args.cost_per_hour, num_gpus=args.num_gpus,
-        progress=ProgressFactory(console, enabled=not args.no_progress))
+        progress=ProgressFactory(console, enabled=not args.no_progress),
+        scraper=_make_scraper(args))
     base = runner.LoadSpec(concurrency=args.concurrency, request_rate=args.request_rate,
                            burstiness=args.burstiness, duration_s=args.duration)
     if sweep:
@@ -205,6 +214,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
     if args.plot:
+        from tokenmill.bench.plots import write_plots
+
         for path in write_plots(result, args.plot):
             console.print(f"plot: {path}")
     return _exit_code(result, err)
@@ -278,7 +289,18 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
               "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
               "tokenizer": args.tokenizer or model}
-    return HttpTarget(options, tokenizer), config
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    config["workers"] = args.workers
+    return HttpTarget(options, tokenizer, workers=args.workers), config
+
+
+def _make_scraper(args: argparse.Namespace) -> Any:
+    if args.offline or not args.scrape:
+        return None
+    from tokenmill.bench.server_metrics import MetricsScraper
+
+    return MetricsScraper(args.base_url, args.api_key, interval_s=args.scrape_interval)
 
 
 def load_bench_tokenizer(name: str, explicit: bool, err) -> Any:

@@ -292,4 +292,7 @@ def record_dict(r: RequestRecord) -> dict:
         "finish_reason": r.finish_reason,
         "error_kind": r.error_kind,
         "error": r.error,
+        "conversation_id": r.conversation_id,
+        "turn": r.turn_index,
+        "server_timings": r.server_timings,
     }

@@ -21,11 +21,37 @@ import numpy as np
 DATASETS = ("random", "sharegpt", "prefix", "jsonl")
 
 
+@dataclass(frozen=True)
+class FollowUp:
+    """A later turn of a conversation: the user's next message and its output length."""
+
+    user: str
+    output_len: int
+
+
 @dataclass
 class BenchRequest:
+    """One request, or (with `system` or `follow_ups`) a conversation: the first user
+    message is `prompt`; each follow-up is sent when the previous turn has finished,
+    with every earlier message and the server's actual reply before it."""
+
     prompt: str
     prompt_len: int | None  # tokens under the benchmark tokenizer; None when none is loaded
     output_len: int  # sent as max_tokens (with ignore_eos)
+    system: str = ""  # a system (or tool-definition) message before the first turn
+    follow_ups: tuple[FollowUp, ...] = ()
+
+    @property
+    def is_conversation(self) -> bool:
+        return bool(self.system or self.follow_ups)
+
+    @property
+    def num_turns(self) -> int:
+        return 1 + len(self.follow_ups)
+
+    def first_messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": self.prompt}]
 
 
 # ---- lengths ---------------------------------------------------------------------------

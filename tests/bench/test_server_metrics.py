@@ -74,13 +74,13 @@ def test_bucket_quantile_in_the_inf_bucket_is_the_last_finite_bound():
 
 
 @pytest.mark.parametrize("text, scheme, keys", [
-    ("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n"
-     "# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total 7\n",
+    (("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n"
+     "# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total 7\n"),
      "sglang", ("running",)),
-    ("# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 100\n"
+    (("# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 100\n"
      "# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
      "llamacpp:tokens_predicted_seconds_total 2.5\n"
-     "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n",
+     "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n"),
      "llamacpp", ("running",)),
 ])
 def test_other_schemes_are_recognized(text, scheme, keys):

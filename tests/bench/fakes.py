@@ -91,6 +91,10 @@ async def _stream(body: dict, chat: bool, stats: VllmMetrics | None = None):
 
     if chat:
         yield chunk(None, role=True)
+    if fake.get("burst"):  # as fast as it can: pre-made chunks, `burst` events per write
+        async for part in _burst(n, int(fake["burst"]), fake.get("gap_ms", 0), chunk):
+            yield part
+        return
     if stats:
         stats.running.inc()
         stats.queue.observe(0.0)
@@ -135,6 +139,22 @@ async def _stream(body: dict, chat: bool, stats: VllmMetrics | None = None):
     yield "data: [DONE]\n\n"
 
 
+async def _burst(n: int, burst: int, gap_ms: float, chunk):
+    """`n` one-token content chunks, made once and written `burst` at a time (a
+    `gap_ms` pause between writes), then the finish chunk, usage and [DONE]."""
+    one = chunk(" w")
+    sent = 0
+    while sent < n:
+        k = min(burst, n - sent)
+        yield one * k
+        sent += k
+        if gap_ms:
+            await asyncio.sleep(gap_ms / 1000)
+    usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+    yield (chunk("", finish="length") + "data: " + json.dumps({"choices": [], "usage": usage})
+           + "\n\ndata: [DONE]\n\n")
+
+
 async def models(request: Request):
     return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
@@ -144,6 +164,13 @@ class FakeServer:
     `/metrics` is a 404, as on a server that exposes none."""
 
     def __init__(self, vllm_metrics: bool = False) -> None:
+        self.app = self.build_app(vllm_metrics)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1",
+                                                    port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def build_app(self, vllm_metrics: bool) -> Starlette:
         self.stats = VllmMetrics() if vllm_metrics else None
         self.bodies: list[dict] = []  # every request body received, in order
 
@@ -167,13 +194,9 @@ class FakeServer:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             return Response(self.stats.render(), media_type="text/plain")
 
-        app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                                Route("/v1/chat/completions", chat, methods=["POST"]),
-                                Route("/v1/models", models), Route("/metrics", metrics)])
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/models", models), Route("/metrics", metrics)])
 
     @property
     def base_url(self) -> str:
@@ -191,3 +214,16 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def app_factory() -> Starlette:
+    """The fake's app alone, for `uvicorn --factory` in worker processes of its own."""
+    return FakeServer.build_app(FakeServer.__new__(FakeServer), vllm_metrics=False)
+
+
+if __name__ == "__main__":  # python -m tests.bench.fakes PORT [SERVER_PROCESSES]
+    import sys
+
+    uvicorn.run("tests.bench.fakes:app_factory", factory=True, host="127.0.0.1",
+                port=int(sys.argv[1]), workers=int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+                log_level="error")

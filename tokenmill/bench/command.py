@@ -23,6 +23,12 @@ examples:
       --output-len 128 --num-requests 64 --sweep concurrency=1,4,16,32
   # the highest rate at which 90% of requests meet the SLOs
   tokenmill bench --base-url URL --max-rate-under-slo --slo ttft_ms=1000 tpot_ms=100
+  # chat-app traffic: 16 conversations of 4 turns, each turn re-sending the history
+  tokenmill bench --base-url URL --endpoint chat --dataset multiturn --turns 4 \
+      --input-len 64 --output-len 64 --num-requests 16 --concurrency 8
+  # an agent: a 2,048-token tool prompt shared by all, 8 short turns per conversation
+  tokenmill bench --base-url URL --endpoint chat --dataset agentic --prefix-len 2048 \
+      --input-len 32 --output-len 32 --num-requests 8 --concurrency 8
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -50,20 +56,28 @@ def register(subparsers) -> None:
                    help="seconds to wait for any chunk before a request times out")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "jsonl"],
-                   default="random")
+    w.add_argument("--dataset", default="random",
+                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic"],
+                   help="multiturn and agentic (and sharegpt with --turns > 1) send "
+                   "conversations: each turn's prompt is every earlier message plus the "
+                   "server's reply; --num-requests then counts conversations")
     w.add_argument("--dataset-path", help="sharegpt JSON, or jsonl/JSON list of prompts")
     w.add_argument("--input-len", default="128",
-                   help="prompt tokens (random) or suffix tokens (prefix): N, LO:HI uniform, "
-                   "or normal:MEAN,STD (default 128)")
+                   help="prompt tokens (random), suffix tokens (prefix) or tokens of each user "
+                   "message (multiturn, agentic): N, LO:HI uniform, or normal:MEAN,STD "
+                   "(default 128)")
     w.add_argument("--output-len", default=None,
                    help="output tokens, forced with max_tokens + ignore_eos: N, LO:HI or "
                    "normal:MEAN,STD (default 128; sharegpt/jsonl: the dataset's own when it "
                    "has them)")
     w.add_argument("--prefix-len", type=int, default=1024,
-                   help="prefix dataset: tokens of each shared prefix")
+                   help="prefix dataset: tokens of each shared prefix; agentic: tokens of "
+                   "the system (tool) prompt every conversation shares")
     w.add_argument("--num-prefixes", type=int, default=1,
                    help="prefix dataset: number of distinct shared prefixes")
+    w.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation (multiturn: 4, agentic: 8; sharegpt: up to "
+                   "N human turns of each conversation, default 1)")
     w.add_argument("--sharegpt-max-input-len", type=int, default=1024)
     w.add_argument("--sharegpt-max-total-len", type=int, default=2048)
     w.add_argument("--tokenizer", help="tokenizer for building prompts and counting tokens: "
@@ -173,7 +187,14 @@ def _main(args: argparse.Namespace, console, err) -> int:
         output_len_from_dataset=args.output_len is None,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         sharegpt_max_input_len=args.sharegpt_max_input_len,
-        sharegpt_max_total_len=args.sharegpt_max_total_len)
+        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns)
+    if args.turns is not None and args.turns < 1:
+        raise ValueError("--turns must be at least 1")
+    if (args.turns or 1) > 1 and args.dataset not in ("sharegpt", "multiturn", "agentic"):
+        raise ValueError("--turns needs a conversation dataset: multiturn, agentic or sharegpt")
+    if args.offline and (args.dataset in ("multiturn", "agentic") or (args.turns or 1) > 1):
+        raise ValueError("conversation workloads need a server (--base-url): the offline "
+                         "target sends single requests only")
     if args.dataset_path and not os.path.exists(args.dataset_path):
         raise FileNotFoundError(f"--dataset-path {args.dataset_path} does not exist")
     num_requests = args.num_requests or (None if args.duration else 64)

@@ -29,6 +29,9 @@ examples:
   # an agent: a 2,048-token tool prompt shared by all, 8 short turns per conversation
   tokenmill bench --base-url URL --endpoint chat --dataset agentic --prefix-len 2048 \
       --input-len 32 --output-len 32 --num-requests 8 --concurrency 8
+  # one HTML page with everything; then change one thing and compare the two runs
+  tokenmill bench --base-url URL --concurrency 16 --output a.json --html a.html
+  tokenmill bench --compare a.json b.json --html a_vs_b.html
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -126,6 +129,12 @@ def register(subparsers) -> None:
                    help="the server's weight dtype, recorded in the result (e.g. bfloat16)")
     m.add_argument("--output", help="write the result JSON here")
     m.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    m.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML report (plots embedded, no network); "
+                   "with --compare: the comparison")
+    m.add_argument("--compare", nargs="+", metavar="RESULT.json",
+                   help="no run: compare result files side by side, each against the first "
+                   "(console table; --html for a page)")
     m.add_argument("--no-progress", action="store_true")
     m.add_argument("--no-scrape", dest="scrape", action="store_false",
                    help="do not read the server's /metrics before, during and after each "
@@ -171,6 +180,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
     )
     from tokenmill.bench.workload import LengthSpec, WorkloadSpec, build_workload
 
+    if args.compare:
+        return _compare(args, console)
     if bool(args.base_url) == bool(args.offline):
         raise ValueError("give exactly one target: --base-url URL (a server) or "
                          "--offline MODEL (the in-process engine)")
@@ -234,12 +245,35 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.output:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
+    if args.html:
+        from tokenmill.bench.html_report import render_report, write_html
+
+        write_html(render_report(result), args.html)
+        console.print(f"report: {args.html}")
     if args.plot:
         from tokenmill.bench.plots import write_plots
 
         for path in write_plots(result, args.plot):
             console.print(f"plot: {path}")
     return _exit_code(result, err)
+
+
+def _compare(args: argparse.Namespace, console) -> int:
+    from pathlib import Path
+
+    from tokenmill.bench.compare import load_results, print_compare
+
+    results = load_results(args.compare)
+    names = [Path(p).stem for p in args.compare]
+    if len(set(names)) < len(names):  # same file names in different folders
+        names = list(args.compare)
+    print_compare(console, names, results)
+    if args.html:
+        from tokenmill.bench.html_report import render_comparison, write_html
+
+        write_html(render_comparison(names, results), args.html)
+        console.print(f"report: {args.html}")
+    return 0
 
 
 def _exit_code(result: dict[str, Any], err) -> int:

@@ -20,11 +20,11 @@ def write_plots(result: dict[str, Any], out_dir: str) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [_save(fig, out / f"{name}.png") for name, _, fig in figures(result)]
-    _pyplot().close("all")
+    pyplot().close("all")
     return written
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,7 +35,7 @@ def _pyplot():
 
 def figures(result: dict[str, Any]) -> list[tuple[str, str, Any]]:
     """(file stem, caption, figure) for every plot of `result`; the caller closes them."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = result.get("runs") or [result]
     slo = result["summary"].get("slo") or {}
     out = []
@@ -61,6 +61,20 @@ def figures(result: dict[str, Any]) -> list[tuple[str, str, Any]]:
     return out
 
 
+def compare_figures(results: list[dict[str, Any]],
+                    names: list[str]) -> list[tuple[str, str, Any]]:
+    """TTFT and TPOT CDFs of several results on shared axes, labelled by `names`."""
+    plt = pyplot()
+    out = []
+    for key, title, name in (("ttft_s", "Time to first token", "ttft_cdf"),
+                             ("tpot_s", "Time per output token", "tpot_cdf")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _cdf(ax, results, key, None, labels=names)
+        ax.set_title(f"{title} — CDF, one curve per run")
+        out.append((name, f"{title} of every run", fig))
+    return out
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -76,11 +90,12 @@ def _run_label(cfg: dict[str, Any]) -> str:
     return _load_label(cfg)
 
 
-def _cdf(ax, runs: list[dict[str, Any]], key: str, slo_ms: float | None) -> None:
+def _cdf(ax, runs: list[dict[str, Any]], key: str, slo_ms: float | None,
+         labels: list[str] | None = None) -> None:
     import numpy as np
 
     plotted = False
-    for run in runs:
+    for i, run in enumerate(runs):
         vals = np.sort([r[key] * 1e3 for r in run["requests"] if r[key] is not None
                         and r["error_kind"] is None])
         if not vals.size:
@@ -89,7 +104,7 @@ def _cdf(ax, runs: list[dict[str, Any]], key: str, slo_ms: float | None) -> None
         y = np.arange(1, vals.size + 1) / n_all
         line, = ax.step(np.concatenate([[0.0, vals[0]], vals]),
                         np.concatenate([[0.0, 0.0], y]), where="post",
-                        label=_run_label(run["config"]))
+                        label=labels[i] if labels else _run_label(run["config"]))
         if len(runs) == 1:
             for p, ls in ((50, "--"), (99, ":")):
                 v = float(np.percentile(vals, p))

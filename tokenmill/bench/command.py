@@ -343,7 +343,7 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                             timeout_s=args.timeout)
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
               "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
-              "tokenizer": args.tokenizer or model}
+              "tokenizer": args.tokenizer or model, "extra_body": args.extra_body or None}
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     config["workers"] = args.workers

@@ -84,6 +84,8 @@ def main() -> None:
             for streams in (2 ** k for k in range(10)):
                 m = measure(url, w, streams=streams, tokens=args.tokens // 4,
                             burst=args.burst, gap_ms=5.0)
+                print(f"  workers {w}, {streams} paced streams: {m['events_s']:,.0f} events/s,"
+                      f" loop lag p99 {m['lag_p99_ms']:.2f} ms", flush=True)
                 if m["failed"] or m["lag_p99_ms"] >= 1.0:
                     break
                 best = m

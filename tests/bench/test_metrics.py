@@ -139,3 +139,4 @@ def test_readme_section_carries_the_help_definitions_verbatim():
 
     doc = Path(__file__).resolve().parents[2] / "README.md"
     assert metrics.METRIC_DEFINITIONS in doc.read_text()
+    assert metrics.SERVER_CLIENT_DEFINITIONS in doc.read_text()

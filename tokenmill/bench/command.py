@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from tokenmill.bench.metrics import METRIC_DEFINITIONS
+from tokenmill.bench.metrics import METRIC_DEFINITIONS, SERVER_CLIENT_DEFINITIONS
 
 EXAMPLES = """\
 examples:
@@ -24,14 +24,16 @@ examples:
   # the highest rate at which 90% of requests meet the SLOs
   tokenmill bench --base-url URL --max-rate-under-slo --slo ttft_ms=1000 tpot_ms=100
   # chat-app traffic: 16 conversations of 4 turns, each turn re-sending the history
-  tokenmill bench --base-url URL --endpoint chat --dataset multiturn --turns 4 \
+  tokenmill bench --base-url URL --endpoint chat --dataset multiturn --turns 4 \\
       --input-len 64 --output-len 64 --num-requests 16 --concurrency 8
   # an agent: a 2,048-token tool prompt shared by all, 8 short turns per conversation
-  tokenmill bench --base-url URL --endpoint chat --dataset agentic --prefix-len 2048 \
+  tokenmill bench --base-url URL --endpoint chat --dataset agentic --prefix-len 2048 \\
       --input-len 32 --output-len 32 --num-requests 8 --concurrency 8
   # one HTML page with everything; then change one thing and compare the two runs
   tokenmill bench --base-url URL --concurrency 16 --output a.json --html a.html
   tokenmill bench --compare a.json b.json --html a_vs_b.html
+  # a fast GPU server: 4 generator processes so one event loop is not the limit
+  tokenmill bench --base-url URL --concurrency 256 --workers 4 --num-requests 2048
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -43,7 +45,9 @@ def register(subparsers) -> None:
         description="Load-test any OpenAI-compatible endpoint (tokenmill, vLLM, SGLang, "
         "llama.cpp) or, with --offline, the in-process engine: TTFT, TPOT, ITL, E2E "
         "percentiles, throughput, goodput under SLOs, $ per 1M tokens, tables, JSON and "
-        "plots.\n\n" + METRIC_DEFINITIONS + "\n\n" + EXAMPLES,
+        "plots; the server's own view beside the client's, the client's own cost, an HTML "
+        "report and side-by-side comparisons.\n\n" + METRIC_DEFINITIONS + "\n\n"
+        + SERVER_CLIENT_DEFINITIONS + "\n\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000")

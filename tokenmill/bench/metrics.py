@@ -45,6 +45,34 @@ generated text, so a role-only first chunk never counts):
             arrival time, or when a concurrency slot freed, whichever is later); a warning
             is printed when the worst lag exceeds 5% of the run."""
 
+SERVER_CLIENT_DEFINITIONS = """\
+Server side (the `server` section): the target's /metrics, scraped before and after each
+run and every --scrape-interval seconds during it (--no-scrape: off):
+  scheme    the first of tokenmill:, vllm:, sglang:, llamacpp: that the page names.
+  latency   per histogram (TTFT, ITL, E2E, queue time): count and mean = delta sum / delta
+            count over the run; p50/p90/p99 linear inside the buckets (Prometheus'
+            histogram_quantile; in the +Inf bucket, its lower bound). The server's clock
+            starts when it received the request. llama-server: TPOT = delta
+            tokens_predicted_seconds / delta tokens_predicted; without /metrics, its
+            per-response `timings` (TTFT = mean prompt_ms, TPOT = mean
+            predicted_per_token_ms).
+  counters  deltas over the run: prompt and generation tokens, prefix-cache queries and
+            hits (hit rate = hits / queries), preemptions.
+  gauges    requests running and waiting, KV-cache usage (0..1): each scrape as
+            [seconds since the first scrape, value], with mean and max.
+  diff      100 x (client - server) / server for the TTFT, ITL, TPOT and E2E means,
+            output and input tokens, finished requests; |diff| > 5% is a warning.
+Client side (the `client` section):
+  cpu_seconds  user + system CPU of every load-generator process, all threads (the
+            scraper's included), from the first send to the last response.
+  cpu_share    cpu_seconds / (wall_s x num_cpus): 0..1 of this machine.
+  loop_lag_ms  how late a 5 ms sleep in each generator's event loop woke: mean, p99, max.
+  warning   the target is on this host (a loopback address, or this host's own name or
+            address) and cpu_share > 0.10: the client competes with the server for cores.
+  workers   --workers N: job i (a request, or a whole conversation) goes to process
+            i mod N with its share of --concurrency; every process follows the same
+            seeded schedule and timestamps on one monotonic clock; records are merged."""
+
 PERCENTILES = (50, 90, 95, 99)
 LAG_WARN_FRACTION = 0.05
 

@@ -242,6 +242,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
                 f"{p['slo_attainment']:.1f}% -> {'pass' if p['passed'] else 'fail'}"))
     else:
         result = runner.run_once(plan, base)
+    if plan.scraper is not None:
+        plan.scraper.close()
 
     print_summary(console, result)
     if "runs" in result:

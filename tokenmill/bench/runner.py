@@ -305,8 +305,13 @@ def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, A
     server = None
     if plan.scraper is not None:
         server = plan.scraper.stop(expected_requests=summary["num_completed"])
-        if not server["available"] and any(r.server_timings for r in outcome.records):
-            server = timings_section(outcome.records)
+        if any(r.server_timings for r in outcome.records):
+            timed = timings_section(outcome.records)
+            if not server["available"]:
+                server = timed
+            else:  # llama-server's /metrics has no TTFT histogram: its timings do
+                for key, st in timed["latency"].items():
+                    server["latency"].setdefault(key, st)
         server["reconciliation"] = reconcile(summary, server) if server["available"] else []
     config = dict(plan.config, concurrency=load.concurrency,
                   request_rate=None if math.isinf(load.request_rate) else load.request_rate,

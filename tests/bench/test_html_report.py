@@ -129,3 +129,12 @@ def test_the_report_renders_in_headless_chromium(results, page, tmp_path):
     assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
     assert _png_size(shot) == (1200, 1600)
     assert shot.stat().st_size > 30_000  # text, tables and plots, not a blank page
+
+
+def test_offline_runs_show_the_engine_phases(results):
+    res = json.loads((results / "a.json").read_text())
+    res["engine"] = {"wall_time_s": 2.0, "num_steps": 40, "num_prefill_tokens": 128,
+                     "num_decode_tokens": 256, "mean_decode_batch": 3.5,
+                     "time_s": {"schedule": 0.1, "forward": 1.5}}
+    section = re.search(r'<section id="engine">.*?</section>', render_report(res)).group(0)
+    assert 'data-key="engine.time_s.forward">1.50<' in section and "75.0%" in section

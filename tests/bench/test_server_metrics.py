@@ -173,3 +173,39 @@ def test_command_writes_the_server_section_and_no_scrape_turns_it_off(vllm_fake,
     assert res["server"]["latency"]["ttft"]["count"] == 4
     assert cli_main([*common, "--no-scrape", "--output", str(tmp_path / "b.json")]) == 0
     assert "server" not in json.loads((tmp_path / "b.json").read_text())
+
+
+LLAMA_METRICS = """\
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 32
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 0.64
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12
+"""
+
+
+class LlamaScraper:
+    """llama-server's /metrics: token counters and times, no latency histograms."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, expected_requests=None) -> dict:
+        return server_section(Snapshot(0.0), Snapshot.parse(LLAMA_METRICS, 1.0), [])
+
+
+def test_llama_server_metrics_borrow_ttft_from_its_timings():
+    with FakeServer() as srv:
+        opts = ClientOptions(base_url=srv.base_url, model="fake",
+                             extra_body={"fake": {"ttft_ms": 30, "gap_ms": 5, "timings": True}})
+        reqs = [BenchRequest(f"p{i} q r", 3, 8) for i in range(4)]
+        plan = runner.BenchPlan(runner.HttpTarget(opts, WordTokenizer()), {"model": "fake"},
+                                lambda i: reqs, scraper=LlamaScraper())
+        res = runner.run_once(plan, runner.LoadSpec(concurrency=2))
+    lat = res["server"]["latency"]
+    assert res["server"]["scheme"] == "llamacpp" and res["server"]["source"] == "metrics"
+    assert lat["tpot"]["metric"] == "llamacpp:tokens_predicted_seconds_total"
+    assert lat["tpot"]["mean_ms"] == pytest.approx(20.0)  # 0.64 s / 32 tokens
+    assert lat["ttft"]["metric"] == "timings.prompt_ms" and lat["ttft"]["mean_ms"] >= 30
+    assert "TTFT mean (ms)" in {r["what"] for r in res["server"]["reconciliation"]}

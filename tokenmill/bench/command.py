@@ -189,6 +189,9 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if bool(args.base_url) == bool(args.offline):
         raise ValueError("give exactly one target: --base-url URL (a server) or "
                          "--offline MODEL (the in-process engine)")
+    if args.offline and args.workers != 1:
+        raise ValueError("--workers is for a server target: the offline engine runs in "
+                         "this process")
     slo = SLO.parse(args.slo)
     if args.max_rate_under_slo and slo is None:
         raise ValueError("--max-rate-under-slo needs --slo, e.g. --slo ttft_ms=500 tpot_ms=50")

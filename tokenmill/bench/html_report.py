@@ -186,6 +186,19 @@ def _client(c: dict[str, Any]) -> str:
             f"<table>{''.join(rows)}</table></section>")
 
 
+def _engine(e: dict[str, Any]) -> str:
+    """Offline runs: where the engine's wall time went, phase by phase."""
+    wall = e["wall_time_s"] or 1.0
+    rows = [f"<tr><th>{_e(phase)}</th>{_cell(v, f'engine.time_s.{phase}')}"
+            f'<td class="num">{100 * v / wall:.1f}%</td></tr>'
+            for phase, v in e["time_s"].items()]
+    return ('<section id="engine"><h2>Engine (offline)</h2>'
+            f"<p>{e['num_steps']} steps, {e['num_prefill_tokens']} prefill + "
+            f"{e['num_decode_tokens']} decode tokens, mean decode batch "
+            f"{e['mean_decode_batch']:.1f}, wall {e['wall_time_s']:.3f} s.</p>"
+            + _table(["phase", "seconds", "share of wall"], rows) + "</section>")
+
+
 def _runs(result: dict[str, Any]) -> str:
     cols = ("load", "completed", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
             "TPOT p99", "goodput")
@@ -237,6 +250,8 @@ def render_report(result: dict[str, Any]) -> str:
 
     cfg = result["config"]
     body = [_summary(result["summary"]), _latency(result["summary"])]
+    if "engine" in result:
+        body.append(_engine(result["engine"]))
     if "server" in result:
         body.append(_server(result["server"]))
     if "client" in result:

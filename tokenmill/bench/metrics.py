@@ -66,7 +66,8 @@ Client side (the `client` section):
   cpu_seconds  user + system CPU of every load-generator process, all threads (the
             scraper's included), from the first send to the last response.
   cpu_share    cpu_seconds / (wall_s x num_cpus): 0..1 of this machine.
-  loop_lag_ms  how late a 5 ms sleep in each generator's event loop woke: mean, p99, max.
+  loop_lag_ms  how late a 5 ms sleep in each generator's event loop woke: mean, p50, p99,
+            max.
   warning   the target is on this host (a loopback address, or this host's own name or
             address) and cpu_share > 0.10: the client competes with the server for cores.
   workers   --workers N: job i (a request, or a whole conversation) goes to process

@@ -61,7 +61,11 @@ run and every --scrape-interval seconds during it (--no-scrape: off):
   gauges    requests running and waiting, KV-cache usage (0..1): each scrape as
             [seconds since the first scrape, value], with mean and max.
   diff      100 x (client - server) / server for the TTFT, ITL, TPOT and E2E means,
-            output and input tokens, finished requests; |diff| > 5% is a warning.
+            output and input tokens, finished requests; |diff| > 5% is a warning. The
+            client's ITL there is itl_pooled_ms = sum(last - first content chunk) /
+            sum(output tokens - 1) over completed requests, which counts the tokens a
+            stream never showed as text (special tokens under ignore_eos) as the server's
+            histogram does.
 Client side (the `client` section):
   cpu_seconds  user + system CPU of every load-generator process, all threads (the
             scraper's included), from the first send to the last response.
@@ -256,6 +260,7 @@ def summarize(records: list[RequestRecord], duration_s: float | None = None,
         "itl_ms": latency_stats(itl_v, itl_w),
         "e2e_ms": latency_stats([e2e_s(r) for r in done]),
         "chunk_gap_ms": latency_stats(gaps),
+        "itl_pooled_ms": itl_pooled_ms(done),
         "chunk_tokens": {"histogram": {str(k): v for k, v in sorted(chunk_sizes.items())},
                          "mean": (sum(k * v for k, v in chunk_sizes.items()) / num_chunks
                                   if num_chunks else None)},
@@ -277,6 +282,16 @@ def summarize(records: list[RequestRecord], duration_s: float | None = None,
         summary["goodput_req_s"] = good / dur
         summary["slo_attainment"] = 100.0 * good / len(records) if records else 0.0
     return summary
+
+
+def itl_pooled_ms(done: list[RequestRecord]) -> float | None:
+    """Σ (last − first content chunk) / Σ (output tokens − 1), with the server's token
+    counts: what a server's per-output ITL histogram averages, including tokens whose
+    text the stream never showed (special tokens under ignore_eos)."""
+    pairs = [(e2e_s(r) - ttft_s(r), output_tokens(r) - 1) for r in done
+             if r.chunk_times_s and output_tokens(r) >= 2]
+    tokens = sum(n for _, n in pairs)
+    return 1e3 * sum(t for t, _ in pairs) / tokens if tokens else None
 
 
 def token_count_check(done: list[RequestRecord]) -> dict:

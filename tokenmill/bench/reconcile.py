@@ -54,6 +54,8 @@ def reconcile(summary: dict[str, Any], server: dict[str, Any]) -> list[dict[str,
     for label, client_key, server_key in LATENCY_ROWS:
         s = lat.get(server_key, {}).get("mean_ms")
         c = summary.get(client_key, {}).get("mean")
+        if server_key == "itl" and summary.get("itl_pooled_ms") is not None:
+            c = summary["itl_pooled_ms"]  # the server counts every token it generated
         if s is not None and c is not None:
             rows.append(_row(label, c, s))
     counters = server.get("counters", {})

@@ -11,7 +11,7 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.serving import free_port
@@ -35,9 +35,42 @@ class WordTokenizer:
         return {"input_ids": [len(w) for w in text.split()], "offset_mapping": offsets}
 
 
-async def _stream(body: dict, chat: bool):
+class VllmMetrics:
+    """What the fake did, exposed under vLLM's metric names (`vllm:*`), observed the way
+    vLLM observes them: TTFT and E2E from the request's arrival, ITL per chunk gap."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "", lab, buckets=buckets,
+                              registry=r).labels("fake")
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "", lab, buckets=buckets,
+                             registry=r).labels("fake")
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "", lab, buckets=buckets,
+                             registry=r).labels("fake")
+        self.queue = Histogram("vllm:request_queue_time_seconds", "", lab, buckets=buckets,
+                               registry=r).labels("fake")
+        self.prompt = Counter("vllm:prompt_tokens", "", lab, registry=r).labels("fake")
+        self.generation = Counter("vllm:generation_tokens", "", lab, registry=r).labels("fake")
+        self.running = Gauge("vllm:num_requests_running", "", lab, registry=r).labels("fake")
+        self.waiting = Gauge("vllm:num_requests_waiting", "", lab, registry=r).labels("fake")
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "", lab, registry=r).labels("fake")
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+async def _stream(body: dict, chat: bool, stats: VllmMetrics | None = None):
     """Role chunk (chat), then `max_tokens` words in chunks of `chunk_tokens`, one chunk
-    every `gap_ms` after a first delay of `ttft_ms`; usage; [DONE]."""
+    every `gap_ms` after a first delay of `ttft_ms`; usage; [DONE]. With `timings`, the
+    last chunk carries llama-server's `timings` object. `cpu_ms_per_chunk` busy-waits
+    (holding the server's event loop, as a compute-bound server would)."""
+    arrival = time.perf_counter()
     fake = body.get("fake") or {}
     n = int(body.get("max_tokens") or 16)
     per_chunk = int(fake.get("chunk_tokens", 1))
@@ -58,35 +91,68 @@ async def _stream(body: dict, chat: bool):
 
     if chat:
         yield chunk(None, role=True)
+    if fake.get("burst"):  # as fast as it can: pre-made chunks, `burst` events per write
+        async for part in _burst(n, int(fake["burst"]), fake.get("gap_ms", 0), chunk):
+            yield part
+        return
+    if stats:
+        stats.running.inc()
+        stats.queue.observe(0.0)
     await asyncio.sleep(fake.get("ttft_ms", 50) / 1000)
     sent = chunks = 0
+    last = first = arrival
     while sent < n:
         k = min(per_chunk, n - sent)
         if chunks:
             await asyncio.sleep(fake.get("gap_ms", 10) / 1000)
         if die_after is not None and chunks >= die_after:
             raise RuntimeError("fake server dies mid-stream")
+        spin_until = time.perf_counter() + fake.get("cpu_ms_per_chunk", 0) / 1000
+        while time.perf_counter() < spin_until:
+            pass
+        now = time.perf_counter()
+        if stats and chunks:
+            stats.itl.observe(now - last)
+        elif stats:
+            stats.ttft.observe(now - arrival)
+        first = first if chunks else now
+        last = now
         yield chunk(" w" * k)
         sent += k
         chunks += 1
-    yield chunk("", finish="length")
-    prompt = body.get("prompt") or body["messages"][0]["content"]
+    prompt = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+    if stats:
+        stats.e2e.observe(last - arrival)
+        stats.prompt.inc(len(prompt.split()))
+        stats.generation.inc(n)
+        stats.running.dec()
+    end = chunk("", finish="length")
+    if fake.get("timings"):  # llama-server: prompt processing, then decode per token
+        end = end[:-3] + ', "timings": ' + json.dumps({
+            "prompt_n": len(prompt.split()), "prompt_ms": 1e3 * (first - arrival),
+            "predicted_n": n, "predicted_ms": 1e3 * (last - first),
+            "predicted_per_token_ms": 1e3 * (last - first) / max(1, n - 1)}) + "}\n\n"
+    yield end
     usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n + usage_delta,
              "total_tokens": len(prompt.split()) + n + usage_delta}
     yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
     yield "data: [DONE]\n\n"
 
 
-async def completions(request: Request):
-    body = await request.json()
-    if (body.get("fake") or {}).get("status"):
-        return JSONResponse({"error": {"message": "nope"}}, status_code=body["fake"]["status"])
-    return StreamingResponse(_stream(body, chat=False), media_type="text/event-stream")
-
-
-async def chat(request: Request):
-    body = await request.json()
-    return StreamingResponse(_stream(body, chat=True), media_type="text/event-stream")
+async def _burst(n: int, burst: int, gap_ms: float, chunk):
+    """`n` one-token content chunks, made once and written `burst` at a time (a
+    `gap_ms` pause between writes), then the finish chunk, usage and [DONE]."""
+    one = chunk(" w")
+    sent = 0
+    while sent < n:
+        k = min(burst, n - sent)
+        yield one * k
+        sent += k
+        if gap_ms:
+            await asyncio.sleep(gap_ms / 1000)
+    usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+    yield (chunk("", finish="length") + "data: " + json.dumps({"choices": [], "usage": usage})
+           + "\n\ndata: [DONE]\n\n")
 
 
 async def models(request: Request):
@@ -94,14 +160,43 @@ async def models(request: Request):
 
 
 class FakeServer:
-    def __init__(self) -> None:
-        app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                                Route("/v1/chat/completions", chat, methods=["POST"]),
-                                Route("/v1/models", models)])
+    """`vllm_metrics=True` adds a `/metrics` page with vLLM's names; without it
+    `/metrics` is a 404, as on a server that exposes none."""
+
+    def __init__(self, vllm_metrics: bool = False) -> None:
+        self.app = self.build_app(vllm_metrics)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1",
+                                                    port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def build_app(self, vllm_metrics: bool) -> Starlette:
+        self.stats = VllmMetrics() if vllm_metrics else None
+        self.bodies: list[dict] = []  # every request body received, in order
+
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            if (body.get("fake") or {}).get("status"):
+                return JSONResponse({"error": {"message": "nope"}},
+                                    status_code=body["fake"]["status"])
+            return StreamingResponse(_stream(body, False, self.stats),
+                                     media_type="text/event-stream")
+
+        async def chat(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            return StreamingResponse(_stream(body, True, self.stats),
+                                     media_type="text/event-stream")
+
+        async def metrics(request: Request):
+            if self.stats is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return Response(self.stats.render(), media_type="text/plain")
+
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/models", models), Route("/metrics", metrics)])
 
     @property
     def base_url(self) -> str:
@@ -119,3 +214,16 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def app_factory() -> Starlette:
+    """The fake's app alone, for `uvicorn --factory` in worker processes of its own."""
+    return FakeServer.build_app(FakeServer.__new__(FakeServer), vllm_metrics=False)
+
+
+if __name__ == "__main__":  # python -m tests.bench.fakes PORT [SERVER_PROCESSES]
+    import sys
+
+    uvicorn.run("tests.bench.fakes:app_factory", factory=True, host="127.0.0.1",
+                port=int(sys.argv[1]), workers=int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+                log_level="error")

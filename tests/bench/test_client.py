@@ -174,6 +174,9 @@ def test_command_rejects_bad_arguments(capsys):
     assert "--base-url" in capsys.readouterr().err
     assert cli_main(["bench", "--base-url", "http://x", "--max-rate-under-slo"]) == 2
     assert cli_main(["bench", "--base-url", "http://x", "--sweep", "foo=1"]) == 2
+    assert cli_main(["bench", "--offline", "smollm2-135m", "--workers", "2"]) == 2
+    assert cli_main(["bench", "--base-url", "http://x", "--dataset", "random",
+                     "--turns", "3"]) == 2
 
 
 def test_duration_cycles_prompts_and_stops_sending(fake):

@@ -139,3 +139,15 @@ def test_readme_section_carries_the_help_definitions_verbatim():
 
     doc = Path(__file__).resolve().parents[2] / "README.md"
     assert metrics.METRIC_DEFINITIONS in doc.read_text()
+    assert metrics.SERVER_CLIENT_DEFINITIONS in doc.read_text()
+
+
+def test_pooled_itl_counts_the_tokens_the_stream_never_showed():
+    """A server's ITL histogram sees every token; the stream may not show them all."""
+    hidden = one_token_record()
+    hidden.chunk_times_s, hidden.chunk_tokens = [0.3, 0.8], [1, 1]
+    hidden.usage_completion_tokens = 6  # 4 generated tokens carried no text
+    s = metrics.summarize([chat_record(), hidden, one_token_record()], duration_s=2.0)
+    # (0.3 s over 3 gaps + 0.5 s over 5 gaps) / 8 gaps; the 1-token output has none
+    assert s["itl_pooled_ms"] == pytest.approx(1e3 * 0.8 / 8)
+    assert s["itl_ms"]["mean"] > s["itl_pooled_ms"]  # chunk gaps miss the hidden tokens

@@ -20,6 +20,10 @@ import httpx
 CONNECTION_FAILURES = ("connect", "disconnected", "timeout")
 
 
+# a prompt: text, or (multi-turn) the chat messages so far
+Prompt = str | list[dict[str, str]]
+
+
 @dataclass
 class RequestRecord:
     request_id: int
@@ -38,6 +42,10 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     error_kind: str | None = None  # connect | disconnected | timeout | http_NNN | ...
+    prompt: Prompt | None = None  # as sent (not written to the JSON)
+    server_timings: dict[str, Any] | None = None  # llama-server's `timings` object
+    conversation_id: int | None = None  # multi-turn: the conversation, its turn
+    turn_index: int = 0
 
     @property
     def ok(self) -> bool:
@@ -49,6 +57,21 @@ class RequestRecord:
 
     def fail(self, kind: str, message: str, now_s: float) -> None:
         self.error_kind, self.error, self.end_time_s = kind, message, now_s
+
+
+
+
+def render_as_text(messages: list[dict[str, str]]) -> str:
+    """Chat messages as one completions prompt that only ever grows at the end: each
+    reply is appended to the text it continues, each new user turn after a blank line,
+    so turn k's prompt is a prefix of turn k+1's (as a chat template makes it)."""
+    text = ""
+    for m in messages:
+        if m["role"] == "assistant":
+            text += m["content"]
+        else:
+            text += ("\n\n" if text else "") + m["content"]
+    return text
 
 
 @dataclass
@@ -85,15 +108,16 @@ class OpenAIClient:
     def path(self) -> str:
         return "/v1/chat/completions" if self.options.endpoint == "chat" else "/v1/completions"
 
-    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+    def payload(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
         o = self.options
         body: dict[str, Any] = {"model": o.model, "max_tokens": max_tokens, "stream": True,
                                 "temperature": o.temperature,
                                 "stream_options": {"include_usage": True}}
         if o.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = ([{"role": "user", "content": prompt}]
+                                if isinstance(prompt, str) else prompt)
         else:
-            body["prompt"] = prompt
+            body["prompt"] = prompt if isinstance(prompt, str) else render_as_text(prompt)
         if "continuous_usage_stats" not in self.dropped_fields:
             # vLLM-style per-chunk usage gives exact tokens per chunk where supported
             body["stream_options"]["continuous_usage_stats"] = True
@@ -102,7 +126,7 @@ class OpenAIClient:
         body.update(o.extra_body)
         return body
 
-    async def send(self, record: RequestRecord, prompt: str, t0: float) -> RequestRecord:
+    async def send(self, record: RequestRecord, prompt: Prompt, t0: float) -> RequestRecord:
         """Stream one request into `record`; never raises for a server-side failure."""
         for _ in range(len(self.OPTIONAL_FIELDS) + 1):
             retry = await self._send_once(record, prompt, t0)
@@ -110,7 +134,7 @@ class OpenAIClient:
                 break
         return record
 
-    async def _send_once(self, record: RequestRecord, prompt: str, t0: float) -> bool:
+    async def _send_once(self, record: RequestRecord, prompt: Prompt, t0: float) -> bool:
         now = time.perf_counter
         chat = self.options.endpoint == "chat"
         body = self.payload(prompt, record.max_tokens)
@@ -188,6 +212,8 @@ class OpenAIClient:
                 # continuous usage: the exact number of tokens this chunk carried
                 before = sum(record.chunk_tokens)
                 record.chunk_tokens.append(max(0, usage["completion_tokens"] - before))
+        if chunk.get("timings"):  # llama-server: its own prompt and decode times
+            record.server_timings = chunk["timings"]
         if usage:
             record.usage_prompt_tokens = usage.get("prompt_tokens")
             record.usage_completion_tokens = usage.get("completion_tokens")
@@ -240,11 +266,12 @@ def count_chunk_tokens(record: RequestRecord, tokenizer) -> None:
     record.chunk_tokens = counts
 
 
-def chat_prompt_len(tokenizer, prompt: str) -> int | None:
-    """Prompt tokens of a one-message chat request as the server sees them: the model's
-    chat template applied, with the generation prompt. None without a template."""
+def chat_prompt_len(tokenizer, prompt: Prompt) -> int | None:
+    """Prompt tokens of a chat request as the server sees them: the model's chat
+    template applied, with the generation prompt. None without a template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                         tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=True)
     return len(tokenizer.encode(text, add_special_tokens=False))

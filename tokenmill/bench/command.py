@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from tokenmill.bench.metrics import METRIC_DEFINITIONS
+from tokenmill.bench.metrics import METRIC_DEFINITIONS, SERVER_CLIENT_DEFINITIONS
 
 EXAMPLES = """\
 examples:
@@ -23,6 +23,17 @@ examples:
       --output-len 128 --num-requests 64 --sweep concurrency=1,4,16,32
   # the highest rate at which 90% of requests meet the SLOs
   tokenmill bench --base-url URL --max-rate-under-slo --slo ttft_ms=1000 tpot_ms=100
+  # chat-app traffic: 16 conversations of 4 turns, each turn re-sending the history
+  tokenmill bench --base-url URL --endpoint chat --dataset multiturn --turns 4 \\
+      --input-len 64 --output-len 64 --num-requests 16 --concurrency 8
+  # an agent: a 2,048-token tool prompt shared by all, 8 short turns per conversation
+  tokenmill bench --base-url URL --endpoint chat --dataset agentic --prefix-len 2048 \\
+      --input-len 32 --output-len 32 --num-requests 8 --concurrency 8
+  # one HTML page with everything; then change one thing and compare the two runs
+  tokenmill bench --base-url URL --concurrency 16 --output a.json --html a.html
+  tokenmill bench --compare a.json b.json --html a_vs_b.html
+  # a fast GPU server: 4 generator processes so one event loop is not the limit
+  tokenmill bench --base-url URL --concurrency 256 --workers 4 --num-requests 2048
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -34,7 +45,9 @@ def register(subparsers) -> None:
         description="Load-test any OpenAI-compatible endpoint (tokenmill, vLLM, SGLang, "
         "llama.cpp) or, with --offline, the in-process engine: TTFT, TPOT, ITL, E2E "
         "percentiles, throughput, goodput under SLOs, $ per 1M tokens, tables, JSON and "
-        "plots.\n\n" + METRIC_DEFINITIONS + "\n\n" + EXAMPLES,
+        "plots; the server's own view beside the client's, the client's own cost, an HTML "
+        "report and side-by-side comparisons.\n\n" + METRIC_DEFINITIONS + "\n\n"
+        + SERVER_CLIENT_DEFINITIONS + "\n\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000")
@@ -50,20 +63,28 @@ def register(subparsers) -> None:
                    help="seconds to wait for any chunk before a request times out")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "jsonl"],
-                   default="random")
+    w.add_argument("--dataset", default="random",
+                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic"],
+                   help="multiturn and agentic (and sharegpt with --turns > 1) send "
+                   "conversations: each turn's prompt is every earlier message plus the "
+                   "server's reply; --num-requests then counts conversations")
     w.add_argument("--dataset-path", help="sharegpt JSON, or jsonl/JSON list of prompts")
     w.add_argument("--input-len", default="128",
-                   help="prompt tokens (random) or suffix tokens (prefix): N, LO:HI uniform, "
-                   "or normal:MEAN,STD (default 128)")
+                   help="prompt tokens (random), suffix tokens (prefix) or tokens of each user "
+                   "message (multiturn, agentic): N, LO:HI uniform, or normal:MEAN,STD "
+                   "(default 128)")
     w.add_argument("--output-len", default=None,
                    help="output tokens, forced with max_tokens + ignore_eos: N, LO:HI or "
                    "normal:MEAN,STD (default 128; sharegpt/jsonl: the dataset's own when it "
                    "has them)")
     w.add_argument("--prefix-len", type=int, default=1024,
-                   help="prefix dataset: tokens of each shared prefix")
+                   help="prefix dataset: tokens of each shared prefix; agentic: tokens of "
+                   "the system (tool) prompt every conversation shares")
     w.add_argument("--num-prefixes", type=int, default=1,
                    help="prefix dataset: number of distinct shared prefixes")
+    w.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation (multiturn: 4, agentic: 8; sharegpt: up to "
+                   "N human turns of each conversation, default 1)")
     w.add_argument("--sharegpt-max-input-len", type=int, default=1024)
     w.add_argument("--sharegpt-max-total-len", type=int, default=2048)
     w.add_argument("--tokenizer", help="tokenizer for building prompts and counting tokens: "
@@ -89,6 +110,10 @@ def register(subparsers) -> None:
     ld.add_argument("--warmup", type=int, default=0,
                     help="requests sent (and left out of the statistics) before each run")
     ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--workers", type=int, default=1,
+                    help="load-generator processes (default 1): the schedule is sharded "
+                    "across them (request i goes to worker i mod N, each with its share of "
+                    "--concurrency), all timestamp on one clock, results are merged")
     ld.add_argument("--sweep", metavar="KIND=V1,V2,...",
                     help="one run per value: rate=1,2,4 or concurrency=1,4,16,32")
     ld.add_argument("--max-rate-under-slo", action="store_true",
@@ -108,7 +133,18 @@ def register(subparsers) -> None:
                    help="the server's weight dtype, recorded in the result (e.g. bfloat16)")
     m.add_argument("--output", help="write the result JSON here")
     m.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    m.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML report (plots embedded, no network); "
+                   "with --compare: the comparison")
+    m.add_argument("--compare", nargs="+", metavar="RESULT.json",
+                   help="no run: compare result files side by side, each against the first "
+                   "(console table; --html for a page)")
     m.add_argument("--no-progress", action="store_true")
+    m.add_argument("--no-scrape", dest="scrape", action="store_false",
+                   help="do not read the server's /metrics before, during and after each "
+                   "run (the `server` section and the client-vs-server comparison)")
+    m.add_argument("--scrape-interval", type=float, default=2.0,
+                   help="seconds between /metrics scrapes during a run (default 2)")
 
     from tokenmill.engine.args import add_engine_args
 
@@ -145,13 +181,17 @@ def _main(args: argparse.Namespace, console, err) -> int:
         print_runs,
         print_summary,
         write_json,
-        write_plots,
     )
     from tokenmill.bench.workload import LengthSpec, WorkloadSpec, build_workload
 
+    if args.compare:
+        return _compare(args, console)
     if bool(args.base_url) == bool(args.offline):
         raise ValueError("give exactly one target: --base-url URL (a server) or "
                          "--offline MODEL (the in-process engine)")
+    if args.offline and args.workers != 1:
+        raise ValueError("--workers is for a server target: the offline engine runs in "
+                         "this process")
     slo = SLO.parse(args.slo)
     if args.max_rate_under_slo and slo is None:
         raise ValueError("--max-rate-under-slo needs --slo, e.g. --slo ttft_ms=500 tpot_ms=50")
@@ -165,7 +205,14 @@ def _main(args: argparse.Namespace, console, err) -> int:
         output_len_from_dataset=args.output_len is None,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         sharegpt_max_input_len=args.sharegpt_max_input_len,
-        sharegpt_max_total_len=args.sharegpt_max_total_len)
+        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns)
+    if args.turns is not None and args.turns < 1:
+        raise ValueError("--turns must be at least 1")
+    if (args.turns or 1) > 1 and args.dataset not in ("sharegpt", "multiturn", "agentic"):
+        raise ValueError("--turns needs a conversation dataset: multiturn, agentic or sharegpt")
+    if args.offline and (args.dataset in ("multiturn", "agentic") or (args.turns or 1) > 1):
+        raise ValueError("conversation workloads need a server (--base-url): the offline "
+                         "target sends single requests only")
     if args.dataset_path and not os.path.exists(args.dataset_path):
         raise FileNotFoundError(f"--dataset-path {args.dataset_path} does not exist")
     num_requests = args.num_requests or (None if args.duration else 64)
@@ -182,7 +229,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
         target=target, config=config, make_requests=make_requests, warmup=args.warmup,
         request_cap=args.num_requests if args.duration else None, seed=args.seed, slo=slo,
         cost_per_hour=args.cost_per_hour, num_gpus=args.num_gpus,
-        progress=ProgressFactory(console, enabled=not args.no_progress))
+        progress=ProgressFactory(console, enabled=not args.no_progress),
+        scraper=_make_scraper(args))
     base = runner.LoadSpec(concurrency=args.concurrency, request_rate=args.request_rate,
                            burstiness=args.burstiness, duration_s=args.duration)
     if sweep:
@@ -197,6 +245,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
                 f"{p['slo_attainment']:.1f}% -> {'pass' if p['passed'] else 'fail'}"))
     else:
         result = runner.run_once(plan, base)
+    if plan.scraper is not None:
+        plan.scraper.close()
 
     print_summary(console, result)
     if "runs" in result:
@@ -204,10 +254,35 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.output:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
+    if args.html:
+        from tokenmill.bench.html_report import render_report, write_html
+
+        write_html(render_report(result), args.html)
+        console.print(f"report: {args.html}")
     if args.plot:
+        from tokenmill.bench.plots import write_plots
+
         for path in write_plots(result, args.plot):
             console.print(f"plot: {path}")
     return _exit_code(result, err)
+
+
+def _compare(args: argparse.Namespace, console) -> int:
+    from pathlib import Path
+
+    from tokenmill.bench.compare import load_results, print_compare
+
+    results = load_results(args.compare)
+    names = [Path(p).stem for p in args.compare]
+    if len(set(names)) < len(names):  # same file names in different folders
+        names = list(args.compare)
+    print_compare(console, names, results)
+    if args.html:
+        from tokenmill.bench.html_report import render_comparison, write_html
+
+        write_html(render_comparison(names, results), args.html)
+        console.print(f"report: {args.html}")
+    return 0
 
 
 def _exit_code(result: dict[str, Any], err) -> int:
@@ -277,8 +352,19 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                             timeout_s=args.timeout)
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
               "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
-              "tokenizer": args.tokenizer or model}
-    return HttpTarget(options, tokenizer), config
+              "tokenizer": args.tokenizer or model, "extra_body": args.extra_body or None}
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    config["workers"] = args.workers
+    return HttpTarget(options, tokenizer, workers=args.workers), config
+
+
+def _make_scraper(args: argparse.Namespace) -> Any:
+    if args.offline or not args.scrape:
+        return None
+    from tokenmill.bench.server_metrics import MetricsScraper
+
+    return MetricsScraper(args.base_url, args.api_key, interval_s=args.scrape_interval)
 
 
 def load_bench_tokenizer(name: str, explicit: bool, err) -> Any:

@@ -45,6 +45,39 @@ generated text, so a role-only first chunk never counts):
             arrival time, or when a concurrency slot freed, whichever is later); a warning
             is printed when the worst lag exceeds 5% of the run."""
 
+SERVER_CLIENT_DEFINITIONS = """\
+Server side (the `server` section): the target's /metrics, scraped before and after each
+run and every --scrape-interval seconds during it (--no-scrape: off):
+  scheme    the first of tokenmill:, vllm:, sglang:, llamacpp: that the page names.
+  latency   per histogram (TTFT, ITL, E2E, queue time): count and mean = delta sum / delta
+            count over the run; p50/p90/p99 linear inside the buckets (Prometheus'
+            histogram_quantile; in the +Inf bucket, its lower bound). The server's clock
+            starts when it received the request. llama-server: TPOT = delta
+            tokens_predicted_seconds / delta tokens_predicted; without /metrics, its
+            per-response `timings` (TTFT = mean prompt_ms, TPOT = mean
+            predicted_per_token_ms).
+  counters  deltas over the run: prompt and generation tokens, prefix-cache queries and
+            hits (hit rate = hits / queries), preemptions.
+  gauges    requests running and waiting, KV-cache usage (0..1): each scrape as
+            [seconds since the first scrape, value], with mean and max.
+  diff      100 x (client - server) / server for the TTFT, ITL, TPOT and E2E means,
+            output and input tokens, finished requests; |diff| > 5% is a warning. The
+            client's ITL there is itl_pooled_ms = sum(last - first content chunk) /
+            sum(output tokens - 1) over completed requests, which counts the tokens a
+            stream never showed as text (special tokens under ignore_eos) as the server's
+            histogram does.
+Client side (the `client` section):
+  cpu_seconds  user + system CPU of every load-generator process, all threads (the
+            scraper's included), from the first send to the last response.
+  cpu_share    cpu_seconds / (wall_s x num_cpus): 0..1 of this machine.
+  loop_lag_ms  how late a 5 ms sleep in each generator's event loop woke: mean, p50, p99,
+            max.
+  warning   the target is on this host (a loopback address, or this host's own name or
+            address) and cpu_share > 0.10: the client competes with the server for cores.
+  workers   --workers N: job i (a request, or a whole conversation) goes to process
+            i mod N with its share of --concurrency; every process follows the same
+            seeded schedule and timestamps on one monotonic clock; records are merged."""
+
 PERCENTILES = (50, 90, 95, 99)
 LAG_WARN_FRACTION = 0.05
 
@@ -227,6 +260,7 @@ def summarize(records: list[RequestRecord], duration_s: float | None = None,
         "itl_ms": latency_stats(itl_v, itl_w),
         "e2e_ms": latency_stats([e2e_s(r) for r in done]),
         "chunk_gap_ms": latency_stats(gaps),
+        "itl_pooled_ms": itl_pooled_ms(done),
         "chunk_tokens": {"histogram": {str(k): v for k, v in sorted(chunk_sizes.items())},
                          "mean": (sum(k * v for k, v in chunk_sizes.items()) / num_chunks
                                   if num_chunks else None)},
@@ -248,6 +282,16 @@ def summarize(records: list[RequestRecord], duration_s: float | None = None,
         summary["goodput_req_s"] = good / dur
         summary["slo_attainment"] = 100.0 * good / len(records) if records else 0.0
     return summary
+
+
+def itl_pooled_ms(done: list[RequestRecord]) -> float | None:
+    """Σ (last − first content chunk) / Σ (output tokens − 1), with the server's token
+    counts: what a server's per-output ITL histogram averages, including tokens whose
+    text the stream never showed (special tokens under ignore_eos)."""
+    pairs = [(e2e_s(r) - ttft_s(r), output_tokens(r) - 1) for r in done
+             if r.chunk_times_s and output_tokens(r) >= 2]
+    tokens = sum(n for _, n in pairs)
+    return 1e3 * sum(t for t, _ in pairs) / tokens if tokens else None
 
 
 def token_count_check(done: list[RequestRecord]) -> dict:
@@ -292,4 +336,7 @@ def record_dict(r: RequestRecord) -> dict:
         "finish_reason": r.finish_reason,
         "error_kind": r.error_kind,
         "error": r.error,
+        "conversation_id": r.conversation_id,
+        "turn": r.turn_index,
+        "server_timings": r.server_timings,
     }

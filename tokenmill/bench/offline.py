@@ -54,6 +54,9 @@ class OfflineTarget:
             on_done: OnDone, max_requests: int | None = None) -> RunOutcome:
         from tokenmill.sampling_params import SamplingParams
 
+        if any(r.is_conversation for r in requests):
+            raise ValueError("conversation workloads need a server (--base-url): the offline "
+                             "target sends single requests only")
         engine = self.engine
         stats_before = _stats_dict(engine.get_stats())
         limit = len(requests) if load.duration_s is None else (max_requests or float("inf"))

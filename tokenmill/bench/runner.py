@@ -25,10 +25,20 @@ from tokenmill.bench import metrics
 from tokenmill.bench.client import (
     ClientOptions,
     OpenAIClient,
+    Prompt,
     RequestRecord,
     chat_prompt_len,
     count_chunk_tokens,
+    render_as_text,
 )
+from tokenmill.bench.client_cost import (
+    ClientCost,
+    CostMeter,
+    ProcessUsage,
+    cost_note,
+    summarize_cost,
+)
+from tokenmill.bench.reconcile import reconcile, reconcile_notes, timings_section
 from tokenmill.bench.workload import BenchRequest, iter_arrivals
 
 
@@ -55,6 +65,7 @@ class RunOutcome:
     duration_s: float
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the offline engine block
     notes: list[str] = field(default_factory=list)
+    client_cost: ClientCost | None = None
 
 
 OnDone = Callable[[RequestRecord], None]
@@ -73,31 +84,42 @@ class Target(Protocol):
 
 
 class HttpTarget:
-    def __init__(self, options: ClientOptions, tokenizer) -> None:
+    """Any OpenAI-compatible server, from one event loop or (`workers` > 1) from that many
+    processes, each sending its shard of the schedule (see `workers.py`)."""
+
+    def __init__(self, options: ClientOptions, tokenizer, workers: int = 1) -> None:
         self.options = options
         self.tokenizer = tokenizer
+        self.workers = workers
         self.dropped_fields: list[str] = []
 
     def run(self, requests, load, rng, on_done, max_requests=None) -> RunOutcome:
-        records, duration = asyncio.run(self._run(requests, load, rng, on_done, max_requests))
+        if self.workers > 1:
+            from tokenmill.bench.workers import run_sharded
+
+            done = run_sharded(self.options, requests, load, rng, on_done, max_requests,
+                               self.workers, self.dropped_fields)
+        else:
+            done = asyncio.run(self._run(requests, load, rng, on_done, max_requests))
+        records = done.records
         for r in records:
             count_tokens(r, self.tokenizer)
-            if self.options.endpoint == "chat":  # the template's tokens count as input too
-                prompt = requests[r.request_id % len(requests)].prompt
-                r.prompt_len = chat_prompt_len(self.tokenizer, prompt) or r.prompt_len
+            count_prompt(r, self.tokenizer, chat=self.options.endpoint == "chat")
         notes = []
         if "ignore_eos" in self.dropped_fields:
             notes.append("the server rejected ignore_eos: output lengths were not forced, "
                          "requests may stop early at EOS")
-        return RunOutcome(records, duration, {"dropped_fields": list(self.dropped_fields)},
-                          notes)
+        cost = summarize_cost(done.usages, done.duration_s, self.options.base_url,
+                              extra_cpu_s=done.parent_cpu_s)
+        return RunOutcome(records, done.duration_s,
+                          {"dropped_fields": list(self.dropped_fields)}, notes, cost)
 
     def warmup(self, requests, concurrency) -> None:
         if requests:
-            self.run(requests, LoadSpec(concurrency=concurrency), np.random.default_rng(0),
-                     lambda r: None)
+            asyncio.run(self._run(requests, LoadSpec(concurrency=concurrency),
+                                  np.random.default_rng(0), lambda r: None, None))
 
-    async def _run(self, requests, load, rng, on_done, max_requests):
+    async def _run(self, requests, load, rng, on_done, max_requests) -> Dispatched:
         client = OpenAIClient(self.options)
         client.dropped_fields = self.dropped_fields
         try:
@@ -108,16 +130,37 @@ class HttpTarget:
             await client.aclose()
 
 
-Send = Callable[[RequestRecord, str, float], Any]
+Send = Callable[[RequestRecord, Prompt, float], Any]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This generator sends the jobs whose index is `index` mod `count`, on a clock whose
+    zero is `start_time` (a `time.perf_counter()` value: CLOCK_MONOTONIC, shared by every
+    process on the host, so the shards' timestamps need no translation)."""
+
+    index: int = 0
+    count: int = 1
+    start_time: float | None = None  # None: now
+
+
+@dataclass
+class Dispatched:
+    records: list[RequestRecord]
+    duration_s: float
+    usages: list[ProcessUsage]  # one per generator process
+    parent_cpu_s: float = 0.0  # with workers: the parent's CPU while it collected
 
 
 async def dispatch(send: Send, requests: list[BenchRequest], load: LoadSpec,
                    rng: np.random.Generator, on_done: OnDone,
-                   max_requests: int | None = None) -> tuple[list[RequestRecord], float]:
+                   max_requests: int | None = None, shard: Shard = Shard()) -> Dispatched:
     """Send `requests` on the planned schedule; returns the records and the run duration.
 
     With `load.duration_s` the prompts cycle until that many seconds of sending (or
-    `max_requests`); requests in flight at the end still finish and count."""
+    `max_requests`); requests in flight at the end still finish and count. A
+    conversation holds its concurrency slot from its first turn to its last; each later
+    turn is planned for the moment the previous one ended."""
     limit = len(requests) if load.duration_s is None else (max_requests or math.inf)
     arrivals = iter_arrivals(load.request_rate, load.burstiness, rng)
     slots: asyncio.Queue[float] = asyncio.Queue()
@@ -125,39 +168,78 @@ async def dispatch(send: Send, requests: list[BenchRequest], load: LoadSpec,
         slots.put_nowait(0.0)
     records: list[RequestRecord] = []
     tasks = []
-    t0 = time.perf_counter()
+    meter = CostMeter()
+    if shard.start_time is not None:
+        await asyncio.sleep(max(0.0, shard.start_time - time.perf_counter()))
+    t0 = time.perf_counter() if shard.start_time is None else shard.start_time
+    meter.start()
+    probe = asyncio.create_task(meter.probe())
 
     def elapsed() -> float:
         return time.perf_counter() - t0
 
-    async def one(record: RequestRecord, prompt: str) -> None:
+    async def one(i: int, req: BenchRequest, planned: float) -> None:
+        messages = req.first_messages() if req.is_conversation else None
         try:
-            await send(record, prompt, t0)
-        except Exception as e:  # noqa: BLE001 — a client bug must not hang the run
-            record.fail("client_error", f"{type(e).__name__}: {e}", elapsed())
+            for k in range(req.num_turns):
+                if k:
+                    follow = req.follow_ups[k - 1]
+                    messages += [{"role": "assistant", "content": records_of[i][-1].text},
+                                 {"role": "user", "content": follow.user}]
+                record = RequestRecord(
+                    i, req.prompt_len if k == 0 else None,
+                    req.output_len if k == 0 else req.follow_ups[k - 1].output_len,
+                    planned_time_s=planned, prompt=req.prompt if messages is None
+                    else list(messages), conversation_id=i if messages else None,
+                    turn_index=k)
+                records.append(record)
+                records_of.setdefault(i, []).append(record)
+                try:
+                    await send(record, record.prompt, t0)
+                except Exception as e:  # noqa: BLE001 — a client bug must not hang the run
+                    record.fail("client_error", f"{type(e).__name__}: {e}", elapsed())
+                on_done(record)
+                if not record.ok:
+                    break  # a conversation ends at its first failed turn
+                planned = record.end_time_s
         finally:
             if load.concurrency:
                 slots.put_nowait(elapsed())
-            on_done(record)
 
+    records_of: dict[int, list[RequestRecord]] = {}
     for i in itertools.count():
         if i >= limit:
             break
         arrival = next(arrivals)
         if load.duration_s is not None and arrival >= load.duration_s:
             break
+        if i % shard.count != shard.index:
+            continue  # another worker's job
         if arrival > elapsed():
             await asyncio.sleep(arrival - elapsed())
         freed = await slots.get() if load.concurrency else 0.0
         if load.duration_s is not None and elapsed() >= load.duration_s:
             break
-        req = requests[i % len(requests)]
-        record = RequestRecord(i, req.prompt_len, req.output_len,
-                               planned_time_s=max(arrival, freed))
-        records.append(record)
-        tasks.append(asyncio.create_task(one(record, req.prompt)))
+        tasks.append(asyncio.create_task(one(i, requests[i % len(requests)],
+                                             max(arrival, freed))))
     await asyncio.gather(*tasks)
-    return records, max((r.end_time_s for r in records), default=0.0)
+    usage = meter.stop()
+    await probe
+    records.sort(key=lambda r: (r.request_id, r.turn_index))
+    return Dispatched(records, max((r.end_time_s for r in records), default=0.0), [usage])
+
+
+def count_prompt(record: RequestRecord, tokenizer, chat: bool) -> None:
+    """Prompt tokens as the server sees them: chat requests through the template; later
+    turns of a conversation (their prompt holds the server's reply) counted now."""
+    if tokenizer is None or record.prompt is None:
+        return
+    if chat:
+        record.prompt_len = chat_prompt_len(tokenizer, record.prompt) or record.prompt_len
+    elif record.prompt_len is None:
+        text = (record.prompt if isinstance(record.prompt, str)
+                else render_as_text(record.prompt))
+        record.prompt_len = len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def count_tokens(record: RequestRecord, tokenizer) -> None:
@@ -201,6 +283,7 @@ class BenchPlan:
     cost_per_hour: float | None = None
     num_gpus: int = 1
     progress: Any = None  # report.ProgressFactory or None
+    scraper: Any = None  # server_metrics.MetricsScraper, or None (--no-scrape, offline)
 
 
 def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, Any]:
@@ -209,13 +292,27 @@ def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, A
     warm, measured = requests[:plan.warmup], requests[plan.warmup:]
     plan.target.warmup(warm, load.concurrency)
     rng = np.random.default_rng([plan.seed, run_index, 1])
-    total = len(measured) if load.duration_s is None else plan.request_cap
+    total = (sum(r.num_turns for r in measured) if load.duration_s is None
+             else plan.request_cap)
     on_done_ctx = (plan.progress(load.describe(), total, load.duration_s)
                    if plan.progress is not None else contextlib.nullcontext(lambda r: None))
+    if plan.scraper is not None:
+        plan.scraper.start()
     with on_done_ctx as on_done:
         outcome = plan.target.run(measured, load, rng, on_done, plan.request_cap)
     summary = metrics.summarize(outcome.records, outcome.duration_s, plan.slo,
                                 plan.cost_per_hour, plan.num_gpus)
+    server = None
+    if plan.scraper is not None:
+        server = plan.scraper.stop(expected_requests=summary["num_completed"])
+        if any(r.server_timings for r in outcome.records):
+            timed = timings_section(outcome.records)
+            if not server["available"]:
+                server = timed
+            else:  # llama-server's /metrics has no TTFT histogram: its timings do
+                for key, st in timed["latency"].items():
+                    server["latency"].setdefault(key, st)
+        server["reconciliation"] = reconcile(summary, server) if server["available"] else []
     config = dict(plan.config, concurrency=load.concurrency,
                   request_rate=None if math.isinf(load.request_rate) else load.request_rate,
                   burstiness=load.burstiness, duration_s=load.duration_s,
@@ -226,6 +323,14 @@ def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, A
         "notes": outcome.notes + summary_notes(summary),
         "requests": [metrics.record_dict(r) for r in outcome.records],
     }
+    if outcome.client_cost is not None:
+        result["client"] = outcome.client_cost.as_dict()
+        note = cost_note(outcome.client_cost)
+        if note:
+            result["notes"].append(note)
+    if server is not None:
+        result["server"] = server
+        result["notes"] += reconcile_notes(server)
     if "engine" in outcome.extra:
         result["engine"] = outcome.extra["engine"]
     if outcome.extra.get("dropped_fields"):
@@ -327,6 +432,7 @@ def combine(plan: BenchPlan, runs: list[dict[str, Any]], extra: dict[str, Any],
     out = {"config": best["config"], "summary": best["summary"], "notes": best["notes"],
            "requests": best["requests"], **extra, "summary_run_index": best_index,
            "runs": runs}
-    if "engine" in best:
-        out["engine"] = best["engine"]
+    for key in ("engine", "client", "server"):
+        if key in best:
+            out[key] = best[key]
     return out

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 from tokenmill.engine.args import add_engine_args, engine_config_from_args, parse_bytes
 
@@ -31,30 +32,69 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted (413 above it)")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine loop in this process (on its main thread, HTTP on "
+                   "another) instead of an engine core process of its own")
+    g.add_argument("--engine-hang-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat or output from the engine core after "
+                   "which /health says 503 and in-flight requests fail")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.api import build_app
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
+    if args.engine_hang_timeout <= 0:
+        raise SystemExit("--engine-hang-timeout must be positive")
+    if args.engine_in_process:
+        return _serve_in_process(args)
+    return _serve_with_core_process(args)
+
+
+def _uvicorn_server(args: argparse.Namespace, engine: Any) -> Any:
+    import uvicorn
+
+    from tokenmill.server.api import build_app
+
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
-                         max_waiting=args.max_waiting)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_request_bytes=args.max_request_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config)
+
+
+def _serve_with_core_process(args: argparse.Namespace) -> int:
+    from tokenmill.engine.core_client import CoreClient, CoreStartError
+
+    try:
+        # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
+        client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
+                            hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level)
+    except CoreStartError as e:
+        logging.getLogger(__name__).error("%s", e)
+        return 1
+    try:
+        # uvicorn on the main thread, as usual: SIGTERM / SIGINT drain in-flight
+        # requests (--shutdown-timeout), then its lifespan stops the core
+        server = _uvicorn_server(args, client)
+        server.run()
+    finally:
+        client.shutdown()
+    return 0 if server.started else 1
+
+
+def _serve_in_process(args: argparse.Namespace) -> int:
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
+                         max_waiting=args.max_waiting)
+    server = _uvicorn_server(args, engine)
 
     def serve_http() -> None:
         try:

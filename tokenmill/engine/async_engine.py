@@ -60,6 +60,8 @@ class AsyncEngine:
     this makes `health()` report the loop as stuck.
     """
 
+    core_pid = None  # the engine runs in this process
+
     def __init__(self, engine: Any, max_waiting: int | None = None,
                  stuck_after_s: float = 120.0) -> None:
         self.engine = engine

@@ -2,8 +2,9 @@
 metrics and the served names. Routes get it as a `ServingDep` parameter and
 keep only the HTTP shaping; everything two routes share lives here.
 
-`engine` is the one attribute that talks to the engine (today the in-process
-`AsyncEngine`); nothing else here reaches past it.
+`engine` is the one attribute that talks to the engine: the in-process
+`AsyncEngine` or the `CoreClient` of an engine core process (both an
+`EngineClient`); nothing else here reaches past it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from tokenmill.engine.async_engine import (
-    AsyncEngine,
+from tokenmill.engine.engine_client import EngineClient
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request_stream import (
+    EngineDiedError,
     EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
 )
-from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError, check_text
@@ -29,7 +31,7 @@ from tokenmill.server.progress import Progress
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str | None = None) -> None:
         llm = engine.engine
         self.engine = engine
         self.tokenizer = llm.tokenizer
@@ -37,7 +39,8 @@ class Serving:
         self.model_name: str = served_model_name or llm.model_name
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
-        self.metrics = ServerMetrics(lambda: engine.stats, self.model_name)
+        self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
+                                     core_pid=engine.core_pid)
         self._token_text: dict[int, str] = {}
 
     # ---- request validation and rendering ------------------------------------------
@@ -114,9 +117,9 @@ class Serving:
         except QueueFullError as e:
             raise APIError(503, str(e), "service_unavailable_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except EngineUnavailableError as e:
-            raise APIError(503, str(e), "service_unavailable_error",
-                           code="unavailable") from None
+        except EngineUnavailableError as e:  # shutting down, or the core is down
+            raise APIError(503, str(e), "service_unavailable_error", code="unavailable",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         except ValueError as e:
@@ -131,6 +134,9 @@ class Serving:
             async for out in stream:
                 progress.observe(out)
                 final = out
+        except EngineDiedError as e:
+            raise APIError(503, str(e), "service_unavailable_error", code="engine_down",
+                           headers={"Retry-After": "5"}) from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 
-from tokenmill.engine.async_engine import EngineStepError, RequestStream
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request_stream import EngineDiedError, EngineStepError, RequestStream
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
 from tokenmill.server.progress import Progress
@@ -38,6 +38,8 @@ async def event_stream(serving: Serving, request_id: str, stream: RequestStream,
             yield sse_line({"id": request_id, "object": progress.object,
                             "created": progress.created, "model": serving.model_name,
                             "choices": [], "usage": p.dump(serving.usage(last))})
+    except EngineDiedError as e:  # the engine core died or hung mid-stream
+        yield sse_line(error_body(str(e), "service_unavailable_error", code="engine_down"))
     except EngineStepError as e:
         yield sse_line(error_body(str(e), "server_error"))
     finally:

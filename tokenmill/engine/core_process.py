@@ -89,32 +89,36 @@ class EngineCore:
         self.outbox.send(m.encoder.encode(self.ready()))
         while True:
             busy = self.engine.has_unfinished_requests()
-            acks, stop = self._drain(timeout_ms=0 if busy else 500)
+            acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)
             if stop:
                 self._abort_all()
                 return
-            if acks:  # before the step: the front end starts its response now
+            if changed:  # before the step: the front end starts its response now,
+                # and its stats see aborts even when no step follows
                 self._send(m.StepOutputs(acks, [], self.engine.get_stats()))
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _drain(self, timeout_ms: int) -> tuple[list[m.Ack], bool]:
+    def _drain(self, timeout_ms: int) -> tuple[list[m.Ack], bool, bool]:
+        """Everything the front end sent: (acks of the adds, anything changed, stop)."""
         acks: list[m.Ack] = []
+        changed = False
         if not self.inbox.poll(timeout_ms):
-            return acks, False
+            return acks, changed, False
         while True:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return acks, False
+                return acks, changed, False
             msg = m.to_core_decoder.decode(frame)
+            changed = True
             if isinstance(msg, m.AddRequest):
                 acks.append(self._add(msg))
             elif isinstance(msg, m.AbortRequests):
                 self.engine.abort_request(msg.request_ids)
                 self.tracker.forget(msg.request_ids)
             else:
-                return acks, True
+                return acks, changed, True
 
     def _add(self, msg: m.AddRequest) -> m.Ack:
         try:

@@ -80,8 +80,12 @@ def _serve_with_core_process(args: argparse.Namespace) -> int:
         return 1
     try:
         # uvicorn on the main thread, as usual: SIGTERM / SIGINT drain in-flight
-        # requests (--shutdown-timeout), then its lifespan stops the core
+        # requests (--shutdown-timeout), then its lifespan stops the core. Once
+        # done, uvicorn re-raises the signal to the handler it found installed:
+        # that is this one, so we go on to exit 0 instead of dying of SIGTERM.
         server = _uvicorn_server(args, client)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, server.handle_exit)
         server.run()
     finally:
         client.shutdown()

@@ -154,12 +154,14 @@ class CoreClient:
                     f"the waiting queue is full ({waiting} sequences); retry later")
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
-            if not self._send_locked(m.AddRequest(request_id, ids, params, arrival)):
-                raise EngineUnavailableError("the engine core is not reachable",
-                                             _DOWN_RETRY_AFTER_S)
+            # registered before it is sent: the reader may see the answer at once
             self._streams[request_id] = stream
             self._states[request_id] = RequestState(request_id, text, ids, params, arrival)
             self._num_seqs_in_flight += stream.num_seqs
+            if not self._send_locked(m.AddRequest(request_id, ids, params, arrival)):
+                self._pop_locked(request_id)
+                raise EngineUnavailableError("the engine core is not reachable",
+                                             _DOWN_RETRY_AFTER_S)
         try:
             await stream.accepted()
         except asyncio.CancelledError:

@@ -241,7 +241,8 @@ class CoreClient:
                 self._step_running_s = msg.step_running_s
             elif isinstance(msg, m.StepOutputs):
                 self._step_running_s = None
-                self.stats = msg.stats
+                if msg.stats is not None:
+                    self.stats = msg.stats
                 self._on_outputs(msg)
 
     def _on_outputs(self, msg: m.StepOutputs) -> None:

@@ -74,7 +74,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
 class StepOutputs(msgspec.Struct, tag="outputs"):
     acks: list[Ack]
     outputs: list[RequestDelta]
-    stats: EngineStats
+    stats: EngineStats | None  # None: unchanged, or about to change in the next step
     # the step raised: these requests were aborted in the core, others carry on
     failed_request_ids: list[str] = []
     error: str | None = None

@@ -93,10 +93,13 @@ class EngineCore:
             if stop:
                 self._abort_all()
                 return
-            if changed:  # before the step: the front end starts its response now,
-                # and its stats see aborts even when no step follows
-                self._send(m.StepOutputs(acks, [], self.engine.get_stats()))
-            if self.engine.has_unfinished_requests():
+            busy = self.engine.has_unfinished_requests()
+            if changed:  # before the step: the front end starts its response now.
+                # Stats only when no step follows: a request just added counts as
+                # waiting until the step schedules it, and the front end, which
+                # counts it as in flight already, would count it twice.
+                self._send(m.StepOutputs(acks, [], None if busy else self.engine.get_stats()))
+            if busy:
                 self._step()
 
     def _drain(self, timeout_ms: int) -> tuple[list[m.Ack], bool, bool]:
@@ -149,11 +152,11 @@ class EngineCore:
             return
         finally:
             self.step_started_at = None
-        if outputs:
-            deltas = [self.tracker.delta(out) for out in outputs]
-            self._send(m.StepOutputs([], deltas, self.engine.get_stats()))
-        elif self.engine.stats.num_steps == steps_before:
+        if self.engine.stats.num_steps == steps_before:
             time.sleep(0.005)  # nothing could be scheduled: do not spin
+            return
+        deltas = [self.tracker.delta(out) for out in outputs]  # none mid-prefill
+        self._send(m.StepOutputs([], deltas, self.engine.get_stats()))
 
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.requests))

@@ -86,7 +86,10 @@ def _serve_with_core_process(args: argparse.Namespace) -> int:
         server = _uvicorn_server(args, client)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
-        server.run()
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's exit(3) when it cannot bind: ours is 1
+            pass
     finally:
         client.shutdown()
     return 0 if server.started else 1

@@ -69,6 +69,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     first_scheduled_time: float | None
     first_token_time: float | None
+    # vLLM's shape (None for the first prompt token); sent once, on the first delta
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

@@ -45,6 +45,7 @@ class _DeltaTracker:
         self.sent: dict[str, dict[int, int]] = {}
 
     def delta(self, out: RequestOutput) -> m.RequestDelta:
+        first = out.request_id not in self.sent
         sent = self.sent.setdefault(out.request_id, {})
         seqs = []
         for c in out.outputs:
@@ -60,7 +61,8 @@ class _DeltaTracker:
         metrics = out.metrics
         return m.RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens,
                               metrics.first_scheduled_time if metrics else None,
-                              metrics.first_token_time if metrics else None)
+                              metrics.first_token_time if metrics else None,
+                              out.prompt_logprobs if first else None)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

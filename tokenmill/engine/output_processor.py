@@ -35,6 +35,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
         self.core_finished = False
+        self.prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,11 @@ class OutputProcessor:
         state.num_cached_tokens = delta.num_cached_tokens
         state.first_scheduled_time = delta.first_scheduled_time
         state.core_finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            for entry in delta.prompt_logprobs:
+                if entry is not None:
+                    self.detokenizer.decode_logprob_tokens(entry)
+            state.prompt_logprobs = delta.prompt_logprobs
         for d in delta.seqs:
             seq = state.seqs[d.index]
             logprobs = d.new_logprobs or [None] * len(d.new_token_ids)
@@ -95,4 +101,5 @@ class OutputProcessor:
                 first_scheduled_time=state.first_scheduled_time,
                 first_token_time=min((s.first_token_time for s in state.seqs
                                       if s.first_token_time), default=None),
-                finished_time=time.monotonic() if finished else None))
+                finished_time=time.monotonic() if finished else None),
+            prompt_logprobs=state.prompt_logprobs)

@@ -20,71 +20,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request_stream import (  # noqa: F401 - the server imports them here
+    Aborted,
+    Accepted,
+    EngineDiedError,
+    EngineStepError,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestStream,
+)
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds --max-waiting requests already: retry later."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine loop is shutting down or dead."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine failed while running this request; other requests carry on."""
-
-
-@dataclass
-class _Ack:
-    error: BaseException | None = None
-
-
-@dataclass
-class _Aborted:
-    reason: str = "abort"
-
-
-class RequestStream:
-    """The outputs of one request, in order; iterate with `async for`.
-
-    Ends after the output with `finished=True`; raises EngineStepError if the
-    engine failed, and ends early if the request was aborted.
-    """
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 num_seqs: int = 1) -> None:
-        self.request_id = request_id
-        self.num_seqs = num_seqs
-        self.loop = loop
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False
-        self.aborted = False
-
-    def put(self, item: Any) -> None:  # engine loop
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, RequestOutput):
-                self.finished = item.finished
-                yield item
-            elif isinstance(item, _Aborted):
-                self.finished = self.aborted = True
-            elif isinstance(item, BaseException):
-                self.finished = True
-                raise item
 
 
 @dataclass
@@ -109,6 +59,8 @@ class AsyncEngine:
     are refused (None: unbounded). stuck_after_s: a step running longer than
     this makes `health()` report the loop as stuck.
     """
+
+    core_pid = None  # the engine runs in this process
 
     def __init__(self, engine: Any, max_waiting: int | None = None,
                  stuck_after_s: float = 120.0) -> None:
@@ -166,14 +118,10 @@ class AsyncEngine:
             self._num_seqs_in_flight += stream.num_seqs
         self._wake.set()
         try:
-            ack = await stream.queue.get()
+            await stream.accepted()
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-        if isinstance(ack, _Ack) and ack.error is not None:
-            raise ack.error
-        if isinstance(ack, _Aborted):
-            stream.finished = stream.aborted = True
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -224,7 +172,7 @@ class AsyncEngine:
                     if changed:
                         self._snapshot_stats()
                     self._wake.wait(0.5)
-            self._abort_all(_Aborted())
+            self._abort_all(Aborted())
             self._snapshot_stats()
             self.engine.close()
         except BaseException as e:  # the loop must never die silently
@@ -242,26 +190,26 @@ class AsyncEngine:
             self._inbox = _Inbox()
         for add in adds:
             if add.request_id in aborts:
-                self._release(add.stream, _Aborted())
+                self._release(add.stream, Aborted())
                 continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params,
                                         arrival_time=add.arrival_time)
             except ValueError as e:
-                self._release(add.stream, _Ack(e))
+                self._release(add.stream, Accepted(e))
                 continue
             except Exception as e:
                 logger.exception("engine rejected request %s", add.request_id)
-                self._release(add.stream, _Ack(EngineStepError(
+                self._release(add.stream, Accepted(EngineStepError(
                     f"the engine could not take the request ({type(e).__name__})")))
                 continue
             self._streams[add.request_id] = add.stream
-            add.stream.put(_Ack())
+            add.stream.put(Accepted())
         for request_id in aborts:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 self.engine.abort_request(request_id)
-                self._release(stream, _Aborted())
+                self._release(stream, Aborted())
         return bool(adds or aborts)
 
     def _step(self) -> None:
@@ -293,7 +241,7 @@ class AsyncEngine:
         if not outputs and getattr(self.engine.stats, "num_steps", None) == steps_before:
             time.sleep(0.005)  # nothing could be scheduled: do not spin on the GIL
 
-    def _abort_all(self, item: BaseException | _Aborted) -> None:
+    def _abort_all(self, item: BaseException | Aborted) -> None:
         ids = list(self._streams)
         if ids:
             try:
@@ -307,7 +255,7 @@ class AsyncEngine:
             self._inbox.adds.clear()
         for add in pending:
             self._release(add.stream,
-                          _Ack(EngineUnavailableError("the server is shutting down")))
+                          Accepted(EngineUnavailableError("the server is shutting down")))
 
     def _snapshot_stats(self) -> None:
         stats = self.engine.get_stats()

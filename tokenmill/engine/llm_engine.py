@@ -100,7 +100,11 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    """detokenize=False: outputs carry token ids only (text ""), and `stop`
+    strings are left to whoever detokenizes (the front end of the core process)."""
+
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True,
+                 **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
         device = torch.device(
@@ -144,7 +148,7 @@ class LLMEngine:
             self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer) if detokenize else None
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.detokenizer)
         self.speculator = None
         if config.speculative:
@@ -307,7 +311,8 @@ class LLMEngine:
             for token_id, logprobs in zip(token_ids, token_logprobs):
                 seq.append_token(token_id)
                 if logprobs is not None:
-                    self.detokenizer.decode_logprob_tokens(logprobs)
+                    if self.detokenizer is not None:
+                        self.detokenizer.decode_logprob_tokens(logprobs)
                     seq.output_logprobs.append(logprobs)
                     seq.cumulative_logprob += logprobs[token_id].logprob
                 if seq.first_token_time is None:

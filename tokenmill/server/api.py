@@ -1,7 +1,8 @@
 """The OpenAI-compatible app: wires the serving state (`serving.Serving`), the
 routes (`routes/`), the error handlers and the API-key / size gate together.
 
-The engine itself lives behind `AsyncEngine`, whose loop the caller runs.
+The engine lives behind an `EngineClient`: an engine core process's
+`CoreClient`, or the in-process `AsyncEngine`, whose loop the caller runs.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from tokenmill import __version__
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine_client import EngineClient
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
 from tokenmill.server.serving import Serving, ServingConfig
 
 
-def build_app(engine: AsyncEngine, served_model_name: str | None = None,
+def build_app(engine: EngineClient, served_model_name: str | None = None,
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               config: ServingConfig | None = None) -> FastAPI:
-    """The app in front of `engine`, whose loop the caller runs (`engine.run()`)."""
+    """The app in front of `engine`; its lifespan's end shuts the engine down."""
     serving = Serving(engine, served_model_name, config)
 
     @asynccontextmanager

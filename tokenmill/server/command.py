@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted (413 above it)")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine loop in this process (on its main thread, HTTP on "
+                   "another) instead of an engine core process of its own")
+    g.add_argument("--engine-hang-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat or output from the engine core after "
+                   "which /health says 503 and in-flight requests fail")
     g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="send usage.prompt_tokens_details.cached_tokens (default on, as "
@@ -65,30 +71,70 @@ _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.api import build_app
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
-    api_key = (args.api_key or os.environ.get("TOKENMILL_API_KEY")
-               or os.environ.get("VLLM_API_KEY") or None)
+    if args.engine_hang_timeout <= 0:
+        raise SystemExit("--engine-hang-timeout must be positive")
     try:
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
-                         max_waiting=args.max_waiting)
+    if args.engine_in_process:
+        return _serve_in_process(args, serving_config)
+    return _serve_with_core_process(args, serving_config)
+
+
+def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any) -> Any:
+    import uvicorn
+
+    from tokenmill.server.api import build_app
+
+    api_key = (args.api_key or os.environ.get("TOKENMILL_API_KEY")
+               or os.environ.get("VLLM_API_KEY") or None)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_request_bytes=args.max_request_size, config=serving_config)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config)
+
+
+def _serve_with_core_process(args: argparse.Namespace, serving_config: Any) -> int:
+    from tokenmill.engine.core_client import CoreClient, CoreStartError
+
+    try:
+        # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
+        client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
+                            hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level)
+    except CoreStartError as e:
+        logging.getLogger(__name__).error("%s", e)
+        return 1
+    try:
+        # uvicorn on the main thread, as usual: SIGTERM / SIGINT drain in-flight
+        # requests (--shutdown-timeout), then its lifespan stops the core. Once
+        # done, uvicorn re-raises the signal to the handler it found installed:
+        # that is this one, so we go on to exit 0 instead of dying of SIGTERM.
+        server = _uvicorn_server(args, client, serving_config)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, server.handle_exit)
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's exit(3) when it cannot bind: ours is 1
+            pass
+    finally:
+        client.shutdown()
+    return 0 if server.started else 1
+
+
+def _serve_in_process(args: argparse.Namespace, serving_config: Any) -> int:
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
+                         max_waiting=args.max_waiting)
+    server = _uvicorn_server(args, engine, serving_config)
 
     def serve_http() -> None:
         try:

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,13 +89,20 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
+    """core_pid: the engine core process, when it runs apart from this one; its
+    RSS, CPU and open fds are exported as tokenmill_engine_core_process_*."""
+
     def __init__(self, get_stats: Callable[[], Any], model_name: str,
-                 prefix: str = "tokenmill") -> None:
+                 prefix: str = "tokenmill", core_pid: int | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(get_stats, model_name, prefix))
+        ProcessCollector(registry=self.registry)  # this process: process_*
+        if core_pid is not None:  # reads nothing (exports nothing) once the core is gone
+            ProcessCollector(namespace="tokenmill_engine_core", pid=lambda: core_pid,
+                             registry=self.registry)
         labels, self._values = _base_labels(prefix, model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from tokenmill.engine.async_engine import AsyncEngine, RequestStream
+from tokenmill.engine.engine_client import EngineClient
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.server.metrics import ServerMetrics
 
 
@@ -57,7 +58,7 @@ class Progress:
         if out.finished:
             self.metrics.observe_finished(out)
 
-    def end(self, stream: RequestStream, engine: AsyncEngine) -> None:
+    def end(self, stream: RequestStream, engine: EngineClient) -> None:
         """The consumer is done; a request that did not finish is aborted and counted."""
         if not stream.finished:  # the client left: free its KV blocks now
             engine.abort(stream.request_id)

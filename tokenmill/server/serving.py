@@ -2,8 +2,9 @@
 metrics and the served names. Routes get it as a `ServingDep` parameter and
 keep only the HTTP shaping; everything two routes share lives here.
 
-`engine` is the one attribute that talks to the engine (today the in-process
-`AsyncEngine`); nothing else here reaches past it.
+`engine` is the one attribute that talks to the engine: the in-process
+`AsyncEngine` or the `CoreClient` of an engine core process (both an
+`EngineClient`); nothing else here reaches past it.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from tokenmill.engine.async_engine import (
-    AsyncEngine,
+from tokenmill.engine.engine_client import EngineClient
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request_stream import (
+    EngineDiedError,
     EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
 )
-from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_template import NO_TEMPLATE, content_format, template_of
@@ -55,7 +57,7 @@ class ServingConfig:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | list[str] | None = None,
+    def __init__(self, engine: EngineClient, served_model_name: str | list[str] | None = None,
                  config: ServingConfig | None = None) -> None:
         llm = engine.engine
         self.engine = engine
@@ -70,7 +72,7 @@ class Serving:
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
-                                     self.config.metrics_prefix)
+                                     self.config.metrics_prefix, core_pid=engine.core_pid)
         self.chat_template = template_of(self.tokenizer, self.config.chat_template)
         self.content_format = content_format(self.config.chat_template_content_format,
                                              self.chat_template)
@@ -208,9 +210,9 @@ class Serving:
         except QueueFullError as e:
             raise APIError(503, str(e), "service_unavailable_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except EngineUnavailableError as e:
-            raise APIError(503, str(e), "service_unavailable_error",
-                           code="unavailable") from None
+        except EngineUnavailableError as e:  # shutting down, or the core is down
+            raise APIError(503, str(e), "service_unavailable_error", code="unavailable",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         except ValueError as e:
@@ -243,6 +245,9 @@ class Serving:
                 async for part, out in outputs:
                     part.progress.observe(out)
                     finals[id(part)] = out
+        except EngineDiedError as e:
+            raise APIError(503, str(e), "service_unavailable_error", code="engine_down",
+                           headers={"Retry-After": "5"}) from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:

@@ -8,8 +8,8 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from tokenmill.engine.async_engine import EngineStepError
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request_stream import EngineDiedError, EngineStepError
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
 from tokenmill.server.serving import Serving
@@ -46,6 +46,8 @@ async def event_stream(serving: Serving, request_id: str, parts: list[Part], chu
                             "created": progress.created, "model": serving.model_name,
                             "choices": [],
                             "usage": p.dump(serving.usage(list(last.values()), prompt_only))})
+    except EngineDiedError as e:  # the engine core died or hung mid-stream
+        yield sse_line(error_body(str(e), "service_unavailable_error", code="engine_down"))
     except EngineStepError as e:
         yield sse_line(error_body(str(e), "server_error"))
     finally:

@@ -80,12 +80,17 @@ class ModelConfig:
         )
 
 
+# --kv-cache-dtype values (vLLM's names, plus int8); "fp8" is e4m3, as in vLLM
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit block count wins over the byte budget
     kv_cache_memory_bytes: int | None = None  # None: a share of free RAM / GPU memory
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -94,6 +99,9 @@ class CacheConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass

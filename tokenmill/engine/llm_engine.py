@@ -104,6 +104,9 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
         torch.manual_seed(config.seed)
+        if config.cache.kv_cache_dtype not in ("auto", "bfloat16"):  # until the pool stores it
+            raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not wired "
+                             "into this engine build yet; use auto or bfloat16")
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,

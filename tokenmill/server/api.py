@@ -422,6 +422,14 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None,
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    # ---- /server_info (issue 22; the integrator moves it into the route modules) ----
+    @app.get("/server_info")
+    async def server_info_route() -> dict:
+        from tokenmill.server.server_info import server_info
+
+        return server_info(llm)
+    # ---- end /server_info ----
+
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=model_name, root=llm.model_name,

@@ -24,6 +24,7 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.engine.weights import load_engine_model
 from tokenmill.kvcache.block_manager import BlockManager
+from tokenmill.attention.quantized import attention_backend_name, check_backend_supports
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -104,9 +105,6 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
         torch.manual_seed(config.seed)
-        if config.cache.kv_cache_dtype not in ("auto", "bfloat16"):  # until the pool stores it
-            raise ValueError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not wired "
-                             "into this engine build yet; use auto or bfloat16")
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
@@ -118,10 +116,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings, 8192),
             self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
-        num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        check_backend_supports(attention_backend_name(device), kv_cache_dtype)
+        # "auto": the model's dtype; 8-bit formats store bytes + scales (attention/quantized)
+        kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else loaded.dtype
+        num_blocks = choose_num_blocks(self.model_config, config.cache, kv_dtype, device,
                                        self.max_model_len, config.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  loaded.dtype, device)
+                                  kv_dtype, device, kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(

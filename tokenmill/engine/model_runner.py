@@ -13,7 +13,9 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.attention.kv_quant import kv_format
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
+from tokenmill.attention.quantized import QuantizedCache
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
 from tokenmill.models.attention import kv_cache_shape
@@ -28,7 +30,8 @@ class Scheduled(Protocol):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int,
-                 num_blocks: int, kv_dtype: torch.dtype, device: torch.device) -> None:
+                 num_blocks: int, kv_dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -37,7 +40,15 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
                                config.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # --kv-cache-dtype int8 / fp8: 8-bit pools with their scales, one per layer
+        self.quantized_caches: list[QuantizedCache] = []
+        fmt = kv_format(kv_cache_dtype)
         for layer in model.attention_layers():
+            if fmt is not None:
+                cache = QuantizedCache.allocate(fmt, shape, device)
+                layer.quantized_cache = cache
+                self.quantized_caches.append(cache)
+                continue
             # empty, not zeros: pages are touched only as blocks fill, so RSS tracks use
             k = torch.empty(shape, dtype=kv_dtype, device=device)
             v = torch.empty(shape, dtype=kv_dtype, device=device)
@@ -54,12 +65,15 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k.index_fill_(1, idx, 0)
             v.index_fill_(1, idx, 0)
+        for cache in self.quantized_caches:
+            cache.zero_blocks(idx)
         for b in block_ids:
             self._fresh[b] = 0
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        return (sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+                + sum(cache.nbytes for cache in self.quantized_caches))
 
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:

@@ -16,8 +16,10 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.attention import quantized
 from tokenmill.attention.cpu import paged_attention_fast
 from tokenmill.attention.metadata import get_attention_metadata
+from tokenmill.attention.quantized import QuantizedCache
 from tokenmill.attention.torch_ref import (
     causal_attention,
     paged_attention_reference,
@@ -49,12 +51,18 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # --kv-cache-dtype int8 / fp8: the runner assigns this instead of k_cache/v_cache
+        self.quantized_cache: QuantizedCache | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim)
         meta = get_attention_metadata()
         if meta is None:
             out = causal_attention(q, k, v, self.scale)
+        elif self.quantized_cache is not None:  # an 8-bit KV cache (attention/quantized.py)
+            self.quantized_cache.store(k, v, meta.slot_mapping)
+            out = quantized.attend(q, k, v, self.quantized_cache, meta, self.scale,
+                                   reference=BACKEND == "reference")
         else:
             if self.k_cache is None or self.v_cache is None:
                 raise RuntimeError("attention metadata is set but this layer has no KV cache; "

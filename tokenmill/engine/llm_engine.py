@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.quantized import attention_backend_name, check_backend_supports
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.model_runner import ModelRunner
@@ -24,7 +25,6 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.engine.weights import load_engine_model
 from tokenmill.kvcache.block_manager import BlockManager
-from tokenmill.attention.quantized import attention_backend_name, check_backend_supports
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams

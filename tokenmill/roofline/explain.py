@@ -299,7 +299,7 @@ def _engine_view(engine, arch, bits, machine, context, prompt_len, kv_bpe) -> di
     return view
 
 
-CODE_CHANGE = "a change inside tokenmill, not a serving flag"
+CODE_CHANGE = "it needs a change inside tokenmill itself"
 
 
 def _on(server: dict | None, key: str) -> bool | None:
@@ -372,7 +372,8 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
     else:
         bottleneck = "not enough measurements to name one (no TPOT, ITL, TTFT or throughput)"
     found = [lever for lever in levers if lever is not None]
-    if prefill and not any(lever.name.startswith(("chunked", "prefix")) for lever in found):
+    if prefill and not any(lever.name.startswith(("chunked", "smaller prefill", "prefix"))
+                           for lever in found):
         found.extend(_prefill_levers(run, prefill, summary))
     return bottleneck, found
 
@@ -451,16 +452,20 @@ def _prefill_levers(run: _Run, prefill, summary) -> list[Lever]:
         stall = (f"ITL p99 {itl99:.3g} ms is {itl99 / itl50:.1f}× p50 {itl50:.3g} ms: "
                  "prompt chunks stall running decodes")
         budget = _num(run.server, "max_num_batched_tokens")
-        if _on(run.server, "enable_chunked_prefill") and budget:
-            levers.append(Lever(f"smaller prefill chunks (chunked prefill is on, "
-                                f"{budget:.0f} tokens a step)",
+        chunked = _on(run.server, "enable_chunked_prefill")
+        if chunked is False:  # a peer with it off; tokenmill always chunks
+            levers.append(Lever("chunked prefill", f"{stall}: whole prompts run in one step; "
+                                "tokenmill always chunks prompts at --max-num-batched-tokens",
+                                flags=["--max-num-batched-tokens 512"]))
+        else:
+            state = (f"chunked prefill is on, {budget:.0f} tokens a step" if chunked and budget
+                     else "chunked prefill is on" if chunked
+                     else "tokenmill always chunks prompts")
+            target = max(64, round(budget / 2)) if budget else 512
+            levers.append(Lever(f"smaller prefill chunks ({state})",
                                 f"{stall}; a lower --max-num-batched-tokens cuts ITL p99 at "
                                 "some cost in TTFT",
-                                flags=[f"--max-num-batched-tokens {max(64, round(budget / 2))}"]))
-        else:  # unknown or off (a peer): tokenmill always chunks at its token budget
-            levers.append(Lever("chunked prefill", f"{stall}; tokenmill always chunks prompts "
-                                "at --max-num-batched-tokens", flags=[
-                                    "--max-num-batched-tokens 512"]))
+                                flags=[f"--max-num-batched-tokens {target}"]))
     e2e = _num(summary, "e2e_ms", "mean")
     ttft = prefill["measured_ttft_ms"]
     if e2e and ttft / e2e > 0.2 and not _on(run.server, "enable_prefix_caching"):

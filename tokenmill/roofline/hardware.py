@@ -232,7 +232,7 @@ def _times(fn, reps: int) -> list[float]:
     return out
 
 
-READ_TRIES = 7
+READ_TRIES = 5
 MIN_BUFFER_BYTES = 256 * 2**20
 
 
@@ -243,7 +243,7 @@ def _micro_benchmark(torch) -> dict:
     src = torch.ones(n, dtype=torch.float32)
     read = sorted(4.0 * n / t for t in _times(lambda: src.sum(), reps=READ_TRIES))
     dst = torch.empty_like(src)
-    copy = sorted(2 * 4.0 * n / t for t in _times(lambda: dst.copy_(src), reps=3))
+    copy = sorted(2 * 4.0 * n / t for t in _times(lambda: dst.copy_(src), reps=2))
     matmul = {}
     size = 1024
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

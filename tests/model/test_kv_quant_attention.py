@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tokenmill.attention import kv_quant, quantized
+from tokenmill.attention.cpu import CpuBackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.torch_ref import paged_attention_reference
+from tokenmill.attention.torch_ref import TorchBackend, paged_attention_reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 4
 
@@ -28,16 +29,17 @@ def _step(fmt, query_lens, seq_lens, shared=0, contiguous=False, seed=0):
         rng.shuffle(free)
     common = [free.pop(0) for _ in range(shared)]
     tables = [common + [free.pop(0) for _ in range(-(-n // BLOCK) - shared)] for n in seq_lens]
-    cache = quantized.QuantizedCache.allocate(fmt, (KV_HEADS, num_blocks, BLOCK, HEAD_DIM),
-                                              torch.device("cpu"))
-    cache.zero_blocks(torch.arange(num_blocks))
+    shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
+    kc, vc = (quantized.QuantizedPool.allocate(fmt, shape, torch.device("cpu"), zeroed=True)
+              for _ in range(2))
+    backend = quantized.QuantizedKVBackend(CpuBackend(torch.device("cpu"), torch.bfloat16), fmt)
     prefix_slots = sorted({t[p // BLOCK] * BLOCK + p % BLOCK
                            for t, ql, n in zip(tables, query_lens, seq_lens)
                            for p in range(n - ql)})
     if prefix_slots:
         kp = torch.randn(len(prefix_slots), KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
         vp = torch.randn(len(prefix_slots), KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-        cache.store(kp, vp, torch.tensor(prefix_slots))
+        backend.store_kv(kp, vp, kc, vc, _slots_only(torch.tensor(prefix_slots)))
     total = sum(query_lens)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).bfloat16()
     k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
@@ -54,14 +56,20 @@ def _step(fmt, query_lens, seq_lens, shared=0, contiguous=False, seed=0):
                                   dtype=torch.int32),
         block_size=BLOCK, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_lens_list=list(query_lens), seq_lens_list=list(seq_lens))
-    cache.store(k, v, meta.slot_mapping)
-    return q, k, v, cache, meta
+    backend.store_kv(k, v, kc, vc, meta)  # as the model does: store, then attend
+    return q, k, v, (kc, vc), meta
+
+
+def _slots_only(slots):
+    return AttentionMetadata(slot_mapping=slots, query_start_loc=None, seq_lens=None,
+                             block_tables=None, block_size=BLOCK, max_query_len=0,
+                             max_seq_len=0, query_lens_list=[], seq_lens_list=[])
 
 
 def _reference(q, cache, meta):
     """The torch reference over the dequantized cache, in fp32."""
-    k = kv_quant.dequantize(cache.k, cache.k_scale, torch.float32)
-    v = kv_quant.dequantize(cache.v, cache.v_scale, torch.float32)
+    k = kv_quant.dequantize(cache[0].data, cache[0].scale, torch.float32)
+    v = kv_quant.dequantize(cache[1].data, cache[1].scale, torch.float32)
     return paged_attention_reference(q.float(), k, v, meta, HEAD_DIM ** -0.5)
 
 
@@ -77,7 +85,7 @@ def test_quantized_attention_matches_the_dequantized_reference(name, reference, 
                                                                seq_lens, shared):
     fmt = kv_quant.FORMATS[name]
     q, k, v, cache, meta = _step(fmt, query_lens, seq_lens, shared)
-    out = quantized.attend(q, k, v, cache, meta, HEAD_DIM ** -0.5, reference=reference)
+    out = quantized.attend(q, k, v, *cache, meta, HEAD_DIM ** -0.5, reference=reference)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = _reference(q, cache, meta)
     # a whole prompt attends to its own fresh K/V on the CPU route (as the bf16 path
@@ -96,14 +104,24 @@ def test_the_torch_route_runs_without_the_native_kernel(monkeypatch):
     monkeypatch.setattr(native, "paged_decode_q8", lambda *a, **k: None)
     fmt = kv_quant.FORMATS["int8"]
     q, k, v, cache, meta = _step(fmt, [1, 1, 1], [9, 22, 14])
-    out = quantized.attend(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+    out = quantized.attend(q, k, v, *cache, meta, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out.float(), _reference(q, cache, meta), atol=2e-2, rtol=2e-2)
 
 
-def test_a_backend_that_cannot_read_the_format_fails_at_start_up():
-    quantized.check_backend_supports("cpu", "int8")
-    quantized.check_backend_supports("torch", "fp8")
-    quantized.check_backend_supports("triton", "auto")
+class _Bf16Only(TorchBackend):
+    """A backend that reads only the unquantized cache (as the triton one, for now)."""
+
+    name = "bf16only"
+    kv_cache_dtypes = ("auto", "bfloat16")
+
+
+def test_a_backend_that_cannot_read_the_format_fails_at_start_up(monkeypatch):
+    import tokenmill.attention as registry
+
+    monkeypatch.setitem(registry._REGISTRY, "bf16only", f"{__name__}:_Bf16Only")
+    quantized.check_kv_cache_dtype("cpu", "int8")
+    quantized.check_kv_cache_dtype("torch", "fp8")
+    quantized.check_kv_cache_dtype("bf16only", "auto")
     with pytest.raises(ValueError, match=r"--kv-cache-dtype int8 is not supported by the "
-                                         r"'triton' attention backend.*cpu"):
-        quantized.check_backend_supports("triton", "int8")
+                                         r"'bf16only' attention backend.*torch, cpu"):
+        quantized.check_kv_cache_dtype("bf16only", "int8")

@@ -36,6 +36,9 @@ class AttentionBackend(ABC):
     # afterwards, so a NaN left in fresh memory would leak into the output; the
     # pool then zeroes each block the first time a step uses it
     needs_zeroed_blocks: ClassVar[bool] = False
+    # the --kv-cache-dtype values it reads; 8-bit ones run through
+    # attention/quantized.py's QuantizedKVBackend around this backend
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "bfloat16")
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
@@ -50,6 +53,11 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
         """The shape of one layer's K pool (V has the same)."""
+
+    def bind_pool(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Called once by the KV pool (tokenmill/kvcache/pool.py) after it allocated
+        every layer's (K, V) in this backend's layout; a backend whose plan
+        depends on the pool (its geometry, its base addresses) keeps what it needs."""
 
     def plan(self, meta: AttentionMetadata) -> object | None:
         """Called once per step by the model runner before the forward pass; the

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.attention.quantized import attention_backend_name, check_backend_supports
+from tokenmill.attention import check_backend
+from tokenmill.attention.quantized import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.model_runner import ModelRunner
@@ -105,6 +106,10 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
         torch.manual_seed(config.seed)
+        # before loading weights: a bad --attention-backend (or one that cannot read
+        # the --kv-cache-dtype) fails in a moment
+        check_kv_cache_dtype(check_backend(config.attention_backend, device),
+                             config.cache.kv_cache_dtype)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
@@ -117,13 +122,12 @@ class LLMEngine:
             self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
         kv_cache_dtype = config.cache.kv_cache_dtype
-        check_backend_supports(attention_backend_name(device), kv_cache_dtype)
         # "auto": the model's dtype; 8-bit formats store bytes + scales (attention/quantized)
         kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else loaded.dtype
         num_blocks = choose_num_blocks(self.model_config, config.cache, kv_dtype, device,
                                        self.max_model_len, config.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  kv_dtype, device, kv_cache_dtype)
+                                  kv_dtype, device, config.attention_backend, kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -143,9 +147,9 @@ class LLMEngine:
                                                self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
-        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
-                    self.model_name, self.dtype, num_blocks, block_size,
-                    self.runner.kv_cache_bytes / 2**20)
+        logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
+                    "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
+                    num_blocks, block_size, self.runner.kv_cache_bytes / 2**20)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -244,7 +248,20 @@ class LLMEngine:
             emitted = self._sample(batch, logits)
         with timer("postprocess"):
             outputs = self._postprocess(batch, emitted)
+        if self.config.debug_kv_integrity:
+            self.check_kv_integrity()
         return outputs
+
+    def check_kv_integrity(self) -> None:
+        """Raise KVCacheIntegrityError unless the KV books (ref counts, free list,
+        prefix-cache hashes, live block tables) agree, the draft model's too.
+        Run after every step under --debug-kv-integrity, and by the tests."""
+        live = [*self.scheduler.waiting, *self.scheduler.running]
+        self.block_manager.check_integrity(live)
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        draft_bm = getattr(proposer, "block_manager", None)
+        if draft_bm is not None:  # --speculative draft: its own cache and shadow sequences
+            draft_bm.check_integrity(list(proposer.shadows.values()))
 
     def _sample(self, batch, logits) -> list[tuple[Sequence, list[int], list]]:
         """Per sampling sequence: the tokens to append and their logprobs."""

@@ -94,10 +94,15 @@ def main() -> int:
         windows = windows_of(ids, context, args.max_windows)
         if not windows:
             raise SystemExit(f"the text has {len(ids)} tokens: no window of {context + 1}")
-        need = -(-args.positions // context)  # windows the reference must score
+        ref_windows, left = [], args.positions  # the reference scores --positions only
+        for w in windows:
+            if left <= 0:
+                break
+            ref_windows.append(w[:left + 1])
+            left -= len(ref_windows[-1]) - 1
         path, path_desc, path_s = score(args.model, args.path, windows)
         base, base_desc, base_s = score(args.model, args.baseline, windows)
-        ref, ref_desc, ref_s = score(args.model, args.reference, windows[:need])
+        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows)
         n_ref = min(args.positions, sum(len(w) for w in ref.argmax))
         row = {
             "context": context, "windows": len(windows),

@@ -6,7 +6,8 @@ The text is fixed and public domain (tests/data/opticks_book1.txt: Newton's Opti
 windows of `context + 1` tokens; every position of a window after its first is scored
 teacher-forced by a decode step reading the whole KV cache written so far
 (tokenmill/engine/teacher_forced.py), so a quantized KV cache is read at up to
-`context` tokens. Per context: perplexity of the path and of the baseline, their
+`context` tokens (with --score-last N only each window's last N positions are scored, the
+rest is its prompt: a long context for N decode steps). Per context: perplexity of the path and of the baseline, their
 ratio, and the share of the first --positions positions where the path's argmax
 equals the fp32 reference's (and the baseline's).
 
@@ -49,12 +50,12 @@ def windows_of(ids: list[int], context: int, limit: int | None) -> list[list[int
     return out[:limit] if limit else out
 
 
-def score(model: str, flags: str, windows: list[list[int]]):
+def score(model: str, flags: str, windows: list[list[int]], score_last: int | None):
     from tokenmill.engine.teacher_forced import score_windows
 
     engine = build_engine(model, flags)
     t0 = time.perf_counter()
-    scores = score_windows(engine, windows)
+    scores = score_windows(engine, windows, score_last)
     described = (f"{engine.dtype}".removeprefix("torch.") + f", weights {engine.quantization}, "
                  f"KV {engine.config.cache.kv_cache_dtype}")
     del engine
@@ -76,6 +77,9 @@ def main() -> int:
                     help="positions compared with the fp32 reference, per context")
     ap.add_argument("--max-windows", type=int, default=None,
                     help="score at most this many windows per context (default: all)")
+    ap.add_argument("--score-last", type=int, default=None,
+                    help="score only the last N positions of each window, the rest its "
+                         "prompt (default: every position, each a decode step)")
     ap.add_argument("--output", help="write the figures as JSON")
     args = ap.parse_args()
 
@@ -94,15 +98,12 @@ def main() -> int:
         windows = windows_of(ids, context, args.max_windows)
         if not windows:
             raise SystemExit(f"the text has {len(ids)} tokens: no window of {context + 1}")
-        ref_windows, left = [], args.positions  # the reference scores --positions only
-        for w in windows:
-            if left <= 0:
-                break
-            ref_windows.append(w[:left + 1])
-            left -= len(ref_windows[-1]) - 1
-        path, path_desc, path_s = score(args.model, args.path, windows)
-        base, base_desc, base_s = score(args.model, args.baseline, windows)
-        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows)
+        last = args.score_last
+        per_window = min(last, context) if last else context
+        ref_windows = windows[:-(-args.positions // per_window)]  # enough for --positions
+        path, path_desc, path_s = score(args.model, args.path, windows, last)
+        base, base_desc, base_s = score(args.model, args.baseline, windows, last)
+        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows, last)
         n_ref = min(args.positions, sum(len(w) for w in ref.argmax))
         row = {
             "context": context, "windows": len(windows),

@@ -59,16 +59,21 @@ class _ForcingSampler:
         return SamplerOutput(token_ids=tokens, logprobs=[None] * len(seqs))
 
 
-def score_windows(engine, windows: list[list[int]]) -> Scores:
-    """Teacher-forced scores of each window (all run together as one batch)."""
+def score_windows(engine, windows: list[list[int]], score_last: int | None = None) -> Scores:
+    """Teacher-forced scores of each window (all run together as one batch).
+
+    score_last: score only each window's last N positions; the tokens before them are
+    the prompt (one prefill, chunked at the engine's token budget), so a long context
+    costs N decode steps, not its length."""
     forced = {f"tf-{i}": w for i, w in enumerate(windows)}
     scores: dict[str, tuple[list, list]] = {rid: ([], []) for rid in forced}
     saved = engine.sampler
     engine.sampler = _ForcingSampler(forced, scores)
     try:
         for rid, window in forced.items():
-            engine.add_request(rid, window[:1], SamplingParams(
-                temperature=0.0, max_tokens=len(window) - 1, ignore_eos=True))
+            prompt = max(1, len(window) - score_last) if score_last else 1
+            engine.add_request(rid, window[:prompt], SamplingParams(
+                temperature=0.0, max_tokens=len(window) - prompt, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     finally:

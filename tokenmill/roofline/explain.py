@@ -29,6 +29,7 @@ from tokenmill.roofline.cost_model import (
     prefill_step,
 )
 from tokenmill.roofline.hardware import ALIASES, CATALOG, bandwidth_basis
+from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
 
 KV_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "int8": "int8",
              "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
@@ -162,15 +163,11 @@ def _hardware_name(args: argparse.Namespace, config: dict, notes: list[str]) -> 
     for name in names:
         if name.replace("-", "") in text:
             return name
-    from tokenmill.roofline.command import UsageError
-
     raise UsageError(f"the result's hardware {recorded!r} is not in the catalog; pass "
                      f"--hardware ({', '.join([*CATALOG, 'cpu'])})")
 
 
 def _weight_bits(model, config: dict) -> WeightBits:
-    from tokenmill.roofline.command import UsageError, weight_bits
-
     for key in ("quantization", "dtype"):
         value = config.get(key)
         if value and str(value).lower() not in ("none", "auto"):
@@ -182,8 +179,6 @@ def _weight_bits(model, config: dict) -> WeightBits:
 
 
 def explain(result: dict, args: argparse.Namespace) -> Explanation:
-    from tokenmill.roofline.command import load_hardware, load_model
-
     config, summary = result["config"], result["summary"]
     engine = result.get("engine") if isinstance(result.get("engine"), dict) else None
     notes: list[str] = []

@@ -137,6 +137,7 @@ static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx)
     }
 }
 
+
 /* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d] */
 static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
@@ -320,6 +321,54 @@ static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t 
                 }
         }
 }
+
+/* 16 bytes of a row -> 16 floats (unscaled): int8 converted, fp8 through the table */
+static inline __m512 widen16(const uint8_t *src, const float *lut) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)src);
+    if (lut) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+/* scores_q8 16 tokens at a time: each row widened once into registers for all G heads,
+ * the 16 dot products of a head folded by one hsum16, then scaled by scale * k_scale_t */
+static inline __attribute__((always_inline)) void scores_q8_tiled(const item_t *it,
+                                                                  const uint16_t *qb, float *s,
+                                                                  float *mx, const int64_t G,
+                                                                  const int64_t C) {
+    const int64_t BS = it->BS, D = it->D; /* C = D / 16 */
+    __m512 qv[8 * (MAX_D / 16)];
+    for (int64_t i = 0; i < G * C; i++) /* bf16 -> fp32: the high half of each lane */
+        qv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(qb + 16 * i))), 16));
+    __m512 vmax[8];
+    for (int64_t g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
+    const __m512 scale = _mm512_set1_ps(it->scale);
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t nt = n - i0 < 16 ? n - i0 : 16;
+            const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
+            __m512 a[8][16];
+            for (int64_t i = 0; i < 16; i++) {
+                for (int64_t g = 0; g < G; g++) a[g][i] = _mm512_setzero_ps();
+                if (i >= nt) continue;
+                for (int64_t c = 0; c < C; c++) {
+                    const __m512 x = widen16(blk + (i0 + i) * D + 16 * c, it->lut);
+                    for (int64_t g = 0; g < G; g++)
+                        a[g][i] = _mm512_fmadd_ps(qv[g * C + c], x, a[g][i]);
+                }
+            }
+            const __m512 f = _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(keep, sc + i0));
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 v = _mm512_mul_ps(hsum16(a[g]), f);
+                _mm512_mask_storeu_ps(s + g * it->s_stride + t0 + i0, keep, v);
+                vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], v);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmax[g]);
+}
 #endif
 
 /* Write this step's K and V rows into their slots: k, v (T, KVH, D) bf16 whose token
@@ -422,6 +471,11 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
+#ifdef TM_AVX512BF16
+        if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(&it, qb, s, mx, 3, 4);
+        else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(&it, qb, s, mx, G, D / 16);
+        else
+#endif
         if (quantized) scores_q8(&it, qb, s, mx);
         else
 #ifdef TM_AVX512BF16

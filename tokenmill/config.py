@@ -81,6 +81,10 @@ class ModelConfig:
         )
 
 
+# --kv-cache-dtype values (vLLM's names, plus int8); "fp8" is e4m3, as in vLLM
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 @dataclass
 class KVEventsConfig:
     """vLLM's KVEventsConfig fields and defaults."""
@@ -134,6 +138,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # vLLM's --kv-events-config: publish the prefix cache's changes for routers
     kv_events: KVEventsConfig | None = None
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -147,6 +152,9 @@ class CacheConfig:
                              "caching on (drop --no-enable-prefix-caching)")
         if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass

@@ -36,6 +36,9 @@ class AttentionBackend(ABC):
     # afterwards, so a NaN left in fresh memory would leak into the output; the
     # pool then zeroes each block the first time a step uses it
     needs_zeroed_blocks: ClassVar[bool] = False
+    # the --kv-cache-dtype values it reads; 8-bit ones run through
+    # attention/quantized.py's QuantizedKVBackend around this backend
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "bfloat16")
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device

@@ -327,6 +327,9 @@ class CpuBackend(AttentionBackend):
     # the decode paths read whole blocks and mask scores past each sequence's end
     # (no masked_fill of K/V per layer), so fresh memory must hold finite values
     needs_zeroed_blocks: ClassVar[bool] = True
+    # 8-bit caches: the native 8-bit decode kernel (attention/quantized.py)
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(device, dtype)

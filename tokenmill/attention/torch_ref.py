@@ -29,6 +29,9 @@ class TorchBackend(AttentionBackend):
     # the decode path zeroes K/V past each sequence's end itself; prefill
     # gathers exactly seq_len slots
     needs_zeroed_blocks: ClassVar[bool] = False
+    # 8-bit caches: dequantized blocks, then this path (attention/quantized.py)
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:

@@ -338,9 +338,10 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                   "hardware": args.hardware or target.hardware,
                   "engine_args": {k: getattr(args, k, None) for k in (
                       "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                      "enable_prefix_caching", "quantization", "device")}}
+                      "enable_prefix_caching", "quantization", "device", "kv_cache_dtype")}}
         return target, config
     from tokenmill.bench.client import ClientOptions, fetch_model_name
+    from tokenmill.bench.target_config import fetch_server_config
 
     model = getattr(args, "model", None) or asyncio.run(fetch_model_name(args.base_url,
                                                                          args.api_key))
@@ -352,7 +353,9 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
                             timeout_s=args.timeout)
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
               "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
-              "tokenizer": args.tokenizer or model, "extra_body": args.extra_body or None}
+              "tokenizer": args.tokenizer or model, "extra_body": args.extra_body or None,
+              # what the server says it runs (issue 22: explain skips levers already pulled)
+              "server_config": asyncio.run(fetch_server_config(args.base_url, args.api_key))}
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     config["workers"] = args.workers

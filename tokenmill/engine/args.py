@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig
+from tokenmill.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, KVEventsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    "CPU the share of available RAM for the KV cache (default there: "
                    "min(15%% of RAM, 2 GiB))")
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto (the model's dtype), bfloat16, int8 or fp8 "
+                        "(= fp8_e4m3), fp8_e5m2: 8-bit with a scale per token and KV head, "
+                        "half the bytes, so the same --kv-cache-memory holds 2x the tokens")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_true", default=True)
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
@@ -121,5 +125,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_events=args.kv_events_config,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
     )

@@ -66,6 +66,7 @@ class FrontEndModel:
     tokenizer: Any
     max_model_len: int
     model_config: ModelConfig
+    server_info: dict  # what the core runs (GET /server_info)
 
 
 class CoreClient:
@@ -97,7 +98,7 @@ class CoreClient:
             raise
         self.core_pid = ready.pid
         self.engine = FrontEndModel(ready.model_name, tokenizer, ready.max_model_len,
-                                    ready.model_config)
+                                    ready.model_config, ready.server_info)
         self.tokenizer = tokenizer
         self.max_num_seqs = ready.max_num_seqs
         self.stats: EngineStats = ready.stats  # replaced whole, never mutated

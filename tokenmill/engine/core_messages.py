@@ -44,6 +44,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     max_num_seqs: int
     eos_token_ids: list[int]
     stats: EngineStats
+    server_info: dict  # GET /server_info, computed where the engine config is resolved
 
 
 class Ack(msgspec.Struct, array_like=True):

@@ -32,6 +32,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import core_messages as m
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.server_info import server_info
 
 logger = logging.getLogger("tokenmill.engine.core")
 
@@ -84,7 +85,8 @@ class EngineCore:
         return m.CoreReady(pid=os.getpid(), model_name=e.model_name,
                            model_config=e.model_config, max_model_len=e.max_model_len,
                            max_num_seqs=e.config.max_num_seqs,
-                           eos_token_ids=sorted(e.eos_token_ids), stats=e.get_stats())
+                           eos_token_ids=sorted(e.eos_token_ids), stats=e.get_stats(),
+                           server_info=server_info(e))
 
     def run(self) -> None:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.attention import check_backend
+from tokenmill.attention.quantized import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.model_runner import ModelRunner
@@ -111,8 +112,10 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
         torch.manual_seed(config.seed)
-        # before loading weights: a bad --attention-backend fails in a moment
-        check_backend(config.attention_backend, device)
+        # before loading weights: a bad --attention-backend (or one that cannot read
+        # the --kv-cache-dtype) fails in a moment
+        check_kv_cache_dtype(check_backend(config.attention_backend, device),
+                             config.cache.kv_cache_dtype)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
@@ -123,7 +126,10 @@ class LLMEngine:
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         block_size = config.cache.block_size
-        num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        # "auto": the model's dtype; 8-bit formats store bytes + scales (attention/quantized)
+        kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else loaded.dtype
+        num_blocks = choose_num_blocks(self.model_config, config.cache, kv_dtype, device,
                                        self.max_model_len, config.max_num_seqs)
         if config.max_model_len is None and self.max_model_len > num_blocks * block_size:
             # as vLLM: the model's own context by default, but never more than fits
@@ -132,7 +138,7 @@ class LLMEngine:
                            num_blocks * block_size, model_max, num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  loaded.dtype, device, config.attention_backend)
+                                  kv_dtype, device, config.attention_backend, kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.kv_events = KVEventStream.start(config.cache.kv_events, self.block_manager,

@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.attention import get_backend
+from tokenmill.attention import get_backend, kv_quant
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
+from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dtype
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache.pool import KVPool
@@ -32,7 +33,7 @@ class Scheduled(Protocol):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int,
                  num_blocks: int, kv_dtype: torch.dtype, device: torch.device,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -40,9 +41,14 @@ class ModelRunner:
         self.device = device
         # raises BackendUnavailable, listing the available ones, before any allocation
         self.backend = get_backend(attention_backend, device, kv_dtype)
+        kv_format = kv_quant.kv_format(kv_cache_dtype)
+        if kv_format is not None:  # an 8-bit cache: the chosen backend, reading bytes + scales
+            check_kv_cache_dtype(self.backend.name, kv_cache_dtype)
+            self.backend = QuantizedKVBackend(self.backend, kv_format)
         layers = list(model.attention_layers())
         self.pool = KVPool(self.backend, len(layers), num_blocks, block_size,
-                           config.num_key_value_heads, config.head_dim, kv_dtype, device)
+                           config.num_key_value_heads, config.head_dim, kv_dtype, device,
+                           kv_format=kv_format)
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
 

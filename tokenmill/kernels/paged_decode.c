@@ -7,7 +7,14 @@
  * (scores, then the weighted sum of V) with fp32 accumulation, and the grouped
  * query heads of that kv head share every K/V row they read.
  *
- * Two versions of a work item: AVX512-BF16 intrinsics (q.k with vdpbf16ps,
+ * 8-bit pools (int8, fp8 e4m3 / e5m2: --kv-cache-dtype) hold one byte per element and
+ * one fp32 scale per (token, kv head), (kv_heads, num_blocks, block_size): the
+ * scores are scale_t * (q . k8_t) and the values sum (p_t scale_t) v8_t, the bytes
+ * widened to fp32 in registers (int8 by conversion, fp8 through a 256-entry table);
+ * no dequantized copy of the cache is made. tm_store_kv_q8 computes a row's scale
+ * (absmax / the format's largest value) as the row is stored.
+ *
+ * Two versions of a bf16 work item: AVX512-BF16 intrinsics (q.k with vdpbf16ps,
  * as torch's bf16 matmul: exact products, fp32 sums) where the compiler
  * targets it and head_dim is a multiple of 32, and plain C loops that gcc
  * vectorises for any other CPU.
@@ -36,7 +43,120 @@ typedef struct {
     const int32_t *tab;    /* this sequence's blocks */
     int64_t len, BS, D, G, s_stride;
     float scale;
+    /* 8-bit pools instead of k, v: bytes (NB, BS, D), scales (NB, BS); lut NULL for int8 */
+    const uint8_t *k8, *v8;
+    const float *ks, *vs, *lut;
 } item_t;
+
+enum { FMT_INT8 = 0, FMT_E4M3 = 1, FMT_E5M2 = 2 };
+
+/* fp8 byte -> float, all 256 codes (NaN codes as NaN), filled once */
+static float lut_e4m3[256], lut_e5m2[256];
+static float fp8_value(uint32_t code, int mbits, int bias) {
+    const int sign = code >> 7, e = (code >> mbits) & ((1 << (7 - mbits)) - 1);
+    const int m = code & ((1 << mbits) - 1);
+    float v;
+    if (e == 0) v = ldexpf((float)m, 1 - bias - mbits); /* subnormal */
+    else v = ldexpf((float)((1 << mbits) + m), e - bias - mbits);
+    if (mbits == 3 && e == 15 && m == 7) v = NAN;      /* e4m3fn: only S.1111.111 is NaN */
+    if (mbits == 2 && e == 31) v = m ? NAN : INFINITY; /* e5m2: IEEE-style inf / NaN */
+    return sign ? -v : v;
+}
+static void init_luts(void) {
+    static volatile int done = 0;
+    if (done) return;
+#pragma omp critical(tm_fp8_lut)
+    if (!done) {
+        for (uint32_t c = 0; c < 256; c++) {
+            lut_e4m3[c] = fp8_value(c, 3, 7);
+            lut_e5m2[c] = fp8_value(c, 2, 15);
+        }
+        done = 1;
+    }
+}
+static const float FMT_MAX[3] = {127.0f, 448.0f, 57344.0f};
+
+/* |x| <= the format's max -> the nearest code, ties to the even code (as torch rounds) */
+static uint8_t fp8_encode(float x, const float *lut, int top) {
+    const float a = fabsf(x);
+    int lo = 0, hi = top; /* lut[0..top] are the non-negative finite values, increasing */
+    if (!(a < lut[top])) lo = top;
+    else {
+        while (hi - lo > 1) { /* lut[lo] <= a < lut[hi] */
+            const int mid = (lo + hi) / 2;
+            if (lut[mid] <= a) lo = mid; else hi = mid;
+        }
+        const float dl = a - lut[lo], dh = lut[hi] - a;
+        if (dh < dl || (dh == dl && (hi & 1) == 0)) lo = hi;
+    }
+    return (uint8_t)(lo | (x < 0 && lo ? 0x80 : 0));
+}
+
+static inline const uint8_t *block_rows8(const item_t *it, const uint8_t *pool,
+                                         const float *scales, int64_t j, int64_t *n,
+                                         const float **sc) {
+    const int64_t t0 = j * it->BS;
+    *n = it->len - t0 < it->BS ? it->len - t0 : it->BS;
+    *sc = scales + (int64_t)it->tab[j] * it->BS;
+    return pool + (int64_t)it->tab[j] * it->BS * it->D;
+}
+
+/* a row of bytes widened to fp32 (not yet scaled) */
+static inline void widen(const uint8_t *src, const float *lut, float *row, int64_t D) {
+    if (lut) {
+        for (int64_t d = 0; d < D; d++) row[d] = lut[src[d]];
+    } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) row[d] = (float)(int8_t)src[d];
+    }
+}
+
+/* scores of 8-bit K: s = scale * k_scale_t * (q . k8_t) */
+static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    const int64_t D = it->D, G = it->G, BS = it->BS;
+    float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    float row[MAX_D] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        for (int64_t i = 0; i < n; i++) {
+            widen(blk + i * D, it->lut, row, D);
+            const float f = it->scale * sc[i];
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];
+                dot *= f;
+                s[g * it->s_stride + t0 + i] = dot;
+                if (dot > mx[g]) mx[g] = dot;
+            }
+        }
+    }
+}
+
+
+/* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d] */
+static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
+    const int64_t D = it->D, G = it->G, BS = it->BS;
+    float row[MAX_D] __attribute__((aligned(64)));
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->v8, it->vs, j, &n, &sc);
+        for (int64_t i = 0; i < n; i++) {
+            widen(blk + i * D, it->lut, row, D);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = s[g * it->s_stride + t0 + i] * sc[i];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * row[d];
+            }
+        }
+    }
+}
 
 /* the rows of the sequence's j-th block in `pool` (its K or V), and how many it holds */
 static inline const uint16_t *block_rows(const item_t *it, const uint16_t *pool, int64_t j,
@@ -201,6 +321,54 @@ static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t 
                 }
         }
 }
+
+/* 16 bytes of a row -> 16 floats (unscaled): int8 converted, fp8 through the table */
+static inline __m512 widen16(const uint8_t *src, const float *lut) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)src);
+    if (lut) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+/* scores_q8 16 tokens at a time: each row widened once into registers for all G heads,
+ * the 16 dot products of a head folded by one hsum16, then scaled by scale * k_scale_t */
+static inline __attribute__((always_inline)) void scores_q8_tiled(const item_t *it,
+                                                                  const uint16_t *qb, float *s,
+                                                                  float *mx, const int64_t G,
+                                                                  const int64_t C) {
+    const int64_t BS = it->BS, D = it->D; /* C = D / 16 */
+    __m512 qv[8 * (MAX_D / 16)];
+    for (int64_t i = 0; i < G * C; i++) /* bf16 -> fp32: the high half of each lane */
+        qv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(qb + 16 * i))), 16));
+    __m512 vmax[8];
+    for (int64_t g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
+    const __m512 scale = _mm512_set1_ps(it->scale);
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t nt = n - i0 < 16 ? n - i0 : 16;
+            const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
+            __m512 a[8][16];
+            for (int64_t i = 0; i < 16; i++) {
+                for (int64_t g = 0; g < G; g++) a[g][i] = _mm512_setzero_ps();
+                if (i >= nt) continue;
+                for (int64_t c = 0; c < C; c++) {
+                    const __m512 x = widen16(blk + (i0 + i) * D + 16 * c, it->lut);
+                    for (int64_t g = 0; g < G; g++)
+                        a[g][i] = _mm512_fmadd_ps(qv[g * C + c], x, a[g][i]);
+                }
+            }
+            const __m512 f = _mm512_mul_ps(scale, _mm512_maskz_loadu_ps(keep, sc + i0));
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 v = _mm512_mul_ps(hsum16(a[g]), f);
+                _mm512_mask_storeu_ps(s + g * it->s_stride + t0 + i0, keep, v);
+                vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], v);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) mx[g] = _mm512_reduce_max_ps(vmax[g]);
+}
 #endif
 
 /* Write this step's K and V rows into their slots: k, v (T, KVH, D) bf16 whose token
@@ -222,6 +390,47 @@ int tm_store_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int
     return 0;
 }
 
+/* Quantize and write this step's K and V rows: k, v (T, KVH, D) bf16 as in
+ * tm_store_kv_bf16, into 8-bit pools (KVH, NB, BS, D) and their scales (KVH, NB, BS):
+ * per (token, kv head) scale = absmax / FMT_MAX, byte = round(x / scale) (int8: half to
+ * even, clamped to +-127; fp8: the nearest code, ties to even). fmt: FMT_*.
+ * Returns -1, writing nothing, if a slot is outside the pool or fmt unknown. */
+int tm_store_kv_q8(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
+                   uint8_t *k_cache, uint8_t *v_cache, float *k_scale, float *v_scale,
+                   const int64_t *slots, int64_t T, int64_t KVH, int64_t NB, int64_t BS,
+                   int64_t D, int64_t fmt) {
+    if (fmt < FMT_INT8 || fmt > FMT_E5M2 || D > MAX_D) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= NB * BS) return -1;
+    init_luts();
+    const float *lut = fmt == FMT_E4M3 ? lut_e4m3 : lut_e5m2;
+    const int top = fmt == FMT_E4M3 ? 0x7E : 0x7B; /* the largest finite code */
+    const float qmax = FMT_MAX[fmt];
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+        for (int64_t h = 0; h < KVH; h++)
+            for (int which = 0; which < 2; which++) {
+                const uint16_t *src = which ? v + t * v_stride + h * D : k + t * k_stride + h * D;
+                uint8_t *dst = (which ? v_cache : k_cache) + ((h * NB + blk) * BS + off) * D;
+                float *scale = (which ? v_scale : k_scale) + (h * NB + blk) * BS + off;
+                float x[MAX_D], amax = 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    x[d] = bf16_to_f32(src[d]);
+                    amax = fmaxf(amax, fabsf(x[d]));
+                }
+                const float sc = amax / qmax;
+                *scale = sc;
+                for (int64_t d = 0; d < D; d++) {
+                    float y = sc > 0.0f ? x[d] / sc : 0.0f;
+                    y = fminf(fmaxf(y, -qmax), qmax);
+                    dst[d] = fmt == FMT_INT8 ? (uint8_t)(int8_t)nearbyintf(y)
+                                             : fp8_encode(y, lut, top);
+                }
+            }
+    }
+    return 0;
+}
+
 /* q: (B, H, D) bf16, rows q_stride elements apart. tables: (B, table_stride) int32;
  * sequence b attends to lens[b] tokens held in blocks tables[b][first_block:].
  * Output (B, H, D): with m_out and l_out NULL, normalised, into out_bf16 (rounded) if
@@ -229,12 +438,15 @@ int tm_store_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int
  * maximum m and denominator l (B, H), to be merged with other parts by the caller.
  * scratch: B * H * max_len fp32 scores. num_threads: torch's count (a torch wheel may
  * bundle its own libgomp). Returns 0, or -1 for shapes it does not take. */
-int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                         const uint16_t *v_cache, const int32_t *tables, int64_t table_stride,
-                         int64_t first_block, const int32_t *lens, int64_t B, int64_t H,
-                         int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale,
-                         float *out, uint16_t *out_bf16, float *m_out, float *l_out,
-                         float *scratch, int64_t max_len, int64_t num_threads) {
+static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const uint8_t *k8, const uint8_t *v8,
+                        const float *k_scale, const float *v_scale, const float *lut,
+                        const int32_t *tables, int64_t table_stride, int64_t first_block,
+                        const int32_t *lens, int64_t B, int64_t H, int64_t KVH, int64_t NB,
+                        int64_t BS, int64_t D, float scale, float *out, uint16_t *out_bf16,
+                        float *m_out, float *l_out, float *scratch, int64_t max_len,
+                        int64_t num_threads) {
+    const int quantized = k8 != NULL;
     if (KVH <= 0 || H % KVH != 0 || D > MAX_D || (H / KVH) * D > MAX_GROUP_DIM ||
         H / KVH > MAX_GROUP || num_threads < 1)
         return -1;
@@ -248,12 +460,24 @@ int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * KVH; item++) {
         const int64_t b = item / KVH, kh = item % KVH;
-        item_t it = {k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
-                     tables + b * table_stride + first_block, lens[b], BS, D, G, max_len, scale};
+        item_t it = {quantized ? NULL : k_cache + kh * NB * BS * D,
+                     quantized ? NULL : v_cache + kh * NB * BS * D,
+                     tables + b * table_stride + first_block, lens[b], BS, D, G, max_len, scale,
+                     quantized ? k8 + kh * NB * BS * D : NULL,
+                     quantized ? v8 + kh * NB * BS * D : NULL,
+                     quantized ? k_scale + kh * NB * BS : NULL,
+                     quantized ? v_scale + kh * NB * BS : NULL, lut};
         const uint16_t *qb = q + b * q_stride + kh * G * D;
         float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
+#ifdef TM_AVX512BF16
+        if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(&it, qb, s, mx, 3, 4);
+        else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(&it, qb, s, mx, G, D / 16);
+        else
+#endif
+        if (quantized) scores_q8(&it, qb, s, mx);
+        else
 #ifdef TM_AVX512BF16
         if (vector_path && G == 3 && D == 64) scores_tiled(&it, qb, s, mx, 3, 2);
         else if (vector_path && G == 4 && D == 128) scores_tiled(&it, qb, s, mx, 4, 4);
@@ -274,6 +498,8 @@ int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
             }
             sum[g] = total;
         }
+        if (quantized) weighted_v_q8(&it, s, acc);
+        else
 #ifdef TM_AVX512BF16
         if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
         else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
@@ -302,4 +528,32 @@ int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
         }
     }
     return 0;
+}
+
+int tm_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *tables, int64_t table_stride,
+                         int64_t first_block, const int32_t *lens, int64_t B, int64_t H,
+                         int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale,
+                         float *out, uint16_t *out_bf16, float *m_out, float *l_out,
+                         float *scratch, int64_t max_len, int64_t num_threads) {
+    return paged_decode(q, q_stride, k_cache, v_cache, NULL, NULL, NULL, NULL, NULL, tables,
+                        table_stride, first_block, lens, B, H, KVH, NB, BS, D, scale, out,
+                        out_bf16, m_out, l_out, scratch, max_len, num_threads);
+}
+
+/* As tm_paged_decode_bf16 over 8-bit pools (KVH, NB, BS, D) with their scales
+ * (KVH, NB, BS); fmt: FMT_INT8, FMT_E4M3 or FMT_E5M2. */
+int tm_paged_decode_q8(const uint16_t *q, int64_t q_stride, const uint8_t *k_cache,
+                       const uint8_t *v_cache, const float *k_scale, const float *v_scale,
+                       int64_t fmt, const int32_t *tables, int64_t table_stride,
+                       int64_t first_block, const int32_t *lens, int64_t B, int64_t H,
+                       int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale, float *out,
+                       uint16_t *out_bf16, float *m_out, float *l_out, float *scratch,
+                       int64_t max_len, int64_t num_threads) {
+    if (fmt < FMT_INT8 || fmt > FMT_E5M2) return -1;
+    init_luts();
+    const float *lut = fmt == FMT_INT8 ? NULL : fmt == FMT_E4M3 ? lut_e4m3 : lut_e5m2;
+    return paged_decode(q, q_stride, NULL, NULL, k_cache, v_cache, k_scale, v_scale, lut,
+                        tables, table_stride, first_block, lens, B, H, KVH, NB, BS, D, scale,
+                        out, out_bf16, m_out, l_out, scratch, max_len, num_threads);
 }

@@ -1,4 +1,4 @@
-"""Decode attention that reads a paged bf16 KV cache in place (paged_decode.c).
+"""Decode attention that reads a paged bf16 or 8-bit KV cache in place (paged_decode.c).
 
 `paged_decode` returns None when the kernel is not available (no compiler,
 TOKENMILL_NATIVE=0) or does not take the inputs (not CPU, not bf16, shapes
@@ -20,7 +20,13 @@ _lib = Library("paged_decode", {
                               _I64, _I64], ctypes.c_int),
     "tm_store_kv_bf16": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                           _I64], ctypes.c_int),
+    "tm_paged_decode_q8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR,
+                            _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR,
+                            _PTR, _I64, _I64], ctypes.c_int),
+    "tm_store_kv_q8": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                        _I64, _I64, _I64], ctypes.c_int),
 })
+_Q8_DTYPES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # FMT_* in C
 
 
 def available() -> bool:
@@ -86,3 +92,68 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
               v_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, num_blocks, block_size,
               d) == 0
+
+
+def _q8_ok(cache: torch.Tensor, scales: torch.Tensor) -> bool:
+    return (cache.dtype in _Q8_DTYPES and cache.device.type == "cpu" and cache.is_contiguous()
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and scales.shape == cache.shape[:3])
+
+
+def paged_decode_q8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, tables: torch.Tensor,
+                    first_block: int, lens: torch.Tensor, max_len: int, scale: float,
+                    scratch: torch.Tensor, with_lse: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """`paged_decode` over 8-bit pools (KVH, blocks, block_size, D) of int8 or fp8
+    (e4m3fn / e5m2) with their fp32 scales (KVH, blocks, block_size), dequantized in
+    registers. None when the kernel is not available or does not take the inputs."""
+    if not (_q8_ok(k_cache, k_scale) and _q8_ok(v_cache, v_scale)
+            and k_cache.dtype == v_cache.dtype and tables.dtype == torch.int32
+            and lens.dtype == torch.int32 and scratch.dtype == torch.float32):
+        return None
+    fn = _lib.get("tm_paged_decode_q8")
+    if fn is None:
+        return None
+    num_seqs, heads, d = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    qb = q.to(torch.bfloat16)
+    if qb.stride(2) != 1 or qb.stride(1) != d:
+        qb = qb.contiguous()
+    tables, lens = tables.contiguous(), lens.contiguous()
+    bf16_out = not with_lse and q.dtype == torch.bfloat16
+    out = torch.empty(num_seqs, heads, d, dtype=q.dtype if bf16_out else torch.float32)
+    m = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
+    l_ = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
+    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_scale.data_ptr(), v_scale.data_ptr(), _Q8_DTYPES[k_cache.dtype],
+            tables.data_ptr(), tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads,
+            kv_heads, num_blocks, block_size, d, scale,
+            None if bf16_out else out.data_ptr(), out.data_ptr() if bf16_out else None,
+            m.data_ptr() if m is not None else None, l_.data_ptr() if l_ is not None else None,
+            scratch.data_ptr(), max_len, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return (out if bf16_out or with_lse else out.to(q.dtype)), m, l_
+
+
+def store_kv_q8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Quantize k, v (T, kv_heads, D) bf16 into the slots (T,) int64 of 8-bit pools and their
+    scales, one scale per (token, kv head); False (nothing written) when the kernel does not
+    take the inputs or a slot is out of range."""
+    if not (_q8_ok(k_cache, k_scale) and _q8_ok(v_cache, v_scale)
+            and k_cache.dtype == v_cache.dtype and k.dtype == torch.bfloat16
+            and v.dtype == torch.bfloat16 and slots.dtype == torch.int64
+            and slots.is_contiguous() and slots.device.type == "cpu"):
+        return False
+    fn = _lib.get("tm_store_kv_q8")
+    if fn is None:
+        return False
+    tokens, kv_heads, d = k.shape
+    if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d:
+        return False
+    _, num_blocks, block_size, _ = k_cache.shape
+    return fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+              v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), slots.data_ptr(),
+              tokens, kv_heads, num_blocks, block_size, d, _Q8_DTYPES[k_cache.dtype]) == 0

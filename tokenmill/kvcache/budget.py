@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tokenmill.attention.kv_quant import SCALE_BYTES, kv_format
 from tokenmill.config import CacheConfig, ModelConfig
 
 CPU_DEFAULT_SHARE = 0.15  # of available RAM
@@ -14,11 +15,15 @@ CPU_DEFAULT_CAP_BYTES = 2 * 2**30
 CUDA_DEFAULT_SHARE = 0.85  # of free GPU memory after the weights are loaded
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block of tokens."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
-            * config.head_dim * elem)
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:
+    """K and V, every layer, one block of tokens; an 8-bit cache (--kv-cache-dtype int8 /
+    fp8) is one byte per element plus one fp32 scale per (token, kv head)."""
+    if kv_format(kv_cache_dtype) is not None:
+        row = config.head_dim + SCALE_BYTES
+    else:
+        row = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row
 
 
 def available_ram_bytes() -> int:
@@ -36,7 +41,7 @@ def choose_num_blocks(config: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
                       device: torch.device, max_model_len: int, max_num_seqs: int) -> int:
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(config, cache.block_size, dtype)
+    per_block = kv_cache_bytes_per_block(config, cache.block_size, dtype, cache.kv_cache_dtype)
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":

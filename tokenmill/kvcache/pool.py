@@ -14,12 +14,15 @@ from collections.abc import Iterable
 import torch
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.kv_quant import KVFormat
+from tokenmill.attention.quantized import QuantizedPool
 
 
 class KVPool:
     def __init__(self, backend: AttentionBackend, num_layers: int, num_blocks: int,
                  block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, zeroed: bool = False) -> None:
+                 device: torch.device, zeroed: bool = False,
+                 kv_format: KVFormat | None = None) -> None:
         self.backend = backend
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -28,6 +31,10 @@ class KVPool:
         alloc = torch.zeros if zeroed else torch.empty
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)] if kv_format is None else [
+            # --kv-cache-dtype int8 / fp8: bytes and their per-(token, head) scales
+            (QuantizedPool.allocate(kv_format, shape, device, zeroed),  # type: ignore[misc]
+             QuantizedPool.allocate(kv_format, shape, device, zeroed))
             for _ in range(num_layers)]
         # fresh[b]: block b was never zeroed; None when the backend does not care.
         # The model runner reads it while it lays out a step (ModelRunner.prepare).

@@ -28,8 +28,12 @@ from tokenmill.roofline.cost_model import (
     decode_step,
     prefill_step,
 )
-from tokenmill.roofline.hardware import ALIASES, CATALOG
+from tokenmill.roofline.hardware import ALIASES, CATALOG, bandwidth_basis
 from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
+
+KV_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "int8": "int8",
+             "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
+             "float32": "fp32", "fp32": "fp32"}
 
 OVERHEAD_BOUND_SHARE = 0.30  # host work above this share of step time is the bottleneck
 NEAR_FLOOR = 0.50
@@ -44,8 +48,28 @@ HOST_FIXES = {  # step phase -> what usually shrinks it
 
 @dataclass
 class Lever:
+    """One thing to try. `flags`: the `tokenmill serve` flags that pull it; where no flag
+    does (a code change, or nothing tokenmill has on this hardware), `instead` says so."""
+
     name: str
     why: str
+    flags: list[str] = field(default_factory=list)
+    instead: str | None = None
+
+    def action(self) -> str:
+        return f"try: {' '.join(self.flags)}" if self.flags else f"no serving flag: {self.instead}"
+
+
+def target_config(config: dict) -> dict | None:
+    """What the run's server said it runs (`config.server_config`, from /server_info), or an
+    offline run's engine arguments; None when the result does not say."""
+    server = config.get("server_config")
+    if isinstance(server, dict):
+        return server
+    if config.get("backend") == "offline" and isinstance(config.get("engine_args"), dict):
+        return {"engine": "tokenmill", "enable_chunked_prefill": True,
+                **config["engine_args"]}
+    return None
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,7 @@ class _Run:
     batch: float
     context: int
     kv_bytes_per_element: float
+    server: dict | None = None  # target_config(): what the run already has on
 
     @property
     def machine(self) -> Machine:
@@ -108,6 +133,7 @@ class Explanation:
             "dtype": r.dtype, "memory_bandwidth_bytes_s": r.machine.bandwidth_bytes_s,
             "peak_flops": r.machine.peak_flops, "decode": self.decode, "prefill": self.prefill,
             "engine": self.engine, "bottleneck": self.bottleneck,
+            "bandwidth_basis": bandwidth_basis(r.hardware),
             "next_lever": self.levers[0].__dict__ if self.levers else None,
             "levers": [lever.__dict__ for lever in self.levers], "notes": self.notes,
         }
@@ -171,13 +197,18 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
     prompt_len = max(1, round(prompt or 512))
     output_len = max(1, round(output or 256))
     context = max(1, round(prompt_len + output_len / 2))  # mean KV length over the decode
-    kv_dtype = "fp32" if bits.compute_dtype == "fp32" else "bf16"
+    server = target_config(config)
+    if server is None:
+        notes.append("the result does not record the server's configuration "
+                     "(config.server_config): levers already in use may be listed")
+    kv_dtype = KV_DTYPES.get(str((server or {}).get("kv_cache_dtype", "auto")).lower(),
+                             "fp32" if bits.compute_dtype == "fp32" else "bf16")
     batches = sorted({1, 8, 32, 64, 128, 256, max(1, round(batch))})
     report = analyze(arch, bits, hardware, batches=batches, prompt_len=prompt_len,
                      output_len=output_len, context=context, kv_dtype=kv_dtype,
                      cost_per_hour=args.cost_per_hour)
     kv_bpe = report.kv_bytes_per_token / arch.kv_bytes_per_token(1)
-    run = _Run(arch, bits, report, batch, context, kv_bpe)
+    run = _Run(arch, bits, report, batch, context, kv_bpe, server)
     machine = report.machine
 
     decode = None
@@ -263,12 +294,26 @@ def _engine_view(engine, arch, bits, machine, context, prompt_len, kv_bpe) -> di
     return view
 
 
+CODE_CHANGE = "it needs a change inside tokenmill itself"
+
+
+def _on(server: dict | None, key: str) -> bool | None:
+    """Whether the target runs with `key` on: True / False, None when it does not say."""
+    if not server or server.get(key) is None:
+        return None
+    value = server[key]
+    return value.lower() not in ("false", "0", "none", "off") if isinstance(value, str) \
+        else bool(value)
+
+
 def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str, list[Lever]]:
     report, bits, batch = run.report, run.bits, run.batch
     levers: list[Lever | None] = []
     gpu = hw_name != "cpu"
-    fuse = ("CUDA graphs (capture the decode step; one launch instead of hundreds)" if gpu
-            else "fewer, fused ops per step (torch.compile or fused kernels)")
+    fuse = (Lever("CUDA graphs (capture the decode step; one launch instead of hundreds)", "",
+                  instead="tokenmill does not capture CUDA graphs yet") if gpu
+            else Lever("fewer, fused ops per step (torch.compile or fused kernels)", "",
+                       instead=CODE_CHANGE))
 
     if engine and engine["overhead_share"] >= OVERHEAD_BOUND_SHARE:
         split = ", ".join(f"{k} {fmt.pct(v)}" for k, v in
@@ -278,7 +323,7 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
         worst = max(engine["overhead_split"].items(), key=lambda kv: kv[1])
         levers.append(Lever(HOST_FIXES.get(worst[0], f"cut {worst[0]} time"),
                             f"{worst[0]} alone is {fmt.pct(worst[1])} of step time, paid "
-                            "once per step whatever the batch"))
+                            "once per step whatever the batch", instead=CODE_CHANGE))
         levers.append(_bigger_batch(run, "amortizes the per-step host work"))
     elif decode and _decode_loses_more(decode, prefill, summary):
         bw, mfu = decode["bandwidth_fraction"], decode["mfu"]
@@ -289,9 +334,9 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
             bottleneck = (f"decode is overhead-bound: TPOT {m:.3g} ms is {m / f:.1f}× its "
                           f"{f:.3g} ms floor ({decode['bound']}-bound at batch {batch:.3g}); "
                           f"it uses only {use}")
-            levers.append(Lever(fuse, f"{m - f:.3g} ms of every {m:.3g} ms step is neither "
-                                "moving bytes nor doing math at full rate: per-op launch, "
-                                "Python and slow kernels"))
+            fuse.why = (f"{m - f:.3g} ms of every {m:.3g} ms step is neither moving bytes nor "
+                        "doing math at full rate: per-op launch, Python and slow kernels")
+            levers.append(fuse)
             levers.append(_bigger_batch(run, "the same per-step overhead serves more tokens"))
             levers.append(_quantize(run, decode))
         elif decode["bound"] == "memory":
@@ -300,30 +345,31 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
             levers.append(_bigger_batch(run, "weights are read once per step for "
                                         "the whole batch"))
             levers.append(_quantize(run, decode))
-            levers.append(_kv_fp8(decode))
+            levers.append(_kv_quant(run, decode, gpu))
             if batch <= 4:
-                levers.append(Lever("speculative decoding", f"at batch {batch:.3g} a step does "
-                                    f"{decode['arithmetic_intensity']:.3g} FLOP/byte against a "
-                                    f"ridge of {report.machine.ridge_intensity:,.0f}: verifying "
-                                    "4 draft tokens per step costs about the same bytes"))
+                levers.append(_speculate(run, decode))
         else:
             bottleneck = (f"decode is compute-bound at batch {batch:.3g}: {use} "
                           f"(TPOT {m:.3g} ms, floor {f:.3g} ms)")
             if bits.compute_dtype != "fp8" and "fp8" in report.hardware.peak_flops:
                 levers.append(Lever("fp8 weights and activations", "doubles peak FLOP/s on "
-                                    f"{report.hardware.name}"))
+                                    f"{report.hardware.name}",
+                                    instead="tokenmill has no fp8 weight path yet"))
+            smaller = max(1, round(batch / 2))
             levers.append(Lever("smaller batch for latency", "past the ridge point a bigger "
-                                "batch adds TPOT without adding throughput"))
+                                "batch adds TPOT without adding throughput",
+                                flags=[f"--max-num-seqs {smaller}"]))
     elif prefill:
         t, f = prefill["measured_ttft_ms"], prefill["floor_ttft_ms"]
         bottleneck = (f"prefill: TTFT p50 {t:,.0f} ms against a {f:.3g} ms floor for "
                       f"{prefill['prompt_tokens']:,} tokens ({fmt.pct(prefill['mfu'])} MFU)")
-        levers.extend(_prefill_levers(prefill, summary))
+        levers.extend(_prefill_levers(run, prefill, summary))
     else:
         bottleneck = "not enough measurements to name one (no TPOT, ITL, TTFT or throughput)"
     found = [lever for lever in levers if lever is not None]
-    if prefill and not any(lever.name.startswith(("chunked", "prefix")) for lever in found):
-        found.extend(_prefill_levers(prefill, summary))
+    if prefill and not any(lever.name.startswith(("chunked", "smaller prefill", "prefix"))
+                           for lever in found):
+        found.extend(_prefill_levers(run, prefill, summary))
     return bottleneck, found
 
 
@@ -344,9 +390,18 @@ def _bigger_batch(run: _Run, reason: str) -> Lever | None:
     now, then = run.floor_tok_s(run.bits, run.batch), run.floor_tok_s(run.bits, target)
     if then < 1.2 * now:  # past the ridge: more sequences add latency, not throughput
         return None
-    return Lever(f"bigger batch ({run.batch:.3g} → {target})",
-                 f"{reason}: floor throughput {fmt.tok_s(now)} → {fmt.tok_s(then)} tok/s; KV for "
-                 f"{run.report.max_batch:,} sequences of {run.context:,} tokens fits")
+    why = (f"{reason}: floor throughput {fmt.tok_s(now)} → {fmt.tok_s(then)} tok/s; KV for "
+           f"{run.report.max_batch:,} sequences of {run.context:,} tokens fits")
+    allowed = _num(run.server, "max_num_seqs")
+    if allowed is not None and allowed >= target:
+        # the server already admits that many: the load, not the flag, kept the batch small
+        return Lever(f"bigger batch ({run.batch:.3g} → {target})",
+                     f"{why}; the server already admits {allowed:.0f} sequences "
+                     f"(--max-num-seqs), so send more at once", flags=[],
+                     instead=f"raise the client's concurrency (tokenmill bench --concurrency "
+                     f"{target})")
+    return Lever(f"bigger batch ({run.batch:.3g} → {target})", why,
+                 flags=[f"--max-num-seqs {target}"])
 
 
 def _quantize(run: _Run, decode: dict) -> Lever | None:
@@ -360,32 +415,63 @@ def _quantize(run: _Run, decode: dict) -> Lever | None:
     return Lever(f"{target} weights", f"weights are {fmt.pct(share)} of the bytes a step reads: "
                  f"{fmt.num_bytes(decode['weight_bytes_per_step'])} → "
                  f"{fmt.num_bytes(new.weight_bytes)}, TPOT floor "
-                 f"{decode['floor_step_ms']:.3g} → {new.time_s * 1e3:.3g} ms")
+                 f"{decode['floor_step_ms']:.3g} → {new.time_s * 1e3:.3g} ms",
+                 flags=[f"--quantization {target}"])
 
 
-def _kv_fp8(decode) -> Lever | None:
+def _kv_quant(run: _Run, decode, gpu: bool) -> Lever | None:
     share = decode["kv_bytes_per_step"] / decode["bytes_per_step"]
-    if share < 0.5:
+    if share < 0.5 or run.kv_bytes_per_element <= 1.0:  # already 8-bit
         return None
-    return Lever("fp8 KV cache", f"KV reads are {fmt.pct(share)} of step bytes; fp8 halves them")
+    # the CPU kernel reads int8 natively; on a GPU fp8 is the format the hardware has
+    dtype = "fp8" if gpu else "int8"
+    return Lever(f"{dtype} KV cache", f"KV reads are {fmt.pct(share)} of step bytes; "
+                 f"{dtype} halves them (and the same --kv-cache-memory holds 2× the tokens)",
+                 flags=[f"--kv-cache-dtype {dtype}"])
 
 
-def _prefill_levers(prefill, summary) -> list[Lever]:
+def _speculate(run: _Run, decode) -> Lever | None:
+    if _on(run.server, "speculative"):
+        return None
+    return Lever("speculative decoding", f"at batch {run.batch:.3g} a step does "
+                 f"{decode['arithmetic_intensity']:.3g} FLOP/byte against a ridge of "
+                 f"{run.report.machine.ridge_intensity:,.0f}: verifying 4 draft tokens per "
+                 "step costs about the same bytes",
+                 flags=["--speculative ngram --num-speculative-tokens 4"])
+
+
+def _prefill_levers(run: _Run, prefill, summary) -> list[Lever]:
     levers = []
     itl50, itl99 = _num(summary, "itl_ms", "p50"), _num(summary, "itl_ms", "p99")
     if itl50 and itl99 and itl99 > 3 * itl50:
-        levers.append(Lever("chunked prefill", f"ITL p99 {itl99:.3g} ms is {itl99 / itl50:.1f}× "
-                            f"p50 {itl50:.3g} ms: whole prompts stall running decodes"))
+        stall = (f"ITL p99 {itl99:.3g} ms is {itl99 / itl50:.1f}× p50 {itl50:.3g} ms: "
+                 "prompt chunks stall running decodes")
+        budget = _num(run.server, "max_num_batched_tokens")
+        chunked = _on(run.server, "enable_chunked_prefill")
+        if chunked is False:  # a peer with it off; tokenmill always chunks
+            levers.append(Lever("chunked prefill", f"{stall}: whole prompts run in one step; "
+                                "tokenmill always chunks prompts at --max-num-batched-tokens",
+                                flags=["--max-num-batched-tokens 512"]))
+        else:
+            state = (f"chunked prefill is on, {budget:.0f} tokens a step" if chunked and budget
+                     else "chunked prefill is on" if chunked
+                     else "tokenmill always chunks prompts")
+            target = max(64, round(budget / 2)) if budget else 512
+            levers.append(Lever(f"smaller prefill chunks ({state})",
+                                f"{stall}; a lower --max-num-batched-tokens cuts ITL p99 at "
+                                "some cost in TTFT",
+                                flags=[f"--max-num-batched-tokens {target}"]))
     e2e = _num(summary, "e2e_ms", "mean")
     ttft = prefill["measured_ttft_ms"]
-    if e2e and ttft / e2e > 0.2:
+    if e2e and ttft / e2e > 0.2 and not _on(run.server, "enable_prefix_caching"):
         levers.append(Lever("prefix caching (if prompts share a prefix)",
                             f"TTFT is {fmt.pct(ttft / e2e)} of end-to-end latency; a cached "
                             f"prefix skips its share of the {prefill['prompt_tokens']:,}-token "
-                            "prefill"))
+                            "prefill", flags=["--enable-prefix-caching"]))
     if prefill["mfu"] < 0.3 and prefill["bound"] == "compute":
         levers.append(Lever("faster prefill kernels", f"prefill reaches {fmt.pct(prefill['mfu'])}"
-                            " MFU: bf16 matmuls over the whole prompt, one attention call"))
+                            " MFU: bf16 matmuls over the whole prompt, one attention call",
+                            instead=CODE_CHANGE))
     return levers
 
 
@@ -397,8 +483,9 @@ def print_explanation(ex: Explanation) -> None:
     r, m = ex.roofline, ex.roofline.machine
     console.print(f"[bold]{ex.source}[/]: {r.model} ({r.dtype} weights) on "
                   f"{r.hardware.description}")
-    console.print(f"  floor from bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')}, peak "
-                  f"{m.compute_dtype} {fmt.si(m.peak_flops, 'FLOP/s')}")
+    console.print(f"  floor from bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')} "
+                  f"({bandwidth_basis(r.hardware)}), peak {m.compute_dtype} "
+                  f"{fmt.si(m.peak_flops, 'FLOP/s')}")
     console.print(f"  [dim]source: {r.hardware.source}[/]")
     table = Table(title="Measured vs floor", title_justify="left")
     for col in ("phase", "measured", "floor", "of floor", "bandwidth used", "MFU"):
@@ -431,8 +518,11 @@ def print_explanation(ex: Explanation) -> None:
     console.print(f"[bold]Bottleneck:[/] {ex.bottleneck}")
     if ex.levers:
         first, *rest = ex.levers
-        console.print(f"[bold]Next lever:[/] {first.name}: {first.why}")
+        # one unwrapped line per lever, so that it ends with the flag to paste
+        console.print(f"[bold]Next lever:[/] {first.name}: {first.why}; {first.action()}",
+                      soft_wrap=True)
         for lever in rest:
-            console.print(f"  then: {lever.name}: {lever.why}")
+            console.print(f"  then: {lever.name}: {lever.why}; {lever.action()}",
+                          soft_wrap=True)
     for note in ex.notes:
         console.print(f"[dim]note: {note}[/]")

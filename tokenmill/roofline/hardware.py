@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -137,15 +139,29 @@ def cpu_cache_path() -> Path:
 
 
 def cpu_cache_key(threads: int, torch_version: str) -> str:
-    """Figures are reused only on the same CPU model, thread count and torch version."""
-    return f"{_cpu_model()}|threads={threads}|torch={torch_version}"
+    """Figures are reused only on the same CPU model, thread count and torch version (and
+    the same micro-benchmark: `v2` reads buffers >= 4x the last-level cache)."""
+    return f"{_cpu_model()}|threads={threads}|torch={torch_version}|v2"
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache sysfs lists (the L3 on x86), or None where none is listed."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper() if path.exists() else ""
+        m = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if m:
+            sizes.append(int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
+    return max(sizes) if sizes else None
 
 
 def measure_cpu(refresh: bool = False) -> Hardware:
     """This machine's memory read bandwidth and matmul rate per dtype, cached per CPU/threads.
 
-    The micro-benchmark takes about a second: best of a few reps of a 64 MiB sum and of
-    1024² matmuls. Delete ~/.cache/tokenmill/cpu_roofline.json to measure again.
+    The bandwidth is the median of several streaming reads of a buffer >= 4x the
+    last-level cache (so no try reads from cache), with the spread of the tries beside it;
+    the matmul rate is the best of a few 1024² matmuls (a peak). Delete
+    ~/.cache/tokenmill/cpu_roofline.json to measure again.
     """
     import torch  # lazy: only --hardware cpu pays for it
 
@@ -170,9 +186,8 @@ def measure_cpu(refresh: bool = False) -> Hardware:
     return Hardware(
         name="cpu",
         description=f"{_cpu_model()}, {threads} torch threads (measured)",
-        # a copy moves read + write bytes; on a busy machine it can outrun a reduction's reads
-        memory_bandwidth_bytes_s=max(figures["read_bandwidth_bytes_s"],
-                                     figures["copy_bandwidth_bytes_s"]),
+        # the median read, not the best try nor a copy: a decode step streams reads
+        memory_bandwidth_bytes_s=figures["read_bandwidth_bytes_s"],
         peak_flops={"fp32": figures["matmul_flops"]["fp32"],
                     "bf16": figures["matmul_flops"]["bf16"]},
         memory_bytes=_memory_bytes(),
@@ -180,6 +195,21 @@ def measure_cpu(refresh: bool = False) -> Hardware:
         source=f"micro-benchmark on this machine, cached in {path}",
         measured=figures,
     )
+
+
+def bandwidth_basis(hw: Hardware) -> str:
+    """Which figure the floor's bandwidth is: said in explain's and roofline's output."""
+    m = hw.measured
+    if "bandwidth overridden" in hw.source:
+        return "--bandwidth"
+    if hw.name != "cpu" or "read_bandwidth_bytes_s" not in m:
+        return "datasheet"
+    tries = m.get("read_bandwidth_tries_bytes_s")
+    if not tries:
+        return "best of a few 64 MiB reads (an older cached measurement)"
+    buf = m.get("buffer_bytes", 0) / 2**20
+    return (f"median of {len(tries)} streaming reads of {buf:,.0f} MiB, spread "
+            f"{min(tries) / GB:.1f}–{max(tries) / GB:.1f} GB/s")
 
 
 def _best_time(fn, reps: int) -> float:
@@ -192,12 +222,28 @@ def _best_time(fn, reps: int) -> float:
     return best
 
 
+def _times(fn, reps: int) -> list[float]:
+    fn()  # warm-up: page faults, thread pool start
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+READ_TRIES = 5
+MIN_BUFFER_BYTES = 256 * 2**20
+
+
 def _micro_benchmark(torch) -> dict:
-    n = 16 * 1024 * 1024  # 64 MiB of fp32: past the last-level cache
+    llc = last_level_cache_bytes()
+    buffer_bytes = max(MIN_BUFFER_BYTES, 4 * (llc or 0))
+    n = buffer_bytes // 4
     src = torch.ones(n, dtype=torch.float32)
+    read = sorted(4.0 * n / t for t in _times(lambda: src.sum(), reps=READ_TRIES))
     dst = torch.empty_like(src)
-    read_s = _best_time(lambda: src.sum(), reps=5)
-    copy_s = _best_time(lambda: dst.copy_(src), reps=5)
+    copy = sorted(2 * 4.0 * n / t for t in _times(lambda: dst.copy_(src), reps=2))
     matmul = {}
     size = 1024
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -205,8 +251,11 @@ def _micro_benchmark(torch) -> dict:
         b = torch.randn(size, size).to(dtype)
         matmul[name] = 2.0 * size**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), reps=3)
     return {
-        "read_bandwidth_bytes_s": 4.0 * n / read_s,
-        "copy_bandwidth_bytes_s": 2 * 4.0 * n / copy_s,  # read + write
+        "read_bandwidth_bytes_s": statistics.median(read),
+        "read_bandwidth_tries_bytes_s": read,
+        "copy_bandwidth_bytes_s": statistics.median(copy),  # read + write, for reference
+        "buffer_bytes": buffer_bytes,
+        "last_level_cache_bytes": llc,
         "matmul_flops": matmul,
         "matmul_shape": [size, size, size],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

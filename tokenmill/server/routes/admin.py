@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
+from tokenmill.engine.server_info import server_info
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import CONTENT_TYPE
@@ -30,6 +31,15 @@ async def prometheus_metrics(serving: ServingDep) -> Response:
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
+
+
+@router.get("/server_info")
+async def server_info_route(serving: ServingDep) -> dict:
+    """What this server runs, with vLLM's engine-argument names (tokenmill bench records
+    it; explain then skips levers already pulled)."""
+    llm = serving.engine.engine  # an LLMEngine in-process; the core's own dict otherwise
+    info = getattr(llm, "server_info", None)
+    return info if isinstance(info, dict) else server_info(llm)
 
 
 @router.get("/v1/models", response_model=p.ModelList)

@@ -1,0 +1,139 @@
+"""The accuracy gate (issues 21 and 22): perplexity and greedy top-1 agreement of a
+fast path against the bf16 baseline and the fp32 reference, through the real engine.
+
+The text is fixed and public domain (tests/data/opticks_book1.txt: Newton's Opticks,
+1730, the first ~6,600 tokens of Book I, from Project Gutenberg). It is cut into
+windows of `context + 1` tokens; every position of a window after its first is scored
+teacher-forced by a decode step reading the whole KV cache written so far
+(tokenmill/engine/teacher_forced.py), so a quantized KV cache is read at up to
+`context` tokens (with --score-last N only each window's last N positions are scored, the
+rest is its prompt: a long context for N decode steps). Per context: perplexity of the path and of the baseline, their
+ratio, and the share of the first --positions positions where the path's argmax
+equals the fp32 reference's (and the baseline's).
+
+    .venv/bin/python benchmarks/accuracy.py                      # KV int8 vs bf16 cache
+    .venv/bin/python benchmarks/accuracy.py --path "--kv-cache-dtype fp8"
+    .venv/bin/python benchmarks/accuracy.py --path "--quantization int8" \\
+        --baseline "--quantization none" --contexts 512          # a weight path (issue 21)
+
+Last line: `accuracy: <path> perplexity <x> (bf16 <y>, ratio <r>), top-1 agreement
+with fp32 <a>%` (the longest context). Targets (PERFORMANCE.md, issue 22): within 1%
+perplexity of bf16, >= 97% top-1 agreement with fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+TEXT = HERE.parent / "tests" / "data" / "opticks_book1.txt"
+
+
+def build_engine(model: str, flags: str):
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    parser = argparse.ArgumentParser(prog="engine flags")
+    add_engine_args(parser)
+    args = parser.parse_args([model, "--no-prefix-caching", *shlex.split(flags)])
+    return LLMEngine(engine_config_from_args(args))
+
+
+def windows_of(ids: list[int], context: int, limit: int | None) -> list[list[int]]:
+    out = [ids[i:i + context + 1] for i in range(0, len(ids) - context, context + 1)]
+    return out[:limit] if limit else out
+
+
+def score(model: str, flags: str, windows: list[list[int]], score_last: int | None):
+    from tokenmill.engine.teacher_forced import score_windows
+
+    engine = build_engine(model, flags)
+    t0 = time.perf_counter()
+    scores = score_windows(engine, windows, score_last)
+    described = (f"{engine.dtype}".removeprefix("torch.") + f", weights {engine.quantization}, "
+                 f"KV {engine.config.cache.kv_cache_dtype}")
+    del engine
+    return scores, described, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--text", default=str(TEXT))
+    ap.add_argument("--path", default="--kv-cache-dtype int8",
+                    help="engine flags of the path under test")
+    ap.add_argument("--baseline", default="--kv-cache-dtype bfloat16",
+                    help="engine flags of the bf16 baseline")
+    ap.add_argument("--reference", default="--dtype float32",
+                    help="engine flags of the fp32 reference")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--positions", type=int, default=1000,
+                    help="positions compared with the fp32 reference, per context")
+    ap.add_argument("--max-windows", type=int, default=None,
+                    help="score at most this many windows per context (default: all)")
+    ap.add_argument("--score-last", type=int, default=None,
+                    help="score only the last N positions of each window, the rest its "
+                         "prompt (default: every position, each a decode step)")
+    ap.add_argument("--output", help="write the figures as JSON")
+    args = ap.parse_args()
+
+    from common import machine
+
+    from tokenmill.engine.llm_engine import LLMEngine  # noqa: F401  (import cost up front)
+    from tokenmill.loaders.model_source import resolve_model
+    from tokenmill.loaders.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)
+    print(f"machine: {machine()}")
+    print(f"text: {args.text} ({len(ids):,} tokens)")
+    results = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        windows = windows_of(ids, context, args.max_windows)
+        if not windows:
+            raise SystemExit(f"the text has {len(ids)} tokens: no window of {context + 1}")
+        last = args.score_last
+        per_window = min(last, context) if last else context
+        ref_windows = windows[:-(-args.positions // per_window)]  # enough for --positions
+        path, path_desc, path_s = score(args.model, args.path, windows, last)
+        base, base_desc, base_s = score(args.model, args.baseline, windows, last)
+        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows, last)
+        n_ref = min(args.positions, sum(len(w) for w in ref.argmax))
+        row = {
+            "context": context, "windows": len(windows),
+            "positions": sum(len(w) for w in path.logprobs),
+            "path": args.path, "path_engine": path_desc, "baseline": args.baseline,
+            "baseline_engine": base_desc, "reference": args.reference,
+            "reference_engine": ref_desc,
+            "perplexity": path.perplexity(), "baseline_perplexity": base.perplexity(),
+            "top1_vs_reference": path.agreement(ref, n_ref),
+            "baseline_top1_vs_reference": base.agreement(ref, n_ref),
+            "top1_vs_baseline": path.agreement(base),
+            "reference_positions": n_ref, "seconds": [path_s, base_s, ref_s],
+        }
+        row["perplexity_ratio"] = row["perplexity"] / row["baseline_perplexity"]
+        results.append(row)
+        print(f"context {context:,}: {row['windows']} windows, {row['positions']:,} positions; "
+              f"perplexity {row['perplexity']:.4f} ({path_desc}) vs {row['baseline_perplexity']:.4f} "
+              f"({base_desc}), ratio {row['perplexity_ratio']:.4f}; top-1 agreement with fp32 "
+              f"({ref_desc}, {n_ref} positions) {100 * row['top1_vs_reference']:.1f}% "
+              f"(baseline {100 * row['baseline_top1_vs_reference']:.1f}%), with the baseline "
+              f"{100 * row['top1_vs_baseline']:.1f}%  [{path_s:.0f}+{base_s:.0f}+{ref_s:.0f} s]")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"machine": machine(), "results": results},
+                                                indent=2))
+    for row in results:
+        print(f"accuracy: {args.path} @ {row['context']} perplexity {row['perplexity']:.4f} "
+              f"(bf16 {row['baseline_perplexity']:.4f}, ratio {row['perplexity_ratio']:.4f}), "
+              f"top-1 agreement with fp32 {100 * row['top1_vs_reference']:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The KV store: this step's K and V rows into the paged pool at slot_mapping."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.attention.triton.spec import KernelSpec
+
+
+@triton.jit
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_head,
+                    HEAD_DIM: tl.constexpr):
+    # grid: (tokens, kv_heads); one head row of one token per program
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)  # int64; negative = a padding token, not stored
+    d = tl.arange(0, HEAD_DIM)
+    keep = (slot + d * 0) >= 0  # broadcast to (HEAD_DIM,)
+    dst = slot * stride_slot + h * stride_head + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=keep)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: (T, kv_heads, head_dim), last dim contiguous; caches
+    (num_blocks, block_size, kv_heads, head_dim) contiguous; slot_mapping (T,) int64."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim)
+
+
+def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
+    """The variant the backend launches for a KV cache of `dtype` ("bf16", "fp16",
+    "fp32") and head_dim (default launch options)."""
+    ptr = f"*{dtype}"
+    sig = {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
+           "slot_ptr": "*i64", **dict.fromkeys(
+               ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_slot",
+                "stride_head"], "i32"), "HEAD_DIM": "constexpr"}
+    return [KernelSpec("store_kv", store_kv_kernel, sig, {"HEAD_DIM": head_dim})]

@@ -77,3 +77,12 @@ def test_import_tokenmill_does_not_import_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plan_lists_are_16_byte_aligned():
+    # the compiled variants assume aligned pointers (tt.divisibility 16)
+    plan = build_plan(_meta([1, 3, 1, 70, 1], [9, 3, 5, 80, 6]), CPU, num_sms=8)
+    for t in (plan.decode_seqs, plan.tile_seqs, plan.tile_starts):
+        assert t.data_ptr() % 16 == 0
+    assert plan.decode_seqs.tolist() == [0, 2, 4]
+    assert plan.tile_seqs.tolist() == [1, 3, 3] and plan.tile_starts.tolist() == [0, 0, 64]

@@ -70,16 +70,21 @@ def build_plan(meta: AttentionMetadata, device: torch.device, num_sms: int,
     splits = max(1, min(MAX_SPLITS, splits))
     split_len = DECODE_BLOCK_N * max(1, -(-max_len // (splits * DECODE_BLOCK_N)))
     splits = max(1, -(-max_len // split_len))  # no split starts past every sequence
-    # the work lists go to the device in one copy
-    host = torch.tensor(decodes + [b for b, _ in tiles] + [m0 for _, m0 in tiles],
-                        dtype=torch.int32)
-    lists = host.to(device, non_blocking=True)
+    # the work lists go to the device in one copy, each at a 16-byte boundary (the
+    # pointer alignment the compiled kernels are specialised for)
+    parts = [decodes, [b for b, _ in tiles], [m0 for _, m0 in tiles]]
+    offsets, flat = [], []
+    for part in parts:
+        offsets.append(len(flat))
+        flat += part + [0] * (-len(part) % 4)
+    lists = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
     nd, nt = len(decodes), len(tiles)
     return TritonPlan(
         query_start_loc=meta.query_start_loc.to(device, torch.int32),
         seq_lens=meta.seq_lens.to(device, torch.int32),
         block_tables=meta.block_tables.to(device, torch.int32).contiguous(),
-        block_size=meta.block_size, decode_seqs=lists[:nd], num_decodes=nd,
-        num_splits=splits, split_len=split_len, tile_seqs=lists[nd:nd + nt],
-        tile_starts=lists[nd + nt:], num_tiles=nt,
+        block_size=meta.block_size, decode_seqs=lists[offsets[0]:offsets[0] + nd],
+        num_decodes=nd, num_splits=splits, split_len=split_len,
+        tile_seqs=lists[offsets[1]:offsets[1] + nt],
+        tile_starts=lists[offsets[2]:offsets[2] + nt], num_tiles=nt,
         dummy=torch.empty(1, dtype=torch.float32, device=device))

@@ -122,7 +122,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
-    # speculative decoding (tokenmill/spec, docs/speculative.md)
+    # speculative decoding (tokenmill/speculative, docs/speculative.md)
     speculative: str | None = None  # None | ngram | draft | layerskip
     num_speculative_tokens: int = 4  # k: draft tokens per step
     ngram_min: int = 2

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from tokenmill.models import attention_fast
-from tokenmill.models.attention import kv_cache_shape, paged_attention_reference, store_kv_cache
-from tokenmill.models.attention_fast import _DecodePlan, paged_attention_fast
+from tokenmill.attention import cpu as attention_fast
+from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import paged_attention_reference
+from tokenmill.models.attention import kv_cache_shape, store_kv_cache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 

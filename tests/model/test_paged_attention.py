@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.loaders import load_model
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.loaders import load_model, load_tokenizer, resolve_model
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 PROMPTS = [
     "The capital of France is",

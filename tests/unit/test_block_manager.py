@@ -2,9 +2,9 @@
 
 import pytest
 
-from tokenmill.engine import prefix_cache
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.sequence import Sequence
+from tokenmill.kvcache import prefix_cache
+from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """Prefix cache: chained keys, collision-safe lookup, LRU of idle cached blocks."""
 
-from tokenmill.engine import prefix_cache as pc
-from tokenmill.engine.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from tokenmill.kvcache import prefix_cache as pc
+from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 
 
 def test_same_tokens_after_a_different_prefix_is_a_different_key():

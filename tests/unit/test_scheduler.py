@@ -6,9 +6,9 @@ import random
 import pytest
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -64,5 +64,11 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
     return _load(resolved)(device, dtype)
 
 
-__all__ = ["AttentionBackend", "BackendUnavailable", "BACKEND_NAMES", "available_backends",
-           "get_backend", "resolve_backend_name"]
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "BackendUnavailable",
+    "available_backends",
+    "get_backend",
+    "resolve_backend_name",
+]

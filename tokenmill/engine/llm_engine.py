@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import EngineConfig, SchedulerConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.detokenizer import Detokenizer
-from tokenmill.engine.kv_budget import choose_num_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.sampler import Sampler
@@ -25,6 +23,8 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.engine.weights import load_engine_model
+from tokenmill.kvcache.block_manager import BlockManager
+from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -132,7 +132,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.detokenizer)
         self.speculator = None
         if config.speculative:
-            from tokenmill.spec import build_speculator
+            from tokenmill.speculative import build_speculator
 
             self.speculator = build_speculator(config, self.runner, self.block_manager,
                                                self.max_model_len, loaded.dtype)

@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
 from tokenmill.models.attention import kv_cache_shape
-from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 
 
 class Scheduled(Protocol):

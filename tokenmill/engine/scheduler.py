@@ -35,8 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.kvcache.block_manager import BlockManager
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens fed to the model this step, from num_computed_tokens on
     sample: bool  # this step computes the sequence's last token: sample the next one
     # speculative decoding: the last num_draft_tokens of the chunk are proposals
-    # (tokenmill/spec), scored too: logits for each of them and the token before
+    # (tokenmill/speculative), scored too: logits for each of them and the token before
     num_draft_tokens: int = 0
 
 

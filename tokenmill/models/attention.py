@@ -14,12 +14,16 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.attention.cpu import paged_attention_fast
+from tokenmill.attention.metadata import get_attention_metadata
+from tokenmill.attention.torch_ref import (
+    causal_attention,
+    paged_attention_reference,
+    store_kv_torch,
+)
 from tokenmill.kernels import paged_decode as native
-from tokenmill.models.attention_fast import paged_attention_fast
-from tokenmill.attention.metadata import AttentionMetadata, get_attention_metadata
 
 # "fast" (CPU default) or "reference"; TOKENMILL_ATTENTION=reference forces the plain path
 BACKEND = os.environ.get("TOKENMILL_ATTENTION", "fast")
@@ -68,77 +72,4 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of the caches."""
     if native.store_kv(k, v, k_cache, v_cache, slot_mapping):
         return  # bf16: one native call instead of two strided index_copy_
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(
-        1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(
-        1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-    # q: (..., num_heads, Q, head_dim); k, v: (..., num_kv_heads, K, head_dim)
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=-3)
-        v = v.repeat_interleave(group, dim=-3)
-    if q.dim() == 3:  # CPU SDPA runs 3-D inputs 2-3x slower than the same as 4-D
-        return F.scaled_dot_product_attention(q[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
-                                              attn_mask=mask, is_causal=is_causal,
-                                              scale=scale)[0]
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                          is_causal=is_causal, scale=scale)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """All T tokens form one causal sequence. Returns (T, num_heads, head_dim)."""
-    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, is_causal=True)
-    return out.transpose(0, 1)
-
-
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, num_heads, head_dim) of the flat batch; caches already hold this step's K/V.
-    Returns (T, num_heads, head_dim)."""
-    if meta.is_decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
-    block_size = meta.block_size
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    out = torch.empty_like(q)
-    start = 0
-    for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        num_blocks = -(-seq_len // block_size)
-        block_ids = meta.block_tables[b, :num_blocks].long()
-        k = k_cache[:, block_ids].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]  # (kv, L, d)
-        v = v_cache[:, block_ids].reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-        q_b = q[start:start + query_len].transpose(0, 1)  # (heads, q, d)
-        if query_len == seq_len:
-            o = _sdpa(q_b, k, v, scale, is_causal=True)
-        else:
-            # query i sits at position seq_len - query_len + i and sees keys up to it
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q, L)
-            o = _sdpa(q_b, k, v, scale, mask=mask)
-        out[start:start + query_len] = o.transpose(0, 1)
-        start += query_len
-    return out
-
-
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence: gather every sequence's blocks at once and mask the padding."""
-    num_seqs = q.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    max_blocks = -(-meta.max_seq_len // meta.block_size)
-    block_ids = meta.block_tables[:, :max_blocks].long()  # (B, max_blocks)
-    k = k_cache[:, block_ids].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
-    v = v_cache[:, block_ids].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
-    key_pos = torch.arange(k.shape[2], device=q.device)  # k, v: (B, kv, S, d)
-    mask = key_pos[None, :] < meta.seq_lens.to(q.device).long()[:, None]  # (B, S)
-    # never-written slots may hold NaN, and a masked NaN score or a zero weight on a
-    # NaN value is still NaN
-    k = k.masked_fill(~mask[:, None, :, None], 0)
-    v = v.masked_fill(~mask[:, None, :, None], 0)
-    out = _sdpa(q.unsqueeze(2), k, v, scale, mask=mask[:, None, None, :])  # (B, heads, 1, d)
-    return out.squeeze(2)
+    store_kv_torch(k, v, k_cache, v_cache, slot_mapping)

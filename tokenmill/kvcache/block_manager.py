@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.engine.prefix_cache import ROOT_HASH, PrefixCache
 from tokenmill.engine.sequence import Sequence
+from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache
 
 
 @dataclass(frozen=True)

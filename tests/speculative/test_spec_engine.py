@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tests.engine.test_engine import first_divergence, near_tie
-from tests.spec.conftest import assert_no_leak, make_llm
+from tests.speculative.conftest import assert_no_leak, make_llm
 from tokenmill import SamplingParams
 
 PROPOSERS = {
@@ -133,7 +133,7 @@ def two_sample_chi_square_p(a: list[int], b: list[int]) -> float:
     seen fewer than 10 times in both together are pooled."""
     from collections import Counter
 
-    from tests.spec.test_verify import chi_square_p_value
+    from tests.speculative.test_verify import chi_square_p_value
 
     ca, cb = Counter(a), Counter(b)
     cells, rare_a, rare_b = [], 0, 0
@@ -186,7 +186,7 @@ def test_sampled_tokens_have_the_distribution_of_no_speculation(tiny_model):
 
 @pytest.mark.slow
 def test_ngram_on_smollm2_rewrite_is_greedy_identical_and_accepts_often():
-    from tests.spec.conftest import make_llm as make
+    from tests.speculative.conftest import make_llm as make
 
     llm = make("smollm2-135m", num_kv_blocks=128, speculative="ngram",
                enable_prefix_caching=False)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.metadata import attention_metadata
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sequence import Sequence
-from tokenmill.attention.metadata import attention_metadata
 
 
 @dataclass

@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.sampler import Sampler, _gather_logprobs, _has_penalty
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
-from tokenmill.spec.proposer import Proposer
-from tokenmill.spec.stats import BackOff, SpecStats, StepCost
-from tokenmill.spec.verify import verify_greedy, verify_sampled
+from tokenmill.kvcache.block_manager import BlockManager
+from tokenmill.speculative.proposer import Proposer
+from tokenmill.speculative.stats import BackOff, SpecStats, StepCost
+from tokenmill.speculative.verify import verify_greedy, verify_sampled
 
 # (sequence, token ids to append in order, their logprobs or Nones)
 Emitted = tuple[Sequence, list[int], list[Any]]

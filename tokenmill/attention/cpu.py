@@ -24,8 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import paged_decode as native
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.kernels import paged_decode as native
 
 
 def _seq_kv(cache: torch.Tensor, table: list[int], seq_len: int) -> torch.Tensor:

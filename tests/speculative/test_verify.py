@@ -9,9 +9,9 @@ import torch
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.stats import BackOff, StepCost
-from tokenmill.spec.verify import target_probs, verify_greedy, verify_sampled
+from tokenmill.speculative.ngram import NgramProposer
+from tokenmill.speculative.stats import BackOff, StepCost
+from tokenmill.speculative.verify import target_probs, verify_greedy, verify_sampled
 
 
 def chi_square_p_value(observed: list[float], expected: list[float]) -> float:

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.spec.proposer import Proposer
-from tokenmill.spec.speculator import Speculator
-from tokenmill.spec.stats import SpecStats
+from tokenmill.speculative.proposer import Proposer
+from tokenmill.speculative.speculator import Speculator
+from tokenmill.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.block_manager import BlockManager
     from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.kvcache.block_manager import BlockManager
 
 __all__ = ["Proposer", "SpecStats", "Speculator", "build_speculator"]
 
@@ -25,16 +25,16 @@ def build_speculator(config: EngineConfig, runner: ModelRunner, block_manager: B
                      max_model_len: int, dtype: torch.dtype) -> Speculator:
     proposer: Proposer
     if config.speculative == "ngram":
-        from tokenmill.spec.ngram import NgramProposer
+        from tokenmill.speculative.ngram import NgramProposer
 
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     elif config.speculative == "layerskip":
-        from tokenmill.spec.layerskip import LayerSkipProposer
+        from tokenmill.speculative.layerskip import LayerSkipProposer
 
         num_layers = runner.config.num_hidden_layers
         proposer = LayerSkipProposer(runner, config.draft_layers or max(1, num_layers // 4))
     elif config.speculative == "draft":
-        from tokenmill.spec.draft import DraftModelProposer
+        from tokenmill.speculative.draft import DraftModelProposer
 
         assert config.draft_model
         proposer = DraftModelProposer.load(config.draft_model, runner, dtype)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledSeq
 from tokenmill.engine.sequence import Sequence
+from tokenmill.kvcache.block_manager import BlockManager
 
 
 class DraftModelProposer:

@@ -1,0 +1,2 @@
+"""The paged KV cache: block manager and prefix cache (torch-free), the KV budget
+and the pool allocation (the parts that touch tensors)."""

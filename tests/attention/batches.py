@@ -68,7 +68,7 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
 def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
     """The torch backend's answer in fp32, from the triton-layout caches (which must
     already hold this step's K/V)."""
-    from tokenmill.models.attention import paged_attention_reference
+    from tokenmill.attention.torch_ref import paged_attention_reference
 
     def ref_layout(cache: torch.Tensor) -> torch.Tensor:
         return cache.permute(2, 0, 1, 3).float()  # -> (kv_heads, num_blocks, block_size, d)

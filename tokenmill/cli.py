@@ -48,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as e:
+        # a start-up choice that cannot run here (e.g. --attention-backend) is a usage
+        # error, not a crash: one line naming what is available. Looked up, not
+        # imported: commands that never touch attention never load torch.
+        base = sys.modules.get("tokenmill.attention.base")
+        if base is not None and isinstance(e, base.BackendUnavailable):
+            parser.exit(2, f"tokenmill: error: {e}\n")
+        raise
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # auto | torch | cpu | ... (tokenmill/attention); auto = cpu on a CPU. Checked
+    # against the registry at engine start-up, where the device is known
+    attention_backend: str = "auto"
+    # check the block manager and prefix cache after every step (slow; for debugging)
+    debug_kv_integrity: bool = False
     # speculative decoding (tokenmill/speculative, docs/speculative.md)
     speculative: str | None = None  # None | ngram | draft | layerskip
     num_speculative_tokens: int = 4  # k: draft tokens per step

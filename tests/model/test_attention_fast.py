@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from tokenmill.attention import cpu as attention_fast
-from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast
+from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast, store_kv_cache
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.torch_ref import paged_attention_reference
-from tokenmill.models.attention import kv_cache_shape, store_kv_cache
+from tokenmill.attention.torch_ref import kv_cache_shape, paged_attention_reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 

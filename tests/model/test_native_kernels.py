@@ -11,11 +11,10 @@ import torch
 
 from tests.model.test_attention_fast import mixed_step
 from tokenmill.attention import cpu as attention_fast
-from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast
-from tokenmill.attention.torch_ref import paged_attention_reference
+from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast, store_kv_cache
+from tokenmill.attention.torch_ref import kv_cache_shape, paged_attention_reference
 from tokenmill.kernels import build, layer_ops
 from tokenmill.kernels import paged_decode as native
-from tokenmill.models.attention import kv_cache_shape, store_kv_cache
 from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.attention import get_backend
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
+from tokenmill.kvcache.pool import KVPool
 from tokenmill.loaders import load_model
-from tokenmill.models.attention import kv_cache_shape
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -41,9 +42,9 @@ def test_paged_cache_matches_no_cache(hf_checkpoint, arch):
     with torch.no_grad():
         expected = [model.compute_logits(model(t, torch.arange(len(t)))) for t in tokens]
 
-    for layer in model.attention_layers():
-        shape = kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    cpu = torch.device("cpu")
+    KVPool.for_model(model, get_backend("cpu", cpu, torch.float32), NUM_BLOCKS, BLOCK_SIZE,
+                     torch.float32, cpu, zeroed=True)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     block_tables = [perm[:4], perm[4:7]]  # shuffled, non-contiguous blocks
 

@@ -8,9 +8,10 @@ import os
 import pytest
 import torch
 
+from tokenmill.attention import get_backend
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
+from tokenmill.kvcache.pool import KVPool
 from tokenmill.loaders import load_model, load_tokenizer, resolve_model
-from tokenmill.models.attention import kv_cache_shape
 
 PROMPTS = [
     "The capital of France is",
@@ -58,9 +59,9 @@ def reference(source):
 def _greedy_with_paged_cache(model, prompt_ids: list[int], eos: int):
     """Prefill once, then decode one token per step through the paged KV cache."""
     block_size, num_blocks = 16, 8
-    for layer in model.attention_layers():
-        shape = kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+    cpu = torch.device("cpu")
+    KVPool.for_model(model, get_backend("cpu", cpu, torch.float32), num_blocks, block_size,
+                     torch.float32, cpu, zeroed=True)
     block_table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]  # reversed blocks
     tokens, first_logits = list(prompt_ids), None
     fed = 0

@@ -48,9 +48,10 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The backend `name` (or `auto`) for `device`; a clear error listing the
-    available ones when it is unknown or cannot run here."""
+def check_backend(name: str, device: torch.device) -> str:
+    """The backend `name` (or `auto`) resolves to on `device`; raises
+    BackendUnavailable, listing the available ones, when it is unknown or cannot
+    run here. Cheap: the engine calls it before loading any weights."""
     if name not in BACKEND_NAMES:
         raise BackendUnavailable(
             f"unknown attention backend {name!r}; choose one of: {', '.join(BACKEND_NAMES)} "
@@ -61,14 +62,20 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
         raise BackendUnavailable(
             f"attention backend {resolved!r} is not available on {device.type}: {reason} "
             f"(available: {', '.join(available_backends(device))})")
-    return _load(resolved)(device, dtype)
+    return resolved
+
+
+def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend `name` (or `auto`) for `device`; a clear error listing the
+    available ones when it is unknown or cannot run here."""
+    return _load(check_backend(name, device))(device, dtype)
 
 
 __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "BackendUnavailable",
-    "available_backends",
+    "available_backends", "check_backend",
     "get_backend",
     "resolve_backend_name",
 ]

@@ -51,6 +51,11 @@ class AttentionBackend(ABC):
                        head_dim: int) -> tuple[int, ...]:
         """The shape of one layer's K pool (V has the same)."""
 
+    def bind_pool(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Called once by the KV pool (tokenmill/kvcache/pool.py) after it allocated
+        every layer's (K, V) in this backend's layout; a backend whose plan
+        depends on the pool (its geometry, its base addresses) keeps what it needs."""
+
     def plan(self, meta: AttentionMetadata) -> object | None:
         """Called once per step by the model runner before the forward pass; the
         result is stored in `meta.plan` and read by every layer."""

@@ -1,6 +1,8 @@
-"""The fast attention path for a paged KV cache on the CPU.
+"""The `cpu` attention backend: the native C kernels and the fast torch path for
+a paged KV cache on the CPU.
 
-Same contract as `paged_attention_reference`, fewer and cheaper ops:
+Same contract as the `torch` backend's `paged_attention_reference`, fewer and
+cheaper ops:
 - decode rows (one query each) of all sequences, with a bf16 cache, go to the
   native kernel (tokenmill/kernels/paged_decode.c), which reads each
   sequence's blocks in place through its block table: no copy of any K/V;
@@ -15,16 +17,24 @@ Same contract as `paged_attention_reference`, fewer and cheaper ops:
   copy gathered back out of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
   so only fragmented block tables pay for a gather.
+
+The KV layout is the torch backend's head-major one, (kv_heads, num_blocks,
+block_size, head_dim). What every layer of a step shares (the block tables as
+lists, how a mixed step splits, the decode gather indices) is `CpuBackend.plan`,
+built once per step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import kv_cache_shape, store_kv_torch
 from tokenmill.kernels import paged_decode as native
 
 
@@ -246,21 +256,26 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return merged.transpose(0, 1).reshape(num_seqs, heads, d).to(q.dtype)
 
 
+def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan | _DecodePlan:
+    """What every layer of this step shares: a decode-only batch that takes the
+    batched path gets its `_DecodePlan`, any other step its `_Plan`. `k_cache`
+    is any layer's pool: only its geometry, dtype and device are read."""
+    if meta.is_decode_only and (meta.num_seqs > 1 or use_native(k_cache)):
+        return _DecodePlan(meta.block_tables, meta.seq_lens_list, k_cache)
+    return _Plan(meta, k_cache)
+
+
 def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q (T, heads, d); k, v (T, kv_heads, d) this step's keys/values (already stored
     in the caches). Returns (T, heads, d)."""
+    plan = meta.plan
+    if plan is None:  # a caller without a model runner: plan here, once for all layers
+        plan = meta.plan = plan_step(meta, k_cache)
+    if isinstance(plan, _DecodePlan):
+        return _decode_batch(q, k_cache, v_cache, plan, scale)
     query_lens, seq_lens = meta.query_lens_list, meta.seq_lens_list
-    if meta.is_decode_only and (len(seq_lens) > 1 or use_native(k_cache)):
-        decode = meta.derived.get("fast_decode")
-        if decode is None:  # the same for every layer of the step: derive it once
-            decode = meta.derived["fast_decode"] = _DecodePlan(meta.block_tables, seq_lens,
-                                                               k_cache)
-        return _decode_batch(q, k_cache, v_cache, decode, scale)
-    plan = meta.derived.get("fast_attention")
-    if plan is None:  # the same for every layer of the step: derive it once
-        plan = meta.derived["fast_attention"] = _Plan(meta, k_cache)
     out = torch.empty_like(q)
     start = 0
     for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
@@ -296,3 +311,51 @@ class _Plan:
             self.decode_rows = torch.tensor([starts[b] for b in decodes], device=device)
             tables = meta.block_tables.index_select(0, torch.tensor(decodes, device=device))
             self.decode = _DecodePlan(tables, [meta.seq_lens_list[b] for b in decodes], k_cache)
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of the caches."""
+    if native.store_kv(k, v, k_cache, v_cache, slot_mapping):
+        return  # bf16: one native call instead of two strided index_copy_
+    store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+class CpuBackend(AttentionBackend):
+    name: ClassVar[str] = "cpu"
+    block_dim: ClassVar[int] = 1
+    # the decode paths read whole blocks and mask scores past each sequence's end
+    # (no masked_fill of K/V per layer), so fresh memory must hold finite values
+    needs_zeroed_blocks: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self._k_pool: torch.Tensor | None = None
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"it runs on a CPU, not on {device.type}"
+        return None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def bind_pool(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # the plan's gather indices depend on the pool's block count and head count
+        self._k_pool = kv_caches[0][0] if kv_caches else None
+
+    def plan(self, meta: AttentionMetadata) -> _Plan | _DecodePlan | None:
+        if self._k_pool is None:  # no pool bound: the first layer plans instead
+            return None
+        return plan_step(meta, self._k_pool)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        return paged_attention_fast(q, k, v, k_cache, v_cache, meta, scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,9 +32,6 @@ class AttentionMetadata:
     # what every layer of this step shares, built once by the attention
     # backend's plan(meta) (AttentionBackend.plan) before the forward pass
     plan: object = None
-    # per-step values that attention layers derive once and share (e.g. the
-    # block tables as lists); filled lazily by the attention backend
-    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

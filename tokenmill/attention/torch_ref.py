@@ -1,14 +1,47 @@
-"""The plain-torch attention path over a paged KV cache: simple, correct and
-linear in the number of sequences; the reference the faster backends are
-tested against. `causal_attention` also serves the model's no-cache path.
+"""The `torch` attention backend: plain torch over a paged KV cache, simple,
+correct and linear in the number of sequences; the reference the faster
+backends are tested against, and the one that runs on any device torch runs
+on. `causal_attention` also serves the model's no-cache path.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    """One layer's K (or V) pool, head-major: gathering the blocks of a batch of
+    sequences yields (kv_heads, B * span, head_dim), a plain bmm operand per head
+    and sequence with no transpose copy. The torch and cpu backends share it."""
+    return (num_kv_heads, num_blocks, block_size, head_dim)
+
+
+class TorchBackend(AttentionBackend):
+    name: ClassVar[str] = "torch"
+    block_dim: ClassVar[int] = 1
+    # the decode path zeroes K/V past each sequence's end itself; prefill
+    # gathers exactly seq_len slots
+    needs_zeroed_blocks: ClassVar[bool] = False
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
                    dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", default="auto", metavar="NAME",
+                   help="attention kernels: auto (cpu on a CPU), torch (the plain "
+                        "reference), cpu (native kernels); an unavailable one is an error")
+    g.add_argument("--debug-kv-integrity", action="store_true",
+                   help="check KV block ref counts, free list and prefix-cache hashes "
+                        "after every step, and stop on the first violation (slow)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative", default=None, choices=["ngram", "draft", "layerskip"],
                    help="propose tokens and verify them in one forward (exact: same outputs)")
@@ -77,6 +83,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        attention_backend=args.attention_backend,
+        debug_kv_integrity=args.debug_kv_integrity,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,

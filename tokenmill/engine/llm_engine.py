@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention import check_backend
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.model_runner import ModelRunner
@@ -104,6 +105,8 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
         torch.manual_seed(config.seed)
+        # before loading weights: a bad --attention-backend fails in a moment
+        check_backend(config.attention_backend, device)
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
@@ -118,7 +121,7 @@ class LLMEngine:
         num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
                                        self.max_model_len, config.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  loaded.dtype, device)
+                                  loaded.dtype, device, config.attention_backend)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -138,9 +141,9 @@ class LLMEngine:
                                                self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
-        logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
-                    self.model_name, self.dtype, num_blocks, block_size,
-                    self.runner.kv_cache_bytes / 2**20)
+        logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
+                    "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
+                    num_blocks, block_size, self.runner.kv_cache_bytes / 2**20)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

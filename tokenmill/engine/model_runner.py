@@ -1,9 +1,11 @@
-"""Turns a schedule into tensors, owns the paged KV cache, runs the model.
+"""Turns a schedule into tensors, owns the KV pool and the attention backend,
+runs the model.
 
 The only engine file that builds tensors: the scheduler decides who runs and
 how many tokens each gets; this file lays those tokens out as one flat batch
-with its attention metadata, runs `model.forward`, and returns the logits of
-the sequences that sample this step.
+with its attention metadata (and the backend's plan for it, built once per
+step), runs `model.forward`, and returns the logits of the sequences that
+sample this step. The attention backend is chosen once, here, at start-up.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.attention import get_backend
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.config import ModelConfig
 from tokenmill.engine.sequence import Sequence
-from tokenmill.models.attention import kv_cache_shape
+from tokenmill.kvcache.pool import KVPool
 
 
 class Scheduled(Protocol):
@@ -28,38 +31,24 @@ class Scheduled(Protocol):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int,
-                 num_blocks: int, kv_dtype: torch.dtype, device: torch.device) -> None:
+                 num_blocks: int, kv_dtype: torch.dtype, device: torch.device,
+                 attention_backend: str = "auto") -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
-                               config.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in model.attention_layers():
-            # empty, not zeros: pages are touched only as blocks fill, so RSS tracks use
-            k = torch.empty(shape, dtype=kv_dtype, device=device)
-            v = torch.empty(shape, dtype=kv_dtype, device=device)
-            layer.k_cache, layer.v_cache = k, v
-            self.kv_caches.append((k, v))
-        # Attention reads whole blocks and masks the slots past a sequence's end; a
-        # zero weight on a NaN left in fresh memory is still NaN, so each block is
-        # zeroed the first time a step uses it (block 0 now: it pads block tables).
-        self._fresh = bytearray(b"\x01") * num_blocks
-        self._zero_blocks([0])
-
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_fill_(1, idx, 0)
-            v.index_fill_(1, idx, 0)
-        for b in block_ids:
-            self._fresh[b] = 0
+        # raises BackendUnavailable, listing the available ones, before any allocation
+        self.backend = get_backend(attention_backend, device, kv_dtype)
+        layers = list(model.attention_layers())
+        self.pool = KVPool(self.backend, len(layers), num_blocks, block_size,
+                           config.num_key_value_heads, config.head_dim, kv_dtype, device)
+        self.pool.attach(layers)
+        self.kv_caches = self.pool.kv_caches
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        return self.pool.nbytes
 
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata, list[int]]:
@@ -75,6 +64,7 @@ class ModelRunner:
         query_lens: list[int] = []
         logit_rows: list[int] = []
         fresh: list[int] = []
+        is_fresh = self.pool.fresh  # None: the backend needs no zeroed blocks
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -83,7 +73,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            fresh.extend(b for b in table[start // bs:(end - 1) // bs + 1] if self._fresh[b])
+            if is_fresh is not None:
+                fresh.extend(b for b in table[start // bs:(end - 1) // bs + 1] if is_fresh[b])
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
@@ -91,7 +82,7 @@ class ModelRunner:
                 logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
                                         query_start[-1]))
         if fresh:
-            self._zero_blocks(fresh)
+            self.pool.zero_blocks(fresh)
         max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
@@ -107,6 +98,7 @@ class ModelRunner:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
+        meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, logit_rows

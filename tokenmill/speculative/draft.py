@@ -45,7 +45,7 @@ class DraftModelProposer:
             raise ValueError(f"the draft model's vocabulary ({loaded.config.vocab_size}) "
                              f"differs from the target's ({target.config.vocab_size})")
         runner = ModelRunner(loaded.model, loaded.config, target.block_size, target.num_blocks,
-                             loaded.dtype, target.device)
+                             loaded.dtype, target.device, target.backend.name)
         return cls(runner, BlockManager(target.num_blocks, target.block_size,
                                         enable_prefix_caching=False))
 

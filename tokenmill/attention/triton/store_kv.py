@@ -8,20 +8,25 @@ import triton.language as tl
 
 from tokenmill.attention.triton.spec import KernelSpec
 
+# tokens per program: a (STORE_BLOCK_T, head_dim) tile of one KV head
+STORE_BLOCK_T = 32
 
-@triton.jit
-def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_head,
-                    HEAD_DIM: tl.constexpr):
-    # grid: (tokens, kv_heads); one head row of one token per program
-    t = tl.program_id(0)
+                    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    # grid: (cdiv(tokens, BLOCK_T), kv_heads)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)  # int64; negative = a padding token, not stored
-    d = tl.arange(0, HEAD_DIM)
-    keep = (slot + d * 0) >= 0  # broadcast to (HEAD_DIM,)
-    dst = slot * stride_slot + h * stride_head + d
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    in_batch = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=in_batch, other=-1)  # int64; < 0: padding, not stored
+    keep = (slot >= 0)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    src_t = t.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + src_t * stride_kt + h * stride_kh + d, mask=in_batch[:, None])
+    v = tl.load(v_ptr + src_t * stride_vt + h * stride_vh + d, mask=in_batch[:, None])
+    dst = slot[:, None] * stride_slot + h * stride_head + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=keep)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=keep)
 
@@ -33,10 +38,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
+    store_kv_kernel[(triton.cdiv(num_tokens, STORE_BLOCK_T), num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim)
+        HEAD_DIM=head_dim, BLOCK_T=STORE_BLOCK_T)
 
 
 def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
@@ -44,7 +49,8 @@ def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
     "fp32") and head_dim (default launch options)."""
     ptr = f"*{dtype}"
     sig = {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
-           "slot_ptr": "*i64", **dict.fromkeys(
+           "slot_ptr": "*i64", "num_tokens": "i32", **dict.fromkeys(
                ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_slot",
-                "stride_head"], "i32"), "HEAD_DIM": "constexpr"}
-    return [KernelSpec("store_kv", store_kv_kernel, sig, {"HEAD_DIM": head_dim})]
+                "stride_head"], "i32"), "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr"}
+    return [KernelSpec("store_kv", store_kv_kernel, sig,
+                       {"HEAD_DIM": head_dim, "BLOCK_T": STORE_BLOCK_T})]

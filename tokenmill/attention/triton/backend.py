@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.base import AttentionBackend, BackendUnavailable
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton.plan import TritonPlan, build_plan
 
@@ -62,7 +62,7 @@ class TritonBackend(AttentionBackend):
         super().__init__(device, dtype)
         dtypes = tuple(CUDA_DTYPES) if device.type == "cuda" else INTERPRETER_DTYPES
         if dtype not in dtypes:
-            raise ValueError(f"the triton backend runs {', '.join(map(str, dtypes))} on "
+            raise BackendUnavailable(f"the triton backend runs {', '.join(map(str, dtypes))} on "
                              f"{device.type}, not {dtype}; choose the torch backend for it")
         self.num_splits = num_splits
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -86,7 +86,7 @@ class TritonBackend(AttentionBackend):
                        head_dim: int) -> tuple[int, ...]:
         dims = INTERPRETER_HEAD_DIMS if self.device.type == "cpu" else CUDA_HEAD_DIMS
         if head_dim not in dims:
-            raise ValueError(f"the triton backend supports head_dim {dims} on "
+            raise BackendUnavailable(f"the triton backend supports head_dim {dims} on "
                              f"{self.device.type}, not {head_dim}")
         return (num_blocks, block_size, num_kv_heads, head_dim)
 

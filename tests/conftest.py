@@ -1,4 +1,36 @@
+import weakref
+
 import pytest
+
+# every in-process engine a test built, so that its KV books are checked after it
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    init = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _engines.add(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLMEngine, "__init__", tracking_init)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _kv_integrity_after_each_test(_track_engines):
+    """After every test, each engine it ran (or that is still alive from a shared
+    fixture) must have consistent KV books: ref counts match the live block
+    tables, the free list and prefix cache agree (BlockManager.check_integrity).
+    Engines still serving requests are skipped: a server thread may be stepping."""
+    yield
+    for engine in list(_engines):
+        if not engine.has_unfinished_requests():
+            engine.check_kv_integrity()
 
 
 @pytest.fixture(scope="session")

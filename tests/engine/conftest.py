@@ -10,7 +10,9 @@ def llm():
 
 
 def assert_no_leak(engine) -> None:
+    """Nothing runs any more and the KV books agree (check_integrity: with no live
+    sequence, every ref count is 0 and every block is free or evictable)."""
     bm = engine.block_manager
     assert not engine.has_unfinished_requests()
+    engine.check_kv_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
-    assert all(rc == 0 for rc in bm.ref_counts)

@@ -57,7 +57,7 @@ def make_llm(model: str, **kwargs):
 def assert_no_leak(engine) -> None:
     from tests.engine.conftest import assert_no_leak as engine_no_leak
 
-    engine_no_leak(engine)
+    engine_no_leak(engine)  # checks the draft model's cache too
     proposer = engine.speculator.proposer if engine.speculator else None
     bm = getattr(proposer, "block_manager", None)
     if bm is not None:  # the draft model's own cache

@@ -242,7 +242,20 @@ class LLMEngine:
             emitted = self._sample(batch, logits)
         with timer("postprocess"):
             outputs = self._postprocess(batch, emitted)
+        if self.config.debug_kv_integrity:
+            self.check_kv_integrity()
         return outputs
+
+    def check_kv_integrity(self) -> None:
+        """Raise KVCacheIntegrityError unless the KV books (ref counts, free list,
+        prefix-cache hashes, live block tables) agree, the draft model's too.
+        Run after every step under --debug-kv-integrity, and by the tests."""
+        live = [*self.scheduler.waiting, *self.scheduler.running]
+        self.block_manager.check_integrity(live)
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        draft_bm = getattr(proposer, "block_manager", None)
+        if draft_bm is not None:  # --speculative draft: its own cache and shadow sequences
+            draft_bm.check_integrity(list(proposer.shadows.values()))
 
     def _sample(self, batch, logits) -> list[tuple[Sequence, list[int], list]]:
         """Per sampling sequence: the tokens to append and their logprobs."""

@@ -26,11 +26,16 @@ Plain Python, no torch.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.sequence import Sequence
-from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache
+from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+
+
+class KVCacheIntegrityError(AssertionError):
+    """The block manager's books disagree: a leak, a double free, a stale hash."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,64 @@ class BlockManager:
             self._free.extend(self.prefix_cache.reset())
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def check_integrity(self, live: Iterable[Sequence]) -> None:
+        """Raise KVCacheIntegrityError, naming every violation, unless ref counts,
+        the free list, the prefix cache's LRU and hash table, and the block tables
+        of `live` (every sequence that may hold blocks) all agree:
+        - each block's ref count is the number of live block tables holding it;
+        - each block is in exactly one place: held (ref > 0), the free list, or
+          the evictable LRU; free-list blocks are never cached;
+        - each registered hash of a live sequence is the chained hash of its
+          tokens, and every cache entry is findable by its own hash.
+        O(blocks + live tokens): for tests and --debug-kv-integrity."""
+        found: list[str] = []
+        holders: Counter[int] = Counter()
+        bs = self.block_size
+        for seq in live:
+            table = seq.block_table
+            if len(set(table)) != len(table):
+                found.append(f"sequence {seq.seq_id} holds a block twice: {table}")
+            holders.update(table)
+            if len(table) < self.num_blocks_for(seq.num_computed_tokens):
+                found.append(f"sequence {seq.seq_id} computed {seq.num_computed_tokens} "
+                             f"tokens but holds only {len(table)} blocks")
+            if len(seq.block_hashes) > len(table):
+                found.append(f"sequence {seq.seq_id} has more block hashes than blocks")
+            parent = ROOT_HASH
+            for i, block_hash in enumerate(seq.block_hashes):
+                if hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]) != block_hash:
+                    found.append(f"sequence {seq.seq_id}'s hash of block {i} does not "
+                                 "match its tokens")
+                    break
+                parent = block_hash
+        for block_id in holders:
+            if not 0 <= block_id < self.num_total_blocks:
+                found.append(f"a block table holds block {block_id}, outside the pool")
+        for block_id, rc in enumerate(self.ref_counts):
+            if rc != holders[block_id]:
+                found.append(f"block {block_id} has ref count {rc} but {holders[block_id]} "
+                             "live sequences hold it")
+        free = list(self._free)
+        in_free = Counter(free)
+        in_lru = Counter(self.prefix_cache.evictable_blocks if self.prefix_cache else [])
+        for block_id in range(self.num_total_blocks):
+            held = self.ref_counts[block_id] > 0
+            n = in_free[block_id] + in_lru[block_id] + held
+            if n != 1:
+                where = ["held"] * held + ["free list"] * in_free[block_id] + \
+                    ["evictable"] * in_lru[block_id]
+                found.append(f"block {block_id} is in {n} places, not 1: "
+                             f"{', '.join(where) or 'nowhere (leaked)'}")
+        if self.prefix_cache is not None:
+            found += [f"free-list block {b} is still cached" for b in free
+                      if self.prefix_cache.contains_block(b)]
+            found += self.prefix_cache.problems()
+        if found:
+            shown = "\n  ".join(found[:20])
+            more = f"\n  ... and {len(found) - 20} more" if len(found) > 20 else ""
+            raise KVCacheIntegrityError(f"KV cache integrity check failed ({len(found)} "
+                                        f"problems):\n  {shown}{more}")
 
     def _num_blocks_to_take(self, seq: Sequence, num_new_tokens: int,
                             prefix: CachedPrefix | None) -> int:

@@ -101,6 +101,33 @@ class PrefixCache:
         del self._block_by_hash[entry.block_hash]
         return block_id
 
+    @property
+    def evictable_blocks(self) -> list[int]:
+        return list(self._evictable)
+
+    def problems(self) -> list[str]:
+        """What is inconsistent inside the cache (empty when all is well): every
+        hash names the block whose entry carries that hash, every entry's hash is
+        the hash of its content, every evictable block has an entry."""
+        found = []
+        if len(self._block_by_hash) != len(self._entry_by_block):
+            found.append(f"{len(self._block_by_hash)} hashes but "
+                         f"{len(self._entry_by_block)} cached blocks")
+        for block_hash, block_id in self._block_by_hash.items():
+            entry = self._entry_by_block.get(block_id)
+            if entry is None or entry.block_hash != block_hash:
+                found.append(f"hash {block_hash:#x} points at block {block_id}, whose entry "
+                             f"{'is missing' if entry is None else 'has another hash'}")
+        for block_id, entry in self._entry_by_block.items():
+            if hash_block(entry.parent_hash, entry.token_ids) != entry.block_hash:
+                found.append(f"block {block_id}'s hash does not match its tokens")
+            if self._block_by_hash.get(entry.block_hash) != block_id:
+                found.append(f"block {block_id} is cached but its hash does not find it")
+        for block_id in self._evictable:
+            if block_id not in self._entry_by_block:
+                found.append(f"evictable block {block_id} is not cached")
+        return found
+
     def reset(self) -> list[int]:
         """Forget every entry; return the evictable blocks, now plain free blocks.
         Blocks still in use simply stop being findable."""

@@ -3,6 +3,7 @@ and prefill chunks over fragmented block tables, with NaN in every unused slot."
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ class PagedBatch:
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, dtype: torch.dtype, seed: int = 0,
-               num_blocks: int | None = None) -> PagedBatch:
+               num_blocks: int | None = None,
+               device: torch.device | str = "cpu") -> PagedBatch:
     """seqs: (cached prefix length, new tokens) per sequence. The prefix is written into
     the caches; the new tokens' K/V are returned for the KV store (not yet written).
     Blocks are handed out in a shuffled order, so every table is fragmented."""
@@ -62,7 +64,10 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
                                   dtype=torch.int32),
         block_size=block_size, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_lens_list=query_lens, seq_lens_list=seq_lens)
-    return PagedBatch(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return PagedBatch(torch.cat(qs).to(device), torch.cat(ks).to(device),
+                      torch.cat(vs).to(device), k_cache.to(device), v_cache.to(device), meta)
 
 
 def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
@@ -71,7 +76,11 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
     from tokenmill.attention.torch_ref import paged_attention_reference
 
     def ref_layout(cache: torch.Tensor) -> torch.Tensor:
-        return cache.permute(2, 0, 1, 3).float()  # -> (kv_heads, num_blocks, block_size, d)
+        # -> (kv_heads, num_blocks, block_size, d), on the CPU
+        return cache.permute(2, 0, 1, 3).float().cpu()
 
-    return paged_attention_reference(batch.q.float(), ref_layout(batch.k_cache),
-                                     ref_layout(batch.v_cache), batch.meta, scale)
+    meta = copy.copy(batch.meta)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).cpu())
+    return paged_attention_reference(batch.q.float().cpu(), ref_layout(batch.k_cache),
+                                     ref_layout(batch.v_cache), meta, scale)

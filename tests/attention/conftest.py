@@ -1,4 +1,5 @@
-"""Triton kernels under the interpreter (TRITON_INTERPRET=1) on CPU tensors.
+"""Triton kernels under the interpreter (TRITON_INTERPRET=1) on CPU tensors, or
+compiled on the GPU where CUDA is present (`kernel_device`).
 
 Triton decides when a function is defined whether it is interpreted, and that
 includes its own library (tl.cdiv, tl.sum): so triton and the kernel modules
@@ -15,12 +16,13 @@ import os
 import sys
 
 import pytest
+import torch
 
 
 def _import_interpreted() -> str | None:
     """None when the kernels are interpreted here; else why not."""
     if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
+        return _NO_TRITON
     already = "triton" in sys.modules
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -41,13 +43,29 @@ def _import_interpreted() -> str | None:
     return None
 
 
-_NOT_INTERPRETED = _import_interpreted()
+_CUDA = torch.cuda.is_available()
+_NO_TRITON = "triton is not installed"
+_COMPILED = "CUDA is present: the kernels run compiled, on the GPU"
+_NOT_INTERPRETED = _COMPILED if _CUDA else _import_interpreted()
 
 
 @pytest.fixture
 def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    if _NOT_INTERPRETED == "triton is not installed":
+    """For tests that need the interpreter itself (CPU tensors through the engine)."""
+    if _NOT_INTERPRETED in (_NO_TRITON, _COMPILED):
         pytest.skip(_NOT_INTERPRETED)
     if _NOT_INTERPRETED is not None:
         pytest.fail(_NOT_INTERPRETED)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def kernel_device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """Where the kernel tests run: the GPU when there is one, else the interpreter."""
+    pytest.importorskip("triton")
+    if _CUDA:
+        return torch.device("cuda")
+    if _NOT_INTERPRETED is not None:
+        pytest.fail(_NOT_INTERPRETED)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cpu")

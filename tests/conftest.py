@@ -6,6 +6,14 @@ import pytest
 _engines: weakref.WeakSet = weakref.WeakSet()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random-weight 4-layer Llama with SmolLM2's tokenizer (write_tiny_llama)."""
+    from tests.speculative.conftest import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _track_engines():
     from tokenmill.engine.llm_engine import LLMEngine

@@ -24,11 +24,6 @@ def write_tiny_llama(path, num_layers: int = 4, seed: int = 0) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
 def make_llm(model: str, **kwargs):
     """An fp32 LLM whose KV caches start zeroed.
 

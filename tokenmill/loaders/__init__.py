@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.loaders.errors import ModelLoadError, ModelSourceError
 from tokenmill.loaders.model_source import (
-    ModelLoadError,
     ModelSource,
-    ModelSourceError,
     hf_config_dict,
     load_model_config,
     resolve_model,

@@ -26,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 
-from tokenmill.loaders.model_source import ModelLoadError
+from tokenmill.loaders.errors import ModelLoadError
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {

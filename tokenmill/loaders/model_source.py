@@ -10,14 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tokenmill.config import SUPPORTED_ARCHITECTURES, ModelConfig
-
-
-class ModelSourceError(ValueError):
-    """The name or path does not lead to a model tokenmill can load."""
-
-
-class ModelLoadError(ValueError):
-    """The model files exist but cannot be read (corrupt, truncated, unsupported)."""
+from tokenmill.loaders.errors import ModelLoadError, ModelSourceError
 
 
 @dataclass(frozen=True)

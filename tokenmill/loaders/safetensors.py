@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenmill.loaders.model_source import ModelLoadError
+from tokenmill.loaders.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.cache import cache_dir
-from tokenmill.loaders.model_source import ModelLoadError, ModelSource
+from tokenmill.loaders.errors import ModelLoadError
+from tokenmill.loaders.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,10 @@ import json
 import sys
 
 from tokenmill.roofline import fmt
-from tokenmill.roofline.arch import WeightBits
 from tokenmill.roofline.cost_model import KV_BYTES, RooflineReport, analyze, fleet_cost
-from tokenmill.roofline.hardware import Hardware, get_hardware
-from tokenmill.roofline.source import ModelNotFound, ResolvedModel, resolve
+from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
 
 DEFAULT_BATCHES = "1,8,32,64,128,256"
-
-
-class UsageError(ValueError):
-    """Bad input: reported as one line on stderr, exit code 2."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,35 +70,6 @@ def _fail(command: str, message: str) -> int:
 
 
 # ---- shared ------------------------------------------------------------------------------
-
-
-def load_model(spec: str) -> ResolvedModel:
-    try:
-        return resolve(spec)
-    except ModelNotFound as e:
-        raise UsageError(str(e)) from None
-
-
-def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
-    if not dtype or dtype.lower() in ("auto", "gguf", "none") or (
-            model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
-        return model.default_bits
-    try:
-        return WeightBits.from_name(dtype)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def load_hardware(name: str, bits: WeightBits, args: argparse.Namespace) -> Hardware:
-    for flag in ("bandwidth", "flops", "cost_per_hour"):
-        value = getattr(args, flag, None)
-        if value is not None and (value < 0 or (value == 0 and flag != "cost_per_hour")):
-            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
-    try:
-        hardware = get_hardware(name)
-    except KeyError as e:
-        raise UsageError(e.args[0]) from None
-    return hardware.with_overrides(args.bandwidth, args.flops, bits.compute_dtype)
 
 
 def _positive(name: str, value: float | None) -> None:

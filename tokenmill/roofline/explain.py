@@ -29,6 +29,7 @@ from tokenmill.roofline.cost_model import (
     prefill_step,
 )
 from tokenmill.roofline.hardware import ALIASES, CATALOG
+from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
 
 OVERHEAD_BOUND_SHARE = 0.30  # host work above this share of step time is the bottleneck
 NEAR_FLOOR = 0.50
@@ -136,15 +137,11 @@ def _hardware_name(args: argparse.Namespace, config: dict, notes: list[str]) -> 
     for name in names:
         if name.replace("-", "") in text:
             return name
-    from tokenmill.roofline.command import UsageError
-
     raise UsageError(f"the result's hardware {recorded!r} is not in the catalog; pass "
                      f"--hardware ({', '.join([*CATALOG, 'cpu'])})")
 
 
 def _weight_bits(model, config: dict) -> WeightBits:
-    from tokenmill.roofline.command import UsageError, weight_bits
-
     for key in ("quantization", "dtype"):
         value = config.get(key)
         if value and str(value).lower() not in ("none", "auto"):
@@ -156,8 +153,6 @@ def _weight_bits(model, config: dict) -> WeightBits:
 
 
 def explain(result: dict, args: argparse.Namespace) -> Explanation:
-    from tokenmill.roofline.command import load_hardware, load_model
-
     config, summary = result["config"], result["summary"]
     engine = result.get("engine") if isinstance(result.get("engine"), dict) else None
     notes: list[str] = []

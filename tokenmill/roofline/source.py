@@ -67,12 +67,8 @@ def _from_config(config: dict, name: str) -> ResolvedModel:
 
 def _from_loader(path: Path) -> ResolvedModel:
     # lazy: the loaders package imports torch
-    from tokenmill.loaders.model_source import (
-        ModelLoadError,
-        ModelSourceError,
-        hf_config_dict,
-        resolve_model,
-    )
+    from tokenmill.loaders.errors import ModelLoadError, ModelSourceError
+    from tokenmill.loaders.model_source import hf_config_dict, resolve_model
 
     try:
         source = resolve_model(path)

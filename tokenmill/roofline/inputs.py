@@ -1,0 +1,46 @@
+"""What a roofline or explain command is told: a model, a weight format and a
+piece of hardware, each turned into its object or a UsageError.
+
+Below both commands (command.py, explain.py), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.roofline.arch import WeightBits
+from tokenmill.roofline.hardware import Hardware, get_hardware
+from tokenmill.roofline.source import ModelNotFound, ResolvedModel, resolve
+
+
+class UsageError(ValueError):
+    """Bad input: reported as one line on stderr, exit code 2."""
+
+
+def load_model(spec: str) -> ResolvedModel:
+    try:
+        return resolve(spec)
+    except ModelNotFound as e:
+        raise UsageError(str(e)) from None
+
+
+def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
+    if not dtype or dtype.lower() in ("auto", "gguf", "none") or (
+            model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
+        return model.default_bits
+    try:
+        return WeightBits.from_name(dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def load_hardware(name: str, bits: WeightBits, args: argparse.Namespace) -> Hardware:
+    for flag in ("bandwidth", "flops", "cost_per_hour"):
+        value = getattr(args, flag, None)
+        if value is not None and (value < 0 or (value == 0 and flag != "cost_per_hour")):
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+    try:
+        hardware = get_hardware(name)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    return hardware.with_overrides(args.bandwidth, args.flops, bits.compute_dtype)

@@ -12,6 +12,7 @@ kernel is defined: they are imported on first use, never by `import tokenmill`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from types import ModuleType
@@ -35,20 +36,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-class _Kernels:
-    """The kernel modules, imported on first use."""
+@functools.cache
+def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
+    """The kernel modules (store_kv, decode, prefill), imported on first use."""
+    from tokenmill.attention.triton import decode, prefill, store_kv
 
-    def __init__(self) -> None:
-        self.modules: tuple[ModuleType, ModuleType, ModuleType] | None = None
-
-    def get(self) -> tuple[ModuleType, ModuleType, ModuleType]:
-        if self.modules is None:
-            from tokenmill.attention.triton import decode, prefill, store_kv
-            self.modules = (store_kv, decode, prefill)
-        return self.modules
-
-
-_kernels = _Kernels()
+    return store_kv, decode, prefill
 
 
 class TritonBackend(AttentionBackend):
@@ -62,8 +55,9 @@ class TritonBackend(AttentionBackend):
         super().__init__(device, dtype)
         dtypes = tuple(CUDA_DTYPES) if device.type == "cuda" else INTERPRETER_DTYPES
         if dtype not in dtypes:
-            raise BackendUnavailable(f"the triton backend runs {', '.join(map(str, dtypes))} on "
-                             f"{device.type}, not {dtype}; choose the torch backend for it")
+            raise BackendUnavailable(
+                f"the triton backend runs {', '.join(map(str, dtypes))} on {device.type}, "
+                f"not {dtype}; choose the torch backend for it")
         self.num_splits = num_splits
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
@@ -87,7 +81,7 @@ class TritonBackend(AttentionBackend):
         dims = INTERPRETER_HEAD_DIMS if self.device.type == "cpu" else CUDA_HEAD_DIMS
         if head_dim not in dims:
             raise BackendUnavailable(f"the triton backend supports head_dim {dims} on "
-                             f"{self.device.type}, not {head_dim}")
+                                     f"{self.device.type}, not {head_dim}")
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
@@ -95,13 +89,13 @@ class TritonBackend(AttentionBackend):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        store_kv, _, _ = _kernels.get()
+        store_kv, _, _ = _kernels()
         store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        _, decode, prefill = _kernels.get()
+        _, decode, prefill = _kernels()
         plan = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -38,6 +38,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
     store_kv_kernel[(triton.cdiv(num_tokens, STORE_BLOCK_T), num_kv_heads)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),

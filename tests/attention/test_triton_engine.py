@@ -29,10 +29,11 @@ def no_overflow_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
+def two_layer_model(tmp_path_factory) -> str:
+    """The root tiny_model's recipe with 2 layers, not 4: the interpreter is slow."""
     from tests.speculative.conftest import write_tiny_llama
 
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-triton"), num_layers=2)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2"), num_layers=2)
 
 
 def forbid_other_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,15 +74,15 @@ def run_workload(llm: LLM) -> tuple[list[list[int]], int, list[int]]:
             [o.num_cached_tokens for o in outs])
 
 
-def test_engine_on_triton_matches_torch(tiny_model, monkeypatch):
+def test_engine_on_triton_matches_torch(two_layer_model, monkeypatch):
     engine_args = {"dtype": "float32", "num_kv_blocks": 12, "max_num_seqs": 6,
                    "max_num_batched_tokens": 64}
-    expected = run_workload(LLM(tiny_model, attention_backend="torch", **engine_args))
+    expected = run_workload(LLM(two_layer_model, attention_backend="torch", **engine_args))
     _, preemptions, cached = expected
     assert preemptions >= 1 and max(cached[1:3]) >= 32  # the workload does what it says
 
     forbid_other_attention(monkeypatch)
-    llm = LLM(tiny_model, attention_backend="triton", **engine_args)
+    llm = LLM(two_layer_model, attention_backend="triton", **engine_args)
     assert llm.engine.runner.backend.name == "triton"
     assert llm.engine.runner.pool.fresh is None  # no zeroing: the kernels mask
     poison(llm)

@@ -71,11 +71,5 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
     return _load(check_backend(name, device))(device, dtype)
 
 
-__all__ = [
-    "BACKEND_NAMES",
-    "AttentionBackend",
-    "BackendUnavailable",
-    "available_backends", "check_backend",
-    "get_backend",
-    "resolve_backend_name",
-]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "BackendUnavailable", "available_backends",
+           "check_backend", "get_backend", "resolve_backend_name"]

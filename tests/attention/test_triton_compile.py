@@ -1,0 +1,52 @@
+"""Every triton kernel variant the backend can launch on CUDA (bf16/fp16, head_dim 64
+and 128; GQA group, block size and split count are runtime arguments, split-K on
+and off are two variants) compiles for sm_80 and sm_90 with no GPU, fits the
+target's shared memory, and lowers every attention dot to tensor-core instructions.
+
+Written against triton 3.9.0 (the version the test extra pins). It runs in its own
+process: the interpreter tests in this process import the kernels interpreted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.attention.triton.compile_check",
+                           "--json"], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
+    results = compiled["results"]
+    kernels = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill"}
+    got = {(r["kernel"], r["dtype"], r["head_dim"], r["target"]) for r in results}
+    assert got == {(k, dt, d, t) for k in kernels for dt in ("bf16", "fp16")
+                   for d in (64, 128) for t in ("sm_80", "sm_90")}
+    for r in results:
+        assert r["shared"] <= r["shared_limit"], r
+        assert r["tensor_core_dots"] == r["dots"], r
+        if r["kernel"] in ("decode", "decode_split", "prefill"):
+            assert r["dots"] > 0
+            assert r["ptx_mma"] > 0 or (r["target"] == "sm_90" and r["ptx_wgmma"] > 0), r
+        assert r["ok"], r
+    # sm_90's prefill tiles (64 queries, 4 warps) map to Hopper's wgmma
+    assert all(r["ptx_wgmma"] > 0 for r in results
+               if r["kernel"] == "prefill" and r["target"] == "sm_90")

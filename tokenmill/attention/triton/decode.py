@@ -1,0 +1,154 @@
+"""Paged decode: one query token per sequence, flash-decoding style.
+
+Grid (decodes, kv_heads * head_chunks, splits). One program holds up to
+DECODE_BLOCK_H query heads of one KV-head group (padded to 16 rows so the dots
+map to tensor cores), so each K/V tile is read once per group, not once per
+head. With split-K each split covers `split_len` positions of the sequence and
+writes a partial (normalised output, log2-sum-exp) that `reduce_kernel`
+combines; without it the kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.attention.triton.plan import (
+    DECODE_BLOCK_H,
+    DECODE_BLOCK_N,
+    MAX_SPLITS,
+    TritonPlan,
+    launch_options,
+)
+from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.attention.triton.tile import attend_tile, kv_tile_offsets
+
+# ints that vary at run time are not specialised (no == 1 or % 16 variants), so one
+# binary serves every GQA group, block size and split; the other strides are
+# multiples of head_dim and so of 16
+_PART_STRIDES = ["stride_pd", "stride_ph", "stride_ps"]
+
+
+@triton.jit(do_not_specialize=["group", "block_size", "split_len", "stride_bt", *_PART_STRIDES])
+def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                  decode_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+                  scale_log2, group, block_size, split_len,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_head,
+                  stride_bt, stride_pd, stride_ph, stride_ps,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    i = tl.program_id(0)
+    chunks = tl.cdiv(group, BLOCK_H)
+    kv_head = tl.program_id(1) // chunks
+    split = tl.program_id(2)
+    in_group = (tl.program_id(1) % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = in_group < group
+    heads = kv_head * group + in_group  # (BLOCK_H,)
+    b = tl.load(decode_seqs_ptr + i)
+    row = tl.load(query_start_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+    d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None], other=0.0)  # (BLOCK_H, D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        _, valid, offs = kv_tile_offsets(table, n0, end, block_size, kv_head, stride_slot,
+                                         stride_head, HEAD_DIM, BLOCK_N)
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        m, l, acc = attend_tile(q, k, v, m, l, acc, valid[None, :], scale_log2)
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # an empty split (short sequence) stays 0
+    if SPLIT:
+        part = i * stride_pd + heads * stride_ph + split * stride_ps  # (BLOCK_H,)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=head_ok[:, None])
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=head_ok)
+    else:
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", *_PART_STRIDES])
+def reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, decode_seqs_ptr, query_start_ptr,
+                  num_splits, stride_ot, stride_oh, stride_pd, stride_ph, stride_ps,
+                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    # grid: (decodes, heads); combines the splits of one head of one sequence
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(query_start_ptr + tl.load(decode_seqs_ptr + i))
+    s = tl.arange(0, MAX_SPLITS)
+    part = i * stride_pd + h * stride_ph + s * stride_ps  # (MAX_SPLITS,)
+    lse = tl.load(part_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits: 0; at least one split is not empty
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+                mask=(s < num_splits)[:, None], other=0.0)  # (MAX_SPLITS, D)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + tl.arange(0, HEAD_DIM),
+             out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, plan: TritonPlan, scale: float) -> None:
+    """Attention of the plan's decode rows of q (T, heads, D) into the same rows of out."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    n, splits = plan.num_decodes, plan.num_splits
+    grid = (n, num_kv_heads * triton.cdiv(group, DECODE_BLOCK_H), splits)
+    if splits > 1:
+        part_o = torch.empty((n, num_heads, splits, head_dim), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((n, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_strides = (num_heads * splits, splits, 1)  # in units of one (split) row
+    else:
+        part_o = part_lse = plan.dummy  # not read
+        part_strides = (0, 0, 0)
+    decode_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        plan.decode_seqs, plan.query_start_loc, plan.seq_lens, plan.block_tables,
+        scale * 1.4426950408889634, group, plan.block_size, plan.split_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), *part_strides,
+        HEAD_DIM=head_dim, BLOCK_H=DECODE_BLOCK_H, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
+        **launch_options("decode"))
+    if splits > 1:
+        reduce_kernel[(n, num_heads)](
+            part_o, part_lse, out, plan.decode_seqs, plan.query_start_loc, splits,
+            out.stride(0), out.stride(1), *part_strides, HEAD_DIM=head_dim,
+            MAX_SPLITS=MAX_SPLITS)
+
+
+def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
+    """Every variant the backend launches for
+    q/KV of `dtype` and head_dim: decode with and without split-K, and the reduce.
+    GQA group, block size and split length are runtime ints (one binary for all)."""
+    ptr, i32 = f"*{dtype}", "i32"
+    sig = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
+           "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "decode_seqs_ptr": "*i32",
+           "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+           "scale_log2": "fp32", "group": i32, "block_size": i32, "split_len": i32,
+           **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot",
+                            "stride_head", "stride_bt", "stride_pd", "stride_ph", "stride_ps"],
+                           i32),
+           **dict.fromkeys(["HEAD_DIM", "BLOCK_H", "BLOCK_N", "SPLIT"],
+                           "constexpr")}
+    const = {"HEAD_DIM": head_dim, "BLOCK_H": DECODE_BLOCK_H, "BLOCK_N": DECODE_BLOCK_N}
+    reduce_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": ptr,
+                  "decode_seqs_ptr": "*i32", "query_start_ptr": "*i32", "num_splits": i32,
+                  **dict.fromkeys(["stride_ot", "stride_oh", "stride_pd", "stride_ph",
+                                   "stride_ps"], i32),
+                  "HEAD_DIM": "constexpr", "MAX_SPLITS": "constexpr"}
+    opts = launch_options("decode")
+    return [KernelSpec("decode", decode_kernel, sig, {**const, "SPLIT": False}, opts, dots=2),
+            KernelSpec("decode_split", decode_kernel, sig, {**const, "SPLIT": True}, opts,
+                       dots=2),
+            KernelSpec("decode_reduce", reduce_kernel, reduce_sig,
+                       {"HEAD_DIM": head_dim, "MAX_SPLITS": MAX_SPLITS})]

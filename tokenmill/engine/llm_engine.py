@@ -124,6 +124,7 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
         model_max = self.model_config.max_position_embeddings
+        self._context_note = ""  # why max_model_len is below the model's, if it is
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         block_size = config.cache.block_size
         kv_cache_dtype = config.cache.kv_cache_dtype
@@ -137,6 +138,7 @@ class LLMEngine:
                            "tokens (raise --kv-cache-memory or --gpu-memory-utilization)",
                            num_blocks * block_size, model_max, num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
+            self._context_note = " (all the KV cache holds; raise --kv-cache-memory)"
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
                                   kv_dtype, device, config.attention_backend, kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, block_size,
@@ -204,12 +206,14 @@ class LLMEngine:
             max_tokens = self.max_model_len - len(ids)
             if max_tokens < 1:
                 raise RequestError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"this model's maximum context length is {self.max_model_len} tokens"
+                    f"{self._context_note}; "
                     f"the prompt has {len(ids)} tokens, leaving no room to generate", "prompt")
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"this model's maximum context length is {self.max_model_len} tokens"
+                f"{self._context_note}; "
                 f"you requested {total} tokens ({len(ids)} in the prompt, {max_tokens} to "
                 f"generate). Reduce the prompt or max_tokens.", "max_tokens")
         cache_tokens = self.block_manager.max_tokens_that_fit()

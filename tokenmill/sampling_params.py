@@ -84,6 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: chosen token + top-k
+    prompt_logprobs: int | None = None  # the same for each prompt token (vLLM)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -164,6 +165,8 @@ class SamplingParams:
                       f"got {self.min_tokens}.")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings.")
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.server import protocol as p
-from tokenmill.server.api import validation_error
+from tokenmill.server.errors import validation_error
 from tokenmill.server.metrics import ServerMetrics
 
 

@@ -79,8 +79,10 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> CachedPrefix:
         """The longest run of `seq`'s leading full blocks already in the cache.
-        Side-effect free; call it for a sequence that holds no blocks."""
-        if self.prefix_cache is None or seq.block_table:
+        Side-effect free; call it for a sequence that holds no blocks. None for
+        one that asks prompt logprobs: a cached block has no logits."""
+        if (self.prefix_cache is None or seq.block_table
+                or seq.sampling_params.prompt_logprobs is not None):
             return CachedPrefix()
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # leave >= 1 token to compute

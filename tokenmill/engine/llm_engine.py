@@ -22,6 +22,7 @@ from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.kv_budget import choose_num_blocks
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
@@ -145,6 +146,8 @@ class LLMEngine:
                                                self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, _Request] = {}  # constrained requests waiting for a grammar
+        # seq_id of a request's first sample -> its prompt logprobs so far
+        self.prompt_logprobs: dict[int, list] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         logger.info("engine ready: %s, dtype %s, %d KV blocks of %d tokens (%.0f MiB)",
                     self.model_name, self.dtype, num_blocks, block_size,
@@ -215,6 +218,8 @@ class LLMEngine:
             req.seqs += [Sequence(request_id, ids, params, index=i, arrival_time=now)
                          for i in range(1, params.n)]
         self.requests[request_id] = req
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[first.seq_id] = [None]  # the first token has no context
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = req  # scheduled once compiled
         else:
@@ -268,6 +273,7 @@ class LLMEngine:
             self._compiling.pop(rid, None)
             if req is not None:
                 req.pending_siblings = 0
+                self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
                 aborted = self.scheduler.abort(rid)
                 if self.speculator is not None:
                     self.speculator.forget(aborted)
@@ -292,8 +298,12 @@ class LLMEngine:
             self.speculator.extend(batch, self.scheduler.num_running)
         with timer("prepare"):
             ids, pos, meta, rows = self.runner.prepare(batch.scheduled)
+            extra = prompt_rows(batch.scheduled, self.prompt_logprobs)
         with timer("forward"):
-            logits = self.runner.forward(ids, pos, meta, rows)
+            logits = self.runner.forward(ids, pos, meta, rows + extra.rows)
+        if extra.rows:  # prompt rows come after the sampling rows
+            record_prompt_logprobs(logits[len(rows):], extra, self.prompt_logprobs)
+            logits = logits[:len(rows)]
         with timer("sample"):
             emitted = self._sample(batch, logits)
         with timer("postprocess"):
@@ -351,7 +361,8 @@ class LLMEngine:
         outputs = [self._request_output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
-                del self.requests[out.request_id]
+                req = self.requests.pop(out.request_id)
+                self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
         return outputs
 
     def _add_siblings(self, req: _Request) -> None:
@@ -379,6 +390,7 @@ class LLMEngine:
         finished = (not req.pending_siblings and len(req.seqs) == req.params.n
                     and all(s.is_finished for s in req.seqs))
         first = req.seqs[0]
+        prompt_logprobs = self.prompt_logprobs.get(first.seq_id)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -393,6 +405,7 @@ class LLMEngine:
                                       if s.first_token_time), default=None),
                 finished_time=time.monotonic() if finished else None,
             ),
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 
     def get_stats(self) -> EngineStats:

@@ -1,0 +1,1 @@
+"""Thin HTTP routes over `server.serving.Serving`, one module per API area."""

@@ -1,0 +1,38 @@
+"""Health, Prometheus metrics, version and the model list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill import __version__
+from tokenmill.server import protocol as p
+from tokenmill.server.errors import error_body
+from tokenmill.server.metrics import CONTENT_TYPE
+from tokenmill.server.serving import ServingDep
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(serving: ServingDep) -> Response:
+    ok, reason = serving.engine.health()
+    if ok:
+        return Response(status_code=200)
+    return JSONResponse(error_body(reason, "service_unavailable_error"), status_code=503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(serving: ServingDep) -> Response:
+    return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/v1/models", response_model=p.ModelList)
+async def models(serving: ServingDep) -> p.ModelList:
+    return p.ModelList(data=[p.ModelCard(id=serving.model_name, root=serving.root_model_name,
+                                         max_model_len=serving.max_model_len)])

@@ -1,0 +1,32 @@
+"""vLLM's /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from tokenmill.server import protocol as p
+from tokenmill.server.errors import check_text
+from tokenmill.server.serving import ServingDep
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=p.TokenizeResponse)
+async def tokenize(req: p.TokenizeRequest,
+                   serving: ServingDep) -> p.TokenizeResponse:
+    serving.check_model(req.model)
+    if req.messages is not None:
+        ids = serving.render_chat(req.messages, req.add_generation_prompt)
+    else:
+        check_text(req.prompt or "", "prompt")
+        ids = serving.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return p.TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len,
+                              tokens=list(ids))
+
+
+@router.post("/detokenize", response_model=p.DetokenizeResponse)
+async def detokenize(req: p.DetokenizeRequest,
+                     serving: ServingDep) -> p.DetokenizeResponse:
+    serving.check_model(req.model)
+    serving.check_token_ids(req.tokens, "tokens")
+    return p.DetokenizeResponse(prompt=serving.decode(req.tokens))

@@ -33,6 +33,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # the request field this came from, for error messages (not part of `key`)
+    param: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):

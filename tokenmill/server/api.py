@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server import protocol
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
@@ -22,9 +23,16 @@ from tokenmill.server.serving import Serving
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The app in front of `engine`, whose loop the caller runs (`engine.run()`)."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tool_call_parser: str | None = None,
+              allow_unknown_fields: bool = False) -> FastAPI:
+    """The app in front of `engine`, whose loop the caller runs (`engine.run()`).
+
+    tool_call_parser: parse tool calls from the model's own output for
+    tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME)."""
     serving = Serving(engine, served_model_name)
+    serving.tool_call_parser = tool_call_parser
+    protocol.allow_unknown_fields(allow_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -31,6 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted (413 above it)")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto"); '
+                   "needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="the format the model writes its tool calls in (vLLM's names)")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="ignore unknown request fields with a warning instead of a 400")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=run_serve)
@@ -48,10 +56,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
                          max_waiting=args.max_waiting)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size)
+                    max_request_bytes=args.max_request_size,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                    else None,
+                    allow_unknown_fields=args.allow_unknown_fields)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)

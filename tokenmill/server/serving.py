@@ -23,9 +23,12 @@ from tokenmill.engine.async_engine import (
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
+from tokenmill.server.constraints import check_compiles, with_constraints
 from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
+from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
+from tokenmill.server.tool_calls import conversation as tool_conversation
 
 
 class Serving:
@@ -38,6 +41,9 @@ class Serving:
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name)
+        self.grammars = llm.grammars  # compiles structured-output constraints, cached
+        self.tool_call_parser: str | None = None  # --tool-call-parser, with auto tool choice
+        self.template_knows_tools = template_knows_tools(self.tokenizer)
         self._token_text: dict[int, str] = {}
 
     # ---- request validation and rendering ------------------------------------------
@@ -57,18 +63,21 @@ class Serving:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
         try:
-            return req.to_sampling_params()
+            params = req.to_sampling_params()
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        return with_constraints(req, params)
 
-    def render_chat(self, messages: list[p.ChatMessage],
-                    add_generation_prompt: bool) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    tools: ToolPlan | None = None) -> list[int]:
+        conversation = tool_conversation(messages, tools, self.template_knows_tools)
         for i, m in enumerate(conversation):
             check_text(m["content"], f"messages.{i}.content")
+        template_tools = tools.tools if tools and self.template_knows_tools else None
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=template_tools)
         except Exception as e:  # noqa: BLE001 - jinja2 TemplateError/SecurityError, no template
             raise APIError(400, f"cannot apply the chat template: {str(e)[:300]}",
                            param="messages") from None
@@ -109,6 +118,7 @@ class Serving:
 
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams) -> RequestStream:
+        await check_compiles(self.grammars, params.structured_outputs)
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except QueueFullError as e:

@@ -99,8 +99,9 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as e:
             # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:line: "
             reason = str(e).strip().split(": ", 1)[-1] if "/cpp/" in str(e) else str(e)
-            raise GrammarError(f"invalid {_NAMES[kind]}: {reason}",
-                               f"structured_outputs.{kind}") from None
+            param = (f"structured_outputs.{kind}" if spec.param == "structured_outputs"
+                     else spec.param)
+            raise GrammarError(f"invalid {_NAMES[kind]}: {reason}", param) from None
         self.num_compiles += 1
         return grammar
 

@@ -201,9 +201,19 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # only 1 (what vllm bench sends); else a 400
+    # guidellm sends it next to max_tokens; the same limit
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.best_of not in (None, 1):
+            err = ValueError("best_of > 1 is not supported")
+            err.param = "best_of"  # type: ignore[attr-defined]
+            raise err
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None and "max_tokens" not in self.model_fields_set:
+            max_tokens = self.max_completion_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
 
 
 class TextPart(_Request):

@@ -12,6 +12,7 @@ Run: PYTHONPATH=. python tests/data/capture_client_requests.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import types
 from pathlib import Path
@@ -53,11 +54,9 @@ def openai_sdk_bodies() -> list[dict]:
                 n=2, stop=["\n"], seed=1, presence_penalty=0.1, frequency_penalty=0.1,
                 logprobs=True, top_logprobs=2, user="u-1", metadata={"app": "t"}, store=False,
                 service_tier="auto", logit_bias={"42": -5})
-    try:  # streamed: the body is what matters, the reply is not SSE
+    with contextlib.suppress(Exception):  # streamed: the body matters, the reply is not SSE
         list(chat.create(model=MODEL, messages=msgs, max_tokens=4, stream=True,
                          stream_options={"include_usage": True}))
-    except Exception:  # noqa: BLE001
-        pass
     chat.create(model=MODEL, messages=msgs, max_tokens=8, tools=[WEATHER], tool_choice="required",
                 parallel_tool_calls=False)
     chat.create(model=MODEL, messages=msgs, max_tokens=8,
@@ -65,11 +64,9 @@ def openai_sdk_bodies() -> list[dict]:
     chat.parse(model=MODEL, messages=msgs, max_tokens=30, response_format=City)
     chat.create(model=MODEL, messages=msgs, max_tokens=4, temperature=None, top_p=None, stop=None,
                 seed=None, n=None)  # explicit None: the SDK sends null
-    try:
+    with contextlib.suppress(Exception):  # the chat reply does not parse as a completion
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, echo=False,
                                   logprobs=None, suffix=None, best_of=1)
-    except Exception:  # noqa: BLE001 - the chat reply does not parse as a completion
-        pass
     return [dict(client="openai-sdk", **c) for c in captured]
 
 

@@ -11,28 +11,28 @@ from tokenmill.tools import JsonArrayParser, NamedParser, ToolCallStream, get_pa
 WEATHER = {"city": "San Francisco", "unit": "celsius"}
 # (parser, output text, expected content, expected [(name, arguments)])
 RECORDED = [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco", '
-     '"unit": "celsius"}}\n</tool_call>', None, [("get_weather", WEATHER)]),
-    ("hermes", 'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+    ("hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco", '
+     '"unit": "celsius"}}\n</tool_call>'), None, [("get_weather", WEATHER)]),
+    ("hermes", ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
      '{"city": "San Francisco", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": '
-     '"get_time", "arguments": {"tz": "PST", "nested": {"a": [1, 2, "}"]}}}\n</tool_call>',
+     '"get_time", "arguments": {"tz": "PST", "nested": {"a": [1, 2, "}"]}}}\n</tool_call>'),
      "Let me check both.\n",
      [("get_weather", WEATHER), ("get_time", {"tz": "PST", "nested": {"a": [1, 2, "}"]}})]),
     ("hermes", "The weather is sunny <b>today</b>.", "The weather is sunny <b>today</b>.", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "San Francisco", '
-     '"unit": "celsius"}}', None, [("get_weather", WEATHER)]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "San '
-     'Francisco", "unit": "celsius"}}; {"name": "get_time", "parameters": {}}', None,
+    ("llama3_json", ('{"name": "get_weather", "parameters": {"city": "San Francisco", '
+     '"unit": "celsius"}}'), None, [("get_weather", WEATHER)]),
+    ("llama3_json", ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "San '
+     'Francisco", "unit": "celsius"}}; {"name": "get_time", "parameters": {}}'), None,
      [("get_weather", WEATHER), ("get_time", {})]),
     ("llama3_json", "It is 20 degrees {roughly}.", "It is 20 degrees {roughly}.", []),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "San Francisco", '
-     '"unit": "celsius"}}, {"name": "get_time", "arguments": {"tz": "PST"}}]', None,
+    ("mistral", ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "San Francisco", '
+     '"unit": "celsius"}}, {"name": "get_time", "arguments": {"tz": "PST"}}]'), None,
      [("get_weather", WEATHER), ("get_time", {"tz": "PST"})]),
-    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "San Francisco", "unit": '
-     '"celsius"}', "Sure. ", [("get_weather", WEATHER)]),
+    ("mistral", ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "San Francisco", "unit": '
+     '"celsius"}'), "Sure. ", [("get_weather", WEATHER)]),
     ("mistral", "No tools [needed] here.", "No tools [needed] here.", []),
-    ("pythonic", '[get_weather(city="San Francisco", unit=\'celsius\'), get_time(tz="P(S)T", '
-     "offsets=[1, -2], opts={'dst': True})]", None,
+    ("pythonic", ('[get_weather(city="San Francisco", unit=\'celsius\'), get_time(tz="P(S)T", '
+     "offsets=[1, -2], opts={'dst': True})]"), None,
      [("get_weather", WEATHER), ("get_time", {"tz": "P(S)T", "offsets": [1, -2],
                                               "opts": {"dst": True}})]),
     ("pythonic", "<|python_start|>[get_weather(city='San Francisco', unit='celsius')]", None,

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, check_text
 
 
 def requested_constraint(req: Any) -> StructuredOutputsParams | None:
@@ -44,6 +44,9 @@ def requested_constraint(req: Any) -> StructuredOutputsParams | None:
         raise APIError(400, "give one output constraint, not several: "
                        + ", ".join(name for name, _ in given), param=given[1][0])
     field, kwargs = given[0]
+    texts = [v for v in kwargs.values() if isinstance(v, str)] + list(kwargs.get("choice") or [])
+    for text in texts:
+        check_text(text, field)
     try:
         return StructuredOutputsParams(**kwargs, param=field)
     except ValueError as e:
@@ -53,6 +56,8 @@ def requested_constraint(req: Any) -> StructuredOutputsParams | None:
 def with_constraints(req: Any, params: SamplingParams) -> SamplingParams:
     """`params` plus the request's output constraint and token constraints."""
     constraint = requested_constraint(req)
+    for word in req.bad_words or []:
+        check_text(word, "bad_words")
     bias = None
     if req.logit_bias:
         try:

@@ -96,9 +96,10 @@ class GrammarCache:
                 grammar = compiler.compile_grammar(choice_grammar(spec.choice))
             else:
                 grammar = compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, and more on odd input
             # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:line: "
             reason = str(e).strip().split(": ", 1)[-1] if "/cpp/" in str(e) else str(e)
+            reason = reason.encode("utf-8", "replace").decode()[:500]
             param = (f"structured_outputs.{kind}" if spec.param == "structured_outputs"
                      else spec.param)
             raise GrammarError(f"invalid {_NAMES[kind]}: {reason}", param) from None

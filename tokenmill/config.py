@@ -85,6 +85,9 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit block count wins over the byte budget
     kv_cache_memory_bytes: int | None = None  # None: a share of free RAM / GPU memory
+    # vLLM's --gpu-memory-utilization: on CUDA the share of the GPU's memory for the
+    # whole instance; on a CPU the share of available RAM for the KV cache
+    memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ class CacheConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory must be positive")
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass
@@ -101,6 +106,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
+    # off: a prompt is admitted only when all of it fits in one step's budget
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -117,9 +124,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None: the fastest correct default for the weights
-    max_model_len: int | None = None  # None: min(model's context, 8192)
+    max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     # speculative decoding (tokenmill/spec, docs/speculative.md)

@@ -113,3 +113,27 @@ def test_metrics_use_vllm_names_with_tokenmill_prefix():
     assert 'tokenmill:spec_decode_draft_acceptance_rate{model_name="m"} 0.75' in text
     assert 'tokenmill:spec_decode_mean_accepted_length{model_name="m"} 4.0' in text
     assert 'tokenmill:request_success_total{finished_reason="length",model_name="m"} 0.0' in text
+
+
+def test_vllm_metrics_prefix_parses_with_vllm_names_and_labels():
+    """What vLLM's dashboards and llm-d's endpoint picker read, via prometheus_client's
+    own text parser (a scraper's view, not a substring match)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.llm_engine import EngineStats
+
+    stats = EngineStats(num_running=3, num_waiting=5, kv_cache_usage=0.5)
+    metrics = ServerMetrics(lambda: stats, "m", prefix="vllm")
+    metrics.observe_gap(0.02)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    samples = {(s.name, s.labels.get("finished_reason", "")): s
+               for f in families.values() for s in f.samples}
+    for name, value in [("vllm:num_requests_running", 3), ("vllm:num_requests_waiting", 5),
+                        ("vllm:kv_cache_usage_perc", 0.5)]:
+        assert samples[(name, "")].value == value
+        assert samples[(name, "")].labels == {"model_name": "m", "engine": "0"}
+    assert samples[("vllm:inter_token_latency_seconds_count", "")].value == 1
+    assert ("vllm:request_success_total", "stop") in samples
+    assert not any(name.startswith("tokenmill:") for name in families)
+    with pytest.raises(ValueError, match="prefix"):
+        ServerMetrics(lambda: stats, "m", prefix="sglang")

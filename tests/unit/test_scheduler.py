@@ -220,3 +220,16 @@ def test_random_requests_under_a_tiny_cache_all_complete(seed):
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids,
                                                        seq.sampling_params.max_tokens)
     assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts)
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_takes_it_whole():
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20,
+                                      enable_chunked_prefill=False), bm)
+    a, b = make_seq(range(12)), make_seq(range(100, 112))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    # a takes 12 of 20 tokens; b's 12 do not fit in the 8 left and are not split
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 12)]
+    assert b.status is SequenceStatus.WAITING

@@ -39,12 +39,21 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
                    help="weight format; default: the fastest correct one for the checkpoint")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's own context, capped by what the KV cache holds")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="tokens per step (with --no-enable-chunked-prefill raised to "
+                   "max-model-len, as vLLM)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts over steps (default on)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget in bytes (e.g. 1GiB); default: a share of free memory")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="as vLLM on CUDA (share of the GPU's memory for the instance); on a "
+                   "CPU the share of available RAM for the KV cache (default there: "
+                   "min(15%% of RAM, 2 GiB))")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_true", default=True)
@@ -76,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -88,6 +98,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_bytes=args.kv_cache_memory,
+            memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
         ),
     )

@@ -40,8 +40,13 @@ def choose_num_blocks(config: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * CUDA_DEFAULT_SHARE)
+        free, total = torch.cuda.mem_get_info(device)
+        if cache.memory_utilization is not None:  # vLLM: of the whole GPU, weights included
+            budget = int(free - total * (1.0 - cache.memory_utilization))
+        else:
+            budget = int(free * CUDA_DEFAULT_SHARE)
+    elif cache.memory_utilization is not None:
+        budget = int(available_ram_bytes() * cache.memory_utilization)
     else:
         # never more than every sequence at full length could use
         need = max_num_seqs * max_model_len * per_block // cache.block_size
@@ -51,5 +56,5 @@ def choose_num_blocks(config: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget} bytes) is smaller than one block "
-            f"({per_block} bytes); raise --kv-cache-memory")
+            f"({per_block} bytes); raise --kv-cache-memory or --gpu-memory-utilization")
     return num_blocks

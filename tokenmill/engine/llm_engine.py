@@ -116,20 +116,29 @@ class LLMEngine:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
-        self.max_model_len = min(config.max_model_len or min(
-            self.model_config.max_position_embeddings, 8192),
-            self.model_config.max_position_embeddings)
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
         block_size = config.cache.block_size
         num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
                                        self.max_model_len, config.max_num_seqs)
+        if config.max_model_len is None and self.max_model_len > num_blocks * block_size:
+            # as vLLM: the model's own context by default, but never more than fits
+            logger.warning("max_model_len is %d, not the model's %d: the KV cache holds %d "
+                           "tokens (raise --kv-cache-memory or --gpu-memory-utilization)",
+                           num_blocks * block_size, model_max, num_blocks * block_size)
+            self.max_model_len = num_blocks * block_size
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
                                   loaded.dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
+        step_tokens = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # a whole prompt must fit one step, as vLLM
+            step_tokens = max(step_tokens, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len),
+                            max_num_batched_tokens=step_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size,

@@ -143,6 +143,8 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = bm.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < seq.num_tokens - prefix.num_tokens:
+                break  # the whole prompt in one step, or wait for a step with room
             if not bm.allocate_slots(seq, num_new, prefix):
                 break  # FIFO: no one overtakes the head of the queue
             self.waiting.popleft()

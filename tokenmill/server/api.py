@@ -18,25 +18,21 @@ from tokenmill.server import protocol
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
-from tokenmill.server.serving import Serving
+from tokenmill.server.serving import Serving, ServingConfig
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None,
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tool_call_parser: str | None = None,
-              allow_unknown_fields: bool = False) -> FastAPI:
-    """The app in front of `engine`, whose loop the caller runs (`engine.run()`).
-
-    tool_call_parser: parse tool calls from the model's own output for
-    tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME)."""
-    serving = Serving(engine, served_model_name)
-    serving.tool_call_parser = tool_call_parser
-    protocol.allow_unknown_fields(allow_unknown_fields)
+              config: ServingConfig | None = None) -> FastAPI:
+    """The app in front of `engine`, whose loop the caller runs (`engine.run()`)."""
+    serving = Serving(engine, served_model_name, config)
+    protocol.allow_unknown_fields(serving.config.allow_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        serving.tokenizers.shutdown()
         await asyncio.to_thread(serving.engine.shutdown)
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,

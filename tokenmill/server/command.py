@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 from tokenmill.engine.args import add_engine_args, engine_config_from_args, parse_bytes
 
@@ -21,16 +22,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default loopback; 0.0.0.0 exposes it)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="model name clients send (default: the engine's model name)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model names clients may send; responses carry the first "
+                   "(default: the engine's model name)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TOKENMILL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or set TOKENMILL_API_KEY "
+                   "or VLLM_API_KEY)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 when this many wait for a slot")
     g.add_argument("--max-request-size", type=parse_bytes, default="8MiB",
                    help="largest request body accepted (413 above it)")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="send usage.prompt_tokens_details.cached_tokens (default on, as "
+                   "OpenAI; vLLM's default is off)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice "auto"); '
                    "needs --tool-call-parser")
@@ -39,9 +46,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the format the model writes its tool calls in (vLLM's names)")
     g.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore unknown request fields with a warning instead of a 400")
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
+    v = serve.add_argument_group("vLLM compatibility (same names and meanings)")
+    v.add_argument("--uvicorn-log-level", default=None, choices=[*_LOG_LEVELS, "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    v.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted: tokenmill never logs request contents")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted; a checkpoint that needs its own Python code is refused "
+                   "either way (tokenmill runs only its built-in architectures)")
+    v.add_argument("--metrics-prefix", default="tokenmill", choices=["tokenmill", "vllm"],
+                   help="'vllm': /metrics under vLLM's names and labels (vllm:...)")
+    v.add_argument("--generation-config", default="auto",
+                   help="'auto': the checkpoint's generation_config.json sets the sampling "
+                   "defaults a request leaves unset; 'vllm': ignore it; or a directory")
+    v.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file, or the text) instead of the model's")
+    v.add_argument("--chat-template-content-format", default="auto",
+                   choices=["auto", "string", "openai"],
+                   help="message content as a string or as OpenAI's list of parts "
+                   "(auto: what the template loops over)")
     serve.set_defaults(func=run_serve)
+
+
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -55,17 +83,18 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
-    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    api_key = (args.api_key or os.environ.get("TOKENMILL_API_KEY")
+               or os.environ.get("VLLM_API_KEY") or None)
+    try:
+        serving_config = _serving_config(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
                          max_waiting=args.max_waiting)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                    else None,
-                    allow_unknown_fields=args.allow_unknown_fields)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                    max_request_bytes=args.max_request_size, config=serving_config)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
 
@@ -87,3 +116,45 @@ def run_serve(args: argparse.Namespace) -> int:
     while http.is_alive():  # the engine died: keep answering 503 until told to stop
         http.join(0.5)
     return 0 if server.started else 1
+
+
+def _serving_config(args: argparse.Namespace) -> Any:
+    """What the server flags change, checked before the model loads."""
+    from tokenmill.loaders.model_source import resolve_model
+    from tokenmill.server.chat_template import load_chat_template
+    from tokenmill.server.generation_config import load_generation_defaults
+    from tokenmill.server.serving import ServingConfig
+
+    source = resolve_model(args.model)
+    refuse_remote_code(source)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return ServingConfig(
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        allow_unknown_fields=args.allow_unknown_fields,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        metrics_prefix=args.metrics_prefix,
+        generation_defaults=load_generation_defaults(args.generation_config, source),
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format)
+
+
+def refuse_remote_code(source: Any) -> None:
+    """vLLM runs a checkpoint's own modelling code under --trust-remote-code;
+    tokenmill never does, so such a checkpoint is refused with the reason."""
+    import json
+
+    from tokenmill.config import SUPPORTED_ARCHITECTURES
+
+    if source.kind != "hf":
+        return
+    try:
+        cfg = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader reports an unreadable config itself
+    arch = (cfg.get("architectures") or [""])[0]
+    if cfg.get("auto_map") and arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source.path} needs its own Python code ({arch or 'auto_map'} in config.json); "
+            "tokenmill does not run checkpoint code, with or without --trust-remote-code. "
+            f"It runs {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -50,3 +50,42 @@ def chat_logprobs(choice: CompletionOutput, start: int, top_k: int,
                                        bytes=list(decode(t).encode("utf-8")))
                           for t, v in top]))
     return p.ChatLogprobs(content=content)
+
+
+def echoed_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list | None,
+                           decode: Decode) -> p.CompletionLogprobs:
+    """The prompt's tokens in completions' shape, as OpenAI's echo returns them:
+    the first token has no logprob (None), the rest their logprob and top k."""
+    lp = p.CompletionLogprobs()
+    text_offset = 0
+    for i, tid in enumerate(prompt_ids):
+        token = decode(tid)
+        entry = prompt_logprobs[i] if prompt_logprobs and i < len(prompt_logprobs) else None
+        lp.tokens.append(token)
+        lp.text_offset.append(text_offset)
+        text_offset += len(token)
+        if entry is None:
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            continue
+        lp.token_logprobs.append(clamp(entry[tid].logprob) if tid in entry else None)
+        lp.top_logprobs.append({decode(t): clamp(v.logprob) for t, v in entry.items()})
+    return lp
+
+
+def joined(first: p.CompletionLogprobs, then: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(text_offset=first.text_offset + then.text_offset,
+                                token_logprobs=first.token_logprobs + then.token_logprobs,
+                                tokens=first.tokens + then.tokens,
+                                top_logprobs=first.top_logprobs + then.top_logprobs)
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list | None, decode: Decode
+                         ) -> list[dict[str, p.PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token {token id: logprob, rank, text}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): p.PromptLogprob(logprob=clamp(v.logprob), rank=v.rank,
+                                     decoded_token=decode(t)) for t, v in entry.items()}
+            for entry in prompt_logprobs]

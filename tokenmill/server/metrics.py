@@ -1,4 +1,6 @@
-"""Prometheus metrics, named as vLLM's with a `tokenmill:` prefix so dashboards adapt.
+"""Prometheus metrics, named as vLLM's with a `tokenmill:` prefix, or with
+vLLM's own `vllm:` prefix and labels (model_name, engine) so vLLM's Grafana
+dashboards and llm-d's endpoint picker read them unchanged (--metrics-prefix).
 
 Engine gauges and cumulative counters are read from the worker's latest stats
 snapshot at scrape time; per-request histograms are observed by the server as
@@ -21,27 +23,36 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 _ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 FINISH_REASONS = ("stop", "length", "abort")
+PREFIXES = ("tokenmill", "vllm")
+
+
+def _base_labels(prefix: str, model_name: str) -> tuple[list[str], list[str]]:
+    """Label names and values on every series: vLLM v1 adds the engine index."""
+    if prefix == "vllm":
+        return ["model_name", "engine"], [model_name, "0"]
+    return ["model_name"], [model_name]
 
 
 class _EngineStatsCollector(Collector):
     """Gauges and counters straight from the engine's stats snapshot."""
 
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], Any], model_name: str,
+                 prefix: str = "tokenmill") -> None:
         self.get_stats = get_stats
         self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Any]:
         st = self.get_stats()
-        labels = ["model_name"]
-        values = [self.model_name]
+        labels, values = _base_labels(self.prefix, self.model_name)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            g = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=labels)
             g.add_metric(values, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            c = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=labels)
             c.add_metric(values, value)
             return c
 
@@ -72,23 +83,26 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], Any], model_name: str,
+                 prefix: str = "tokenmill") -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(_EngineStatsCollector(get_stats, model_name))
-        labels = ["model_name"]
+        self.registry.register(_EngineStatsCollector(get_stats, model_name, prefix))
+        labels, self._values = _base_labels(prefix, model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            h = Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets,
+            h = Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets,
                           registry=self.registry)
-            h.labels(model_name)  # exported (empty) before the first request
+            h.labels(*self._values)  # exported (empty) before the first request
             return h
 
         self.request_success = Counter(
-            "tokenmill:request_success", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry)
+            f"{prefix}:request_success", "Finished requests, by finish reason.",
+            [*labels, "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:  # present at 0 before the first request
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*self._values, reason)
         self.ttft = histogram("time_to_first_token_seconds",
                               "Arrival to first generated token.", _LATENCY_BUCKETS_S)
         self.itl = histogram("inter_token_latency_seconds",
@@ -101,27 +115,27 @@ class ServerMetrics:
                                  "First scheduled to first token.", _LATENCY_BUCKETS_S)
 
     def observe_gap(self, gap_s: float) -> None:
-        self.itl.labels(self.model_name).observe(gap_s)
+        self.itl.labels(*self._values).observe(gap_s)
 
     def observe_aborted(self) -> None:
-        self.request_success.labels(self.model_name, "abort").inc()
+        self.request_success.labels(*self._values, "abort").inc()
 
     def observe_finished(self, output: Any) -> None:
         """Record one finished RequestOutput (once per request, as vLLM counts)."""
         reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(*self._values, reason).inc()
         m = output.metrics
         if m is None:
             return
-        name = self.model_name
+        values = self._values
         if m.first_token_time is not None:
-            self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
+            self.ttft.labels(*values).observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.finished_time is not None:
-            self.e2e.labels(name).observe(max(0.0, m.finished_time - m.arrival_time))
+            self.e2e.labels(*values).observe(max(0.0, m.finished_time - m.arrival_time))
         if m.first_scheduled_time is not None:
-            self.queue.labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.queue.labels(*values).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:
-                self.prefill.labels(name).observe(
+                self.prefill.labels(*values).observe(
                     max(0.0, m.first_token_time - m.first_scheduled_time))
 
     def render(self) -> bytes:

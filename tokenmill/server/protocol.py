@@ -18,9 +18,10 @@ import logging
 import time
 import types
 import typing
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -103,6 +104,7 @@ class ErrorResponse(_Model):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk too
 
 
 class JsonSchemaFormat(_Request):
@@ -167,15 +169,22 @@ class _SamplingRequest(_Request):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, Any] | None) -> SamplingParams:
+        """`defaults`: --generation-config's values for the fields the request left unset."""
+        defaults = defaults or {}
+
+        def pick(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, builtin)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,
@@ -193,19 +202,37 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingRequest):
-    # a string, token ids, or a batch of one of either
+    # a string, token ids, or a batch of either: one choice per prompt x n
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    echo: bool = False  # before max_tokens: its validator reads it
+    # 0 with echo: score the prompt only (lm-eval's loglikelihood requests)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM
     best_of: int | None = Field(None, ge=1)  # only 1 (what vllm bench sends); else a 400
     # guidellm sends it next to max_tokens; the same limit
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
 
-    def to_sampling_params(self) -> SamplingParams:
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_need_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("must be at least 1 (0 only with echo, to score the prompt)")
+        return value
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.max_tokens == 0
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.best_of not in (None, 1):
             err = ValueError("best_of > 1 is not supported")
             err.param = "best_of"  # type: ignore[attr-defined]
@@ -213,7 +240,12 @@ class CompletionRequest(_SamplingRequest):
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None and "max_tokens" not in self.model_fields_set:
             max_tokens = self.max_completion_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        params = self._sampling_params(1 if self.prompt_only else max_tokens,
+                                       self.logprobs, defaults)
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        params.prompt_logprobs = max(wanted) if wanted else None
+        return params
 
 
 class TextPart(_Request):
@@ -241,10 +273,21 @@ class ChatMessage(_Request):
     refusal: str | None = None  # an echoed assistant message's; changes nothing
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # parts joined with newlines, as vLLM
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self, content_format: str) -> dict[str, Any]:
+        """The message as the chat template sees it: content as one string, or
+        ("openai") as a list of text parts, for templates that loop over parts."""
+        content: Any = self.text()
+        if content_format == "openai":
+            content = [{"type": "text", "text": part.text} for part in self.content] \
+                if isinstance(self.content, list) else [{"type": "text", "text": content}]
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 class FunctionDefinition(_Request):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -267,7 +310,29 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(_Request):
+    """How the conversation is rendered, as vLLM's chat and /tokenize take it."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    documents: list[dict[str, str]] | None = None  # for RAG templates
+    chat_template: str | None = None  # refused: the server's template is fixed
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true; set add_generation_prompt to false")
+        return self
+
+    def check_messages(self, messages: list[ChatMessage]) -> None:
+        if self.continue_final_message and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the "
+                             "assistant's")
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -276,7 +341,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -284,19 +348,21 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
-        # None: up to the context limit, as vLLM does for chat
-        max_tokens = self.max_completion_tokens or self.max_tokens
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        # None: the generation config's max_new_tokens, else up to the context limit,
+        # as vLLM does for chat
+        max_tokens = (self.max_completion_tokens or self.max_tokens
+                      or (defaults or {}).get("max_tokens"))
         return self._sampling_params(max_tokens,
-                                     (self.top_logprobs or 0) if self.logprobs else None)
+                                     (self.top_logprobs or 0) if self.logprobs else None,
+                                     defaults)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -313,10 +379,15 @@ class DetokenizeRequest(_Request):
 # ---- responses -------------------------------------------------------------------
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Model):
@@ -326,12 +397,20 @@ class CompletionLogprobs(_Model):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Model):  # vLLM's
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Model):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM: per prompt token, None for the first; keys are token ids
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Model):

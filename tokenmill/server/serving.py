@@ -9,6 +9,8 @@ keep only the HTTP shaping; everything two routes share lives here.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -23,35 +25,75 @@ from tokenmill.engine.async_engine import (
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
+from tokenmill.server.chat_template import NO_TEMPLATE, content_format, template_of
 from tokenmill.server.constraints import check_compiles, with_constraints
 from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
+from tokenmill.server.streams import Part, merge
+from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
 from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
 from tokenmill.server.tool_calls import conversation as tool_conversation
 
+MAX_PROMPTS = 2048  # per completion request, as OpenAI
+# apply_chat_template arguments the server sets itself
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "chat_template", "tokenize", "return_dict",
+                             "add_generation_prompt", "continue_final_message", "tools"}
+
+
+@dataclass
+class ServingConfig:
+    """What `tokenmill serve` flags change in the responses."""
+
+    # usage.prompt_tokens_details.cached_tokens; on by default (vLLM: off unless
+    # --enable-prompt-tokens-details) because OpenAI always sends it
+    enable_prompt_tokens_details: bool = True
+    tokenizer_workers: int = 2  # threads that tokenize, render and detokenize
+    metrics_prefix: str = "tokenmill"  # or "vllm": vLLM's metric names and labels
+    # --generation-config: sampling defaults for the fields a request leaves unset
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # --chat-template: replaces the model's own
+    # --chat-template-content-format: how message content reaches the template
+    chat_template_content_format: str = "auto"  # auto | string | openai
+    # --enable-auto-tool-choice --tool-call-parser NAME: parse tool_choice "auto" output
+    tool_call_parser: str | None = None
+    allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
+
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str | list[str] | None = None,
+                 config: ServingConfig | None = None) -> None:
         llm = engine.engine
         self.engine = engine
+        self.config = config or ServingConfig()
         self.tokenizer = llm.tokenizer
         self.root_model_name: str = llm.model_name
-        self.model_name: str = served_model_name or llm.model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else \
+            list(served_model_name or [])
+        # as vLLM: requests may name any of them; responses carry the first
+        self.model_names: list[str] = names or [llm.model_name]
+        self.model_name: str = self.model_names[0]
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
-        self.metrics = ServerMetrics(lambda: engine.stats, self.model_name)
+        self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
+                                     self.config.metrics_prefix)
+        self.chat_template = template_of(self.tokenizer, self.config.chat_template)
+        self.content_format = content_format(self.config.chat_template_content_format,
+                                             self.chat_template)
+        self.tokenizers = TokenizerPool(self.tokenizer, self.config.tokenizer_workers)
+        self.tokenizers_max_token_bytes = max_token_bytes(self.tokenizer)
+        self.max_prompt_bytes = self.max_model_len * self.tokenizers_max_token_bytes
         self.grammars = llm.grammars  # compiles structured-output constraints, cached
-        self.tool_call_parser: str | None = None  # --tool-call-parser, with auto tool choice
-        self.template_knows_tools = template_knows_tools(self.tokenizer)
+        self.template_knows_tools = template_knows_tools(self.chat_template)
         self._token_text: dict[int, str] = {}
 
     # ---- request validation and rendering ------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+                           f"{served}", param="model", code="model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token ids") -> None:
         if any(t >= self.vocab_size for t in ids):
@@ -63,32 +105,63 @@ class Serving:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
         try:
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(self.config.generation_defaults)
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         return with_constraints(req, params)
 
-    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    tools: ToolPlan | None = None) -> list[int]:
-        conversation = tool_conversation(messages, tools, self.template_knows_tools)
-        for i, m in enumerate(conversation):
-            check_text(m["content"], f"messages.{i}.content")
-        template_tools = tools.tools if tools and self.template_knows_tools else None
+    def check_prompt_bytes(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit: no token spells
+        more than `max_token_bytes`, so it has at least bytes / that many tokens."""
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > self.max_prompt_bytes:
+            at_least = num_bytes // self.tokenizers_max_token_bytes
+            raise APIError(400, f"this model's maximum context length is "
+                           f"{self.max_model_len} tokens; the prompt ({num_bytes} bytes) has "
+                           f"at least {at_least} tokens. Reduce the prompt.", param=param)
+
+    async def render_chat(self, messages: list[p.ChatMessage], options: p.ChatTemplateFields,
+                          tools: ToolPlan | None = None) -> list[int]:
+        if self.chat_template is None:
+            raise APIError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
+        if options.chat_template is not None:
+            raise APIError(400, "a per-request chat_template is not supported; start the "
+                           "server with --chat-template FILE", param="chat_template")
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                tools=template_tools)
-        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError/SecurityError, no template
+            options.check_messages(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        conversation = tool_conversation(messages, tools, self.template_knows_tools,
+                                         self.content_format)
+        for i, m in enumerate(messages):
+            check_text(m.text(), f"messages.{i}.content")
+        self.check_prompt_bytes("".join(m.text() for m in messages), "messages")
+        extra = dict(options.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
+        if options.documents is not None:
+            extra["documents"] = options.documents
+        if tools is not None and self.template_knows_tools:
+            extra["tools"] = tools.tools
+        try:
+            return await self.tokenizers.render_chat(
+                conversation, chat_template=self.chat_template,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **extra)
+        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError/SecurityError
             raise APIError(400, f"cannot apply the chat template: {str(e)[:300]}",
                            param="messages") from None
-        # the template holds the special tokens already
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        check_text(text, param)
+        self.check_prompt_bytes(text, param)
+        return await self.tokenizers.encode(text, add_special_tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.tokenizers.decode(token_ids)
 
     def decode_token(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -96,20 +169,40 @@ class Serving:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def completion_prompt(self, req: p.CompletionRequest) -> str | list[int]:
+    def completion_prompts(self, req: p.CompletionRequest) -> list[str | list[int]]:
+        """The prompts of a completion request: one, or a batch (each gets n choices)."""
         prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) > 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt "
-                               "per request", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            check_text(prompt, "prompt")
-        else:
-            self.check_token_ids(prompt, "prompt", "prompt token ids")
-        if not prompt:
+        batch = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) \
+            else list(prompt)
+        if not batch:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return prompt
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}",
+                           param="prompt")
+        for i, one in enumerate(batch):
+            param = self._prompt_param(i, len(batch))
+            if isinstance(one, str):
+                check_text(one, param)
+                self.check_prompt_bytes(one, param)
+            else:
+                self.check_token_ids(one, param, "prompt token ids")
+            if not one:
+                raise APIError(400, f"{param} is empty", param=param)
+        return batch
+
+    async def prompt_token_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Text prompts tokenized in the pool (with the tokenizer's special tokens,
+        as the engine would), token-id prompts as they are."""
+        async def one(i: int, prompt: str | list[int]) -> list[int]:
+            if not isinstance(prompt, str):
+                return prompt
+            return await self.encode(prompt, True, self._prompt_param(i, len(prompts)))
+
+        return list(await asyncio.gather(*(one(i, x) for i, x in enumerate(prompts))))
+
+    @staticmethod
+    def _prompt_param(i: int, batch_size: int) -> str:
+        return "prompt" if batch_size == 1 else f"prompt.{i}"
 
     # ---- the engine ----------------------------------------------------------------
 
@@ -132,38 +225,66 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
-    async def collect(self, request: Request, stream: RequestStream,
-                      progress: Progress) -> RequestOutput:
-        """Run a non-streamed request to the end; abort it if the client leaves."""
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, stream.request_id))
-        final = None
+    async def submit_all(self, request_id: str, prompts: list[str | list[int]],
+                         params: SamplingParams, object_name: str) -> list[Part]:
+        """One engine request per prompt, tokenized here (never on the engine loop);
+        if one is refused, the others are aborted."""
+        prompt_ids = await self.prompt_token_ids(prompts)
+        parts: list[Part] = []
         try:
-            async for out in stream:
-                progress.observe(out)
-                final = out
+            for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                stream = await self.submit(rid, ids, params)
+                parts.append(Part(stream, self.progress(params.n, object_name), prompt,
+                                  i * params.n))
+        except BaseException:
+            for part in parts:
+                self.engine.abort(part.stream.request_id)
+            raise
+        return parts
+
+    async def collect(self, request: Request, parts: list[Part]) -> list[RequestOutput]:
+        """Run non-streamed requests to the end; abort them if the client leaves."""
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, parts))
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async with aclosing(merge(parts)) as outputs:
+                async for part, out in outputs:
+                    part.progress.observe(out)
+                    finals[id(part)] = out
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:
             watcher.cancel()
-            progress.end(stream, self.engine)
-        if final is None or not final.finished:
+            for part in parts:
+                part.progress.end(part.stream, self.engine)
+        outs = [finals.get(id(part)) for part in parts]
+        if any(out is None or not out.finished for out in outs):
             raise APIError(503, "the request was aborted before it finished (server "
                            "shutting down)", "service_unavailable_error", code="aborted")
-        return final
+        return [out for out in outs if out is not None]
 
-    async def _abort_on_disconnect(self, request: Request, request_id: str) -> None:
+    async def _abort_on_disconnect(self, request: Request, parts: list[Part]) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                self.engine.abort(request_id)
+                for part in parts:
+                    self.engine.abort(part.stream.request_id)
                 return
 
-    @staticmethod
-    def usage(out: RequestOutput) -> p.UsageInfo:
-        prompt_tokens = len(out.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    def usage(self, outs: list[RequestOutput], prompt_only: bool = False) -> p.UsageInfo:
+        """Summed over the prompts of a batch; `prompt_only`: the token generated to
+        score a max_tokens=0 prompt is not counted (nor returned)."""
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+        completion_tokens = 0 if prompt_only else sum(
+            len(c.token_ids) for out in outs for c in out.outputs)
+        details = None
+        if self.config.enable_prompt_tokens_details:
+            details = p.PromptTokensDetails(
+                cached_tokens=sum(out.num_cached_tokens for out in outs))
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           total_tokens=prompt_tokens + completion_tokens)
+                           total_tokens=prompt_tokens + completion_tokens,
+                           prompt_tokens_details=details)
 
 
 def get_serving(request: Request) -> Serving:

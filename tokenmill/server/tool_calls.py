@@ -91,16 +91,15 @@ def _describe(tools: list[p.Tool], how: str) -> str:
     return f"You can call these functions:\n{specs}\n{how}"
 
 
-def template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in template if isinstance(template, str) else False
+def template_knows_tools(template: str | None) -> bool:
+    return isinstance(template, str) and "tools" in template
 
 
-def conversation(messages: list[p.ChatMessage], plan: ToolPlan | None,
-                 knows_tools: bool) -> list[dict[str, Any]]:
+def conversation(messages: list[p.ChatMessage], plan: ToolPlan | None, knows_tools: bool,
+                 content_format: str = "string") -> list[dict[str, Any]]:
     """The messages as the chat template gets them."""
     if knows_tools:
-        return [_native(m) for m in messages]
+        return [_native(m, content_format) for m in messages]
     names: dict[str, str] = {}  # tool_call_id -> function name, for the results
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -112,24 +111,28 @@ def conversation(messages: list[p.ChatMessage], plan: ToolPlan | None,
                 calls.append({"name": c.function.name,
                               "parameters": _arguments(c.function.arguments)})
             text = (text + "\n" if text else "") + json.dumps(calls, ensure_ascii=False)
-            out.append({"role": "assistant", "content": text})
+            out.append({"role": "assistant", "content": _content(text, content_format)})
         elif m.role == "tool":
             name = names.get(m.tool_call_id or "", m.name or "the function")
-            out.append({"role": "user", "content": f"Result of {name}: {text}"})
+            out.append({"role": "user",
+                        "content": _content(f"Result of {name}: {text}", content_format)})
         else:
-            out.append({"role": m.role, "content": text})
+            out.append(m.for_template(content_format))
     if plan is not None and plan.instruction:
-        if out and out[0]["role"] == "system":
+        if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):
             out[0]["content"] += "\n\n" + plan.instruction
         else:
-            out.insert(0, {"role": "system", "content": plan.instruction})
+            out.insert(0, {"role": "system",
+                           "content": _content(plan.instruction, content_format)})
     return out
 
 
-def _native(m: p.ChatMessage) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.name:
-        msg["name"] = m.name
+def _content(text: str, content_format: str) -> Any:
+    return [{"type": "text", "text": text}] if content_format == "openai" else text
+
+
+def _native(m: p.ChatMessage, content_format: str) -> dict[str, Any]:
+    msg = m.for_template(content_format)
     if m.tool_calls:  # HF templates expect arguments as an object
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
             "name": c.function.name, "arguments": _arguments(c.function.arguments)}}

@@ -34,5 +34,6 @@ async def version() -> dict[str, str]:
 
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(serving: ServingDep) -> p.ModelList:
-    return p.ModelList(data=[p.ModelCard(id=serving.model_name, root=serving.root_model_name,
-                                         max_model_len=serving.max_model_len)])
+    return p.ModelList(data=[p.ModelCard(id=name, root=serving.root_model_name,
+                                         max_model_len=serving.max_model_len)
+                             for name in serving.model_names])

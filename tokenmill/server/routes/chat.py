@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, whole or streamed, with tool calls."""
+"""POST /v1/chat/completions, whole or streamed, with tool calls (server/tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.serving import ServingDep
 from tokenmill.server.sse import event_stream
+from tokenmill.server.streams import Part
 from tokenmill.server.tool_calls import ToolPlan, plan_tools
 from tokenmill.tools import ToolCallStream
 
@@ -29,12 +31,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                            serving: ServingDep) -> Any:
     serving.check_model(req.model)
-    tools = plan_tools(req, serving.tool_call_parser)
+    tools = plan_tools(req, serving.config.tool_call_parser)
     params = _with_tools(serving.sampling_params(req), tools)
-    prompt_ids = serving.render_chat(req.messages, req.add_generation_prompt, tools)
+    prompt_ids = await serving.render_chat(req.messages, req, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    progress = serving.progress(req.n, "chat.completion.chunk")
-    stream = await serving.submit(request_id, prompt_ids, params)
+    parts = await serving.submit_all(request_id, [prompt_ids], params,
+                                     "chat.completion.chunk")
     top_k = req.top_logprobs or 0
     decode = serving.decode_token
 
@@ -42,14 +44,14 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
         calls = [ToolCallStream(tools.parser) if tools and tools.parser else None
                  for _ in range(req.n)]
 
-        def chunks(out: RequestOutput) -> list[dict]:
+        def chunks(part: Part, out: RequestOutput) -> list[dict]:
             events = []
-            for c, delta, first_token, _, first in progress.deltas(
+            for c, delta, first_token, _, first in part.progress.deltas(
                     out, bool(req.logprobs), announce=True):
                 tool_deltas = None
                 finish_reason = c.finish_reason
                 call_stream = calls[c.index]
-                if call_stream is not None:
+                if call_stream is not None and tools is not None:
                     delta, tool_deltas = call_stream.update(c.text, c.finished)
                     if not tools.parallel:
                         tool_deltas = [d for d in tool_deltas if d["index"] == 0]
@@ -68,14 +70,14 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                     del dumped["delta"]["role"]
                 if dumped["delta"]["tool_calls"] is None:
                     del dumped["delta"]["tool_calls"]
-                events.append(progress.chunk(request_id, serving.model_name, dumped))
+                events.append(part.progress.chunk(request_id, serving.model_name, dumped))
             return events
 
-        return StreamingResponse(event_stream(serving, request_id, stream, progress, chunks,
-                                              req.include_usage),
+        return StreamingResponse(event_stream(serving, request_id, parts, chunks,
+                                              req.include_usage, req.continuous_usage),
                                  media_type="text/event-stream")
 
-    final = await serving.collect(request, stream, progress)
+    final, = await serving.collect(request, parts)
     choices = []
     for c in final.outputs:
         message, finish_reason = _message(c, tools)
@@ -84,11 +86,11 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
             stop_reason=c.stop_reason,
             logprobs=chat_logprobs(c, 0, top_k, decode) if req.logprobs else None))
     return JSONResponse(p.dump(p.ChatCompletionResponse(
-        id=request_id, created=progress.created, model=serving.model_name, choices=choices,
-        usage=serving.usage(final))))
+        id=request_id, created=parts[0].progress.created, model=serving.model_name,
+        choices=choices, usage=serving.usage([final]))))
 
 
-def _with_tools(params: Any, tools: ToolPlan | None) -> Any:
+def _with_tools(params: SamplingParams, tools: ToolPlan | None) -> SamplingParams:
     if tools is None:
         return params
     if tools.constraint is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from tokenmill.server import protocol as p
-from tokenmill.server.errors import check_text
 from tokenmill.server.serving import ServingDep
 
 router = APIRouter()
@@ -16,10 +15,9 @@ async def tokenize(req: p.TokenizeRequest,
                    serving: ServingDep) -> p.TokenizeResponse:
     serving.check_model(req.model)
     if req.messages is not None:
-        ids = serving.render_chat(req.messages, req.add_generation_prompt)
+        ids = await serving.render_chat(req.messages, req)
     else:
-        check_text(req.prompt or "", "prompt")
-        ids = serving.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        ids = await serving.encode(req.prompt or "", req.add_special_tokens)
     return p.TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len,
                               tokens=list(ids))
 
@@ -29,4 +27,4 @@ async def detokenize(req: p.DetokenizeRequest,
                      serving: ServingDep) -> p.DetokenizeResponse:
     serving.check_model(req.model)
     serving.check_token_ids(req.tokens, "tokens")
-    return p.DetokenizeResponse(prompt=serving.decode(req.tokens))
+    return p.DetokenizeResponse(prompt=await serving.decode(req.tokens))

@@ -113,11 +113,15 @@ class Serving:
     def check_prompt_bytes(self, text: str, param: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit: no token spells
         more than `max_token_bytes`, so it has at least bytes / that many tokens."""
-        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if len(text) * 4 <= self.max_prompt_bytes:
+            return  # no character is over 4 bytes: it cannot be too long
+        # a character is at least one byte, so a long text is refused without encoding it
+        num_bytes = len(text) if len(text) > self.max_prompt_bytes else \
+            len(text.encode("utf-8", "surrogatepass"))
         if num_bytes > self.max_prompt_bytes:
             at_least = num_bytes // self.tokenizers_max_token_bytes
             raise APIError(400, f"this model's maximum context length is "
-                           f"{self.max_model_len} tokens; the prompt ({num_bytes} bytes) has "
+                           f"{self.max_model_len} tokens; the prompt (at least {num_bytes} bytes) has "
                            f"at least {at_least} tokens. Reduce the prompt.", param=param)
 
     async def render_chat(self, messages: list[p.ChatMessage], options: p.ChatTemplateFields,
@@ -156,8 +160,8 @@ class Serving:
 
     async def encode(self, text: str, add_special_tokens: bool = True,
                      param: str = "prompt") -> list[int]:
-        check_text(text, param)
         self.check_prompt_bytes(text, param)
+        check_text(text, param)
         return await self.tokenizers.encode(text, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
@@ -182,8 +186,8 @@ class Serving:
         for i, one in enumerate(batch):
             param = self._prompt_param(i, len(batch))
             if isinstance(one, str):
+                self.check_prompt_bytes(one, param)  # first: it is the cheaper check
                 check_text(one, param)
-                self.check_prompt_bytes(one, param)
             else:
                 self.check_token_ids(one, param, "prompt token ids")
             if not one:

@@ -13,6 +13,7 @@ from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError
+from tokenmill.server.json_body import OffLoopJSONRoute
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.serving import ServingDep
 from tokenmill.server.sse import event_stream
@@ -20,7 +21,7 @@ from tokenmill.server.streams import Part
 from tokenmill.server.tool_calls import ToolPlan, plan_tools
 from tokenmill.tools import ToolCallStream
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": p.ErrorResponse} for s in (400, 404, 503)}

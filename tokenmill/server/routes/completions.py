@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError
+from tokenmill.server.json_body import OffLoopJSONRoute
 from tokenmill.server.logprobs import (
     completion_logprobs,
     echoed_prompt_logprobs,
@@ -22,7 +23,7 @@ from tokenmill.server.serving import Serving, ServingDep
 from tokenmill.server.sse import event_stream
 from tokenmill.server.streams import Part
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": p.ErrorResponse} for s in (400, 404, 503)}

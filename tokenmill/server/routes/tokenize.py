@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from tokenmill.server import protocol as p
+from tokenmill.server.json_body import OffLoopJSONRoute
 from tokenmill.server.serving import ServingDep
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @router.post("/tokenize", response_model=p.TokenizeResponse)

@@ -67,6 +67,7 @@ class FrontEndModel:
     max_model_len: int
     model_config: ModelConfig
     server_info: dict  # what the core runs (GET /server_info)
+    eos_token_ids: list[int]
 
 
 class CoreClient:
@@ -98,7 +99,8 @@ class CoreClient:
             raise
         self.core_pid = ready.pid
         self.engine = FrontEndModel(ready.model_name, tokenizer, ready.max_model_len,
-                                    ready.model_config, ready.server_info)
+                                    ready.model_config, ready.server_info,
+                                    ready.eos_token_ids)
         self.tokenizer = tokenizer
         self.max_num_seqs = ready.max_num_seqs
         self.stats: EngineStats = ready.stats  # replaced whole, never mutated

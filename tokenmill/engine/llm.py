@@ -63,6 +63,9 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} "
                                  "SamplingParams; pass one, or one per prompt")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for p in params:  # compile errors raise here (GrammarError, a ValueError)
+            if p.structured_outputs is not None:
+                self.engine.grammars.submit(p.structured_outputs).result()
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(rid, prompt, p)

@@ -7,9 +7,11 @@ processor detokenizes and checks stops, the scheduler frees what finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,7 @@ from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured import GrammarCache, LogitsConstraints
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class _Request:
     seqs: list[Sequence]
     pending_siblings: int  # n > 1: samples added once the first one's prompt is cached
     arrival_time: float
+    grammar: Future | None = None  # structured outputs: its compile
 
 
 class LLMEngine:
@@ -155,7 +159,10 @@ class LLMEngine:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager)
         self.eos_token_ids = self._eos_ids()
-        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size,
+                                     self.eos_token_ids)
+        self.constraints = LogitsConstraints(self.grammars)
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, constraints=self.constraints)
         self.detokenizer = Detokenizer(self.tokenizer) if detokenize else None
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.detokenizer)
         self.speculator = None
@@ -165,6 +172,7 @@ class LLMEngine:
             self.speculator = build_speculator(config, self.runner, self.block_manager,
                                                self.max_model_len, loaded.dtype)
         self.requests: dict[str, _Request] = {}
+        self._compiling: dict[str, _Request] = {}  # constrained requests waiting for a grammar
         # seq_id of a request's first sample -> its prompt logprobs so far
         self.prompt_logprobs: dict[int, list] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
@@ -223,25 +231,75 @@ class LLMEngine:
                 f"{cache_tokens}; raise --kv-cache-memory or reduce the request", "max_tokens")
         if max_tokens != params.max_tokens:
             params = _with_max_tokens(params, max_tokens)
+        params = self._check_constraints(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                err = grammar.exception()
+                raise RequestError(str(err), getattr(err, "param", "structured_outputs"))
         now = time.monotonic() if arrival_time is None else arrival_time
         first = Sequence(request_id, ids, params, index=0, arrival_time=now)
         share_prompt = params.n > 1 and self.block_manager.enable_prefix_caching
         req = _Request(request_id, text, ids, params, [first],
-                       params.n - 1 if share_prompt else 0, now)
+                       params.n - 1 if share_prompt else 0, now, grammar)
         if not share_prompt:
             req.seqs += [Sequence(request_id, ids, params, index=i, arrival_time=now)
                          for i in range(1, params.n)]
         self.requests[request_id] = req
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[first.seq_id] = [None]  # the first token has no context
-        for seq in req.seqs:
-            self.scheduler.add(seq)
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = req  # scheduled once compiled
+        else:
+            for seq in req.seqs:
+                self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
+
+    def _check_constraints(self, params: SamplingParams) -> SamplingParams:
+        """Token ids within the vocabulary; bad_words as token ids (as vLLM: the
+        word and the word after a space)."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise RequestError(f"{name} token ids must be in [0, {vocab})", name)
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        words: set[tuple[int, ...]] = set()
+        for word in params.bad_words:
+            for variant in {word, " " + word.lstrip()}:
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids:
+                    words.add(tuple(ids))
+        return dataclasses.replace(params, bad_words_token_ids=[list(w) for w in sorted(words)])
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar has compiled; fail the
+        ones whose grammar did not (the server checks first, so only offline)."""
+        failed = []
+        for req in list(self._compiling.values()):
+            if req.grammar is None or not req.grammar.done():
+                continue
+            del self._compiling[req.request_id]
+            err = req.grammar.exception()
+            if err is None:
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
+                continue
+            logger.warning("request %s: %s", req.request_id, err)
+            for seq in req.seqs:
+                seq.finish("abort")
+            req.pending_siblings = 0
+            failed.append(self._request_output(req))
+            del self.requests[req.request_id]
+        return failed
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             req = self.requests.pop(rid, None)
+            self._compiling.pop(rid, None)
             if req is not None:
                 req.pending_siblings = 0
                 self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
@@ -259,10 +317,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         timer = _PhaseTimer(self.stats.time_s)
+        failed = self._admit_compiled() if self._compiling else []
         with timer("schedule"):
             batch = self.scheduler.schedule()
         if not batch.scheduled:
-            return []
+            return failed
         self._count(batch)
         if self.speculator is not None:  # proposes drafts: widens decoding entries
             self.speculator.extend(batch, self.scheduler.num_running)
@@ -282,7 +341,7 @@ class LLMEngine:
             self.kv_events.publish()
         if self.config.debug_kv_integrity:
             self.check_kv_integrity()
-        return outputs
+        return failed + outputs
 
     def check_kv_integrity(self) -> None:
         """Raise KVCacheIntegrityError unless the KV books (ref counts, free list,
@@ -320,6 +379,10 @@ class LLMEngine:
         for seq, token_ids, token_logprobs in emitted:
             for token_id, logprobs in zip(token_ids, token_logprobs):
                 seq.append_token(token_id)
+                if not self.constraints.accept(seq, token_id):
+                    # the mask allowed only what the grammar accepts: a bug if reached
+                    logger.error("%r: token %d breaks its grammar; stopping it", seq, token_id)
+                    seq.finish("abort")
                 if logprobs is not None:
                     if self.detokenizer is not None:
                         self.detokenizer.decode_logprob_tokens(logprobs)
@@ -416,8 +479,6 @@ class LLMEngine:
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 

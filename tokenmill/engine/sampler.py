@@ -1,6 +1,7 @@
 """Logits -> next token ids (+ logprobs), batched, with per-request parameters.
 
-Order of operations on a row (as vLLM): min_tokens mask -> repetition,
+Order of operations on a row (as vLLM): constraints (tokenmill/structured:
+grammar bitmask, logit_bias, allowed_token_ids, bad_words) -> min_tokens mask -> repetition,
 frequency and presence penalties -> greedy argmax, or temperature -> min-p ->
 top-k -> top-p -> one inverse-CDF draw. Logprobs are always those of the
 model's own distribution: log_softmax of the raw logits, before any penalty,
@@ -13,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,6 +39,10 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+class Constraints(Protocol):
+    def apply(self, logits: torch.Tensor, seqs: SequenceLike[Sequence]) -> torch.Tensor: ...
+
+
 def _seed_for(seed: int, index: int) -> int:
     # Distinct, reproducible streams for the n samples of one seeded request.
     return (seed * 0x9E3779B97F4A7C15 + index) % (2**63)
@@ -51,8 +57,10 @@ class Sampler:
     rows draw from torch's global CPU generator.
     """
 
-    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = (),
+                 constraints: Constraints | None = None) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self.constraints = constraints
 
     def __call__(self, logits: torch.Tensor, seqs: SequenceLike[Sequence]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
@@ -62,6 +70,8 @@ class Sampler:
         raw_logprobs = None
         if any(k is not None for k in num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
+        if self.constraints is not None:
+            logits = self.constraints.apply(logits, seqs)
 
         blocked = self._blocked_stop_ids(seqs)
         penalized = [i for i, p in enumerate(params) if _has_penalty(p)]

@@ -55,6 +55,7 @@ class Sequence:
         self.output_text = ""
         self.detok_state: Any = None  # owned by the detokenizer
         self.sampler_state: Any = None  # owned by the sampler (e.g. a seeded generator)
+        self.grammar: Any = None  # owned by tokenmill/structured: its grammar matcher
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

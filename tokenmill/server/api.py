@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from tokenmill import __version__
 from tokenmill.engine.engine_client import EngineClient
+from tokenmill.server import protocol
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
@@ -27,6 +28,7 @@ def build_app(engine: EngineClient, served_model_name: str | None = None,
               config: ServingConfig | None = None) -> FastAPI:
     """The app in front of `engine`; its lifespan's end shuts the engine down."""
     serving = Serving(engine, served_model_name, config)
+    protocol.allow_unknown_fields(serving.config.allow_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -44,6 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=True,
                    help="send usage.prompt_tokens_details.cached_tokens (default on, as "
                    "OpenAI; vLLM's default is off)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto"); '
+                   "needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="the format the model writes its tool calls in (vLLM's names)")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="ignore unknown request fields with a warning instead of a 400")
     g.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
     v = serve.add_argument_group("vLLM compatibility (same names and meanings)")
     v.add_argument("--uvicorn-log-level", default=None, choices=[*_LOG_LEVELS, "trace"],
@@ -165,7 +173,11 @@ def _serving_config(args: argparse.Namespace) -> Any:
 
     source = resolve_model(args.model)
     refuse_remote_code(source)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServingConfig(
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        allow_unknown_fields=args.allow_unknown_fields,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         metrics_prefix=args.metrics_prefix,
         generation_defaults=load_generation_defaults(args.generation_config, source),

@@ -42,6 +42,10 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         reason = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON ({reason})".replace(" ()", ""),
                         code="invalid_json")
+    unknown = [_param(e) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's words for a field it does not know
+        return APIError(400, "Unrecognized request argument supplied: " + ", ".join(unknown),
+                        param=unknown[0])
     loc = []
     for part in first.get("loc", ()):
         if part == "body" and not loc:
@@ -58,6 +62,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problems)"
     return APIError(400, msg, param=param)
+
+
+def _param(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error.get("loc", ()) if not (isinstance(p, str) and _is_union_tag(p))]
+    return ".".join(loc[1:] if loc[:1] == ["body"] else loc)
 
 
 def _is_union_tag(part: str) -> bool:

@@ -4,12 +4,20 @@ stop_token_ids, /tokenize, /detokenize).
 
 Bounds live in the field definitions so they show in /openapi.json;
 `SamplingParams` checks them again for callers that bypass the server.
-Unknown fields are ignored, as OpenAI and vLLM do.
+
+No request field is silently ignored: an unknown one is a 400 ("Unrecognized
+request argument supplied: X", as OpenAI answers), except an explicit null
+(it asks for nothing) and the metadata in `NO_OP_FIELDS`, which changes
+nothing about the output. `allow_unknown_fields(True)` (`--allow-unknown-fields`)
+drops unknown fields with a warning instead, as vLLM does.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import types
+import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -24,9 +32,57 @@ MAX_LOGPROBS = 20
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
+logger = logging.getLogger(__name__)
+
+
 class _Model(BaseModel):
     # JSON parsers accept NaN/Infinity; a NaN temperature must not reach the sampler
     model_config = ConfigDict(allow_inf_nan=False)
+
+
+# Request metadata that changes nothing about the output (OpenAI's and clients'):
+# accepted and dropped.
+NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                          "safety_identifier", "prompt_cache_retention"})
+_lenient = False
+
+
+def allow_unknown_fields(allow: bool) -> None:
+    """True: drop unknown request fields with a warning instead of a 400."""
+    global _lenient
+    _lenient = allow
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and type(None) in typing.get_args(annotation))
+
+
+class _Request(_Model):
+    """A request body or a part of one: unknown fields are errors (see the docstring)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_no_ops(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        known = set(fields) | {f.alias for f in fields.values() if f.alias}
+        kept = {}
+        for key, value in data.items():
+            field = fields.get(key)
+            if field is None and key not in known:
+                if value is None or key in NO_OP_FIELDS:
+                    continue  # null asks for nothing; metadata changes nothing
+                if _lenient:
+                    logger.warning("ignoring the unrecognized request field %r", key)
+                    continue
+            elif value is None and field is not None and not _accepts_none(field.annotation):
+                continue  # an explicit null where null is not a value: the default
+            kept[key] = value
+        return kept
 
 
 # ---- errors ----------------------------------------------------------------------
@@ -46,12 +102,34 @@ class ErrorResponse(_Model):
 # ---- requests --------------------------------------------------------------------
 
 
-class StreamOptions(_Model):
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk too
 
 
-class _SamplingRequest(_Model):
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -74,6 +152,16 @@ class _SamplingRequest(_Model):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token constraints and structured outputs (server/constraints.py, tokenmill/structured)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -129,6 +217,9 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM
+    best_of: int | None = Field(None, ge=1)  # only 1 (what vllm bench sends); else a 400
+    # guidellm sends it next to max_tokens; the same limit
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
 
     @field_validator("max_tokens")
     @classmethod
@@ -142,7 +233,14 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens == 0
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-        params = self._sampling_params(1 if self.prompt_only else self.max_tokens,
+        if self.best_of not in (None, 1):
+            err = ValueError("best_of > 1 is not supported")
+            err.param = "best_of"  # type: ignore[attr-defined]
+            raise err
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None and "max_tokens" not in self.model_fields_set:
+            max_tokens = self.max_completion_tokens
+        params = self._sampling_params(1 if self.prompt_only else max_tokens,
                                        self.logprobs, defaults)
         wanted = [k for k in (self.prompt_logprobs,
                               self.logprobs if self.echo else None) if k is not None]
@@ -150,15 +248,29 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
-class TextPart(_Model):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Model):
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # an echoed assistant message's; changes nothing
 
     def text(self) -> str:
         if isinstance(self.content, list):  # parts joined with newlines, as vLLM
@@ -177,8 +289,28 @@ class ChatMessage(_Model):
             message["name"] = self.name
         return message
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
-class ChatTemplateFields(_Model):
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatTemplateFields(_Request):
     """How the conversation is rendered, as vLLM's chat and /tokenize take it."""
 
     add_generation_prompt: bool = True
@@ -202,6 +334,9 @@ class ChatTemplateFields(_Model):
 
 class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # deprecated alias, still sent
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
@@ -236,7 +371,7 @@ class TokenizeRequest(ChatTemplateFields):
         return self
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -301,9 +436,21 @@ class ChatLogprobs(_Model):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Model):
@@ -326,6 +473,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's partial tool-call deltas
 
 
 class ChatChunkChoice(_Model):

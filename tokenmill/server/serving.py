@@ -28,11 +28,15 @@ from tokenmill.engine.request_stream import (
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_template import NO_TEMPLATE, content_format, template_of
+from tokenmill.server.constraints import check_compiles, with_constraints
 from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
 from tokenmill.server.streams import Part, merge
 from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
+from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
+from tokenmill.server.tool_calls import conversation as tool_conversation
+from tokenmill.structured.compiler import GrammarCache
 
 MAX_PROMPTS = 2048  # per completion request, as OpenAI
 # apply_chat_template arguments the server sets itself
@@ -54,6 +58,9 @@ class ServingConfig:
     chat_template: str | None = None  # --chat-template: replaces the model's own
     # --chat-template-content-format: how message content reaches the template
     chat_template_content_format: str = "auto"  # auto | string | openai
+    # --enable-auto-tool-choice --tool-call-parser NAME: parse tool_choice "auto" output
+    tool_call_parser: str | None = None
+    allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
 
 
 class Serving:
@@ -79,6 +86,12 @@ class Serving:
         self.tokenizers = TokenizerPool(self.tokenizer, self.config.tokenizer_workers)
         self.tokenizers_max_token_bytes = max_token_bytes(self.tokenizer)
         self.max_prompt_bytes = self.max_model_len * self.tokenizers_max_token_bytes
+        # compiles structured-output constraints, cached: the engine's own in-process;
+        # beside an engine core process, one here too, so that a schema that cannot
+        # compile is a 400 before the request is sent (the core compiles its own copy)
+        self.grammars = getattr(llm, "grammars", None) or GrammarCache(
+            self.tokenizer, self.vocab_size, llm.eos_token_ids)
+        self.template_knows_tools = template_knows_tools(self.chat_template)
         self._token_text: dict[int, str] = {}
 
     # ---- request validation and rendering ------------------------------------------
@@ -99,9 +112,10 @@ class Serving:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
         try:
-            return req.to_sampling_params(self.config.generation_defaults)
+            params = req.to_sampling_params(self.config.generation_defaults)
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        return with_constraints(req, params)
 
     def check_prompt_bytes(self, text: str, param: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit: no token spells
@@ -117,8 +131,8 @@ class Serving:
                            f"{self.max_model_len} tokens; the prompt (at least {num_bytes} bytes) has "
                            f"at least {at_least} tokens. Reduce the prompt.", param=param)
 
-    async def render_chat(self, messages: list[p.ChatMessage],
-                          options: p.ChatTemplateFields) -> list[int]:
+    async def render_chat(self, messages: list[p.ChatMessage], options: p.ChatTemplateFields,
+                          tools: ToolPlan | None = None) -> list[int]:
         if self.chat_template is None:
             raise APIError(400, NO_TEMPLATE, param="messages", code="no_chat_template")
         if options.chat_template is not None:
@@ -128,7 +142,8 @@ class Serving:
             options.check_messages(messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        conversation = [m.for_template(self.content_format) for m in messages]
+        conversation = tool_conversation(messages, tools, self.template_knows_tools,
+                                         self.content_format)
         for i, m in enumerate(messages):
             check_text(m.text(), f"messages.{i}.content")
         self.check_prompt_bytes("".join(m.text() for m in messages), "messages")
@@ -139,6 +154,8 @@ class Serving:
                            param="chat_template_kwargs")
         if options.documents is not None:
             extra["documents"] = options.documents
+        if tools is not None and self.template_knows_tools:
+            extra["tools"] = tools.tools
         try:
             return await self.tokenizers.render_chat(
                 conversation, chat_template=self.chat_template,
@@ -205,6 +222,7 @@ class Serving:
 
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams) -> RequestStream:
+        await check_compiles(self.grammars, params.structured_outputs)
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except QueueFullError as e:

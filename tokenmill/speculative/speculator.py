@@ -108,6 +108,8 @@ class Speculator:
         p = seq.sampling_params
         if _has_penalty(p) or seq.num_output_tokens < p.min_tokens:
             return 0  # the target's distribution would depend on the accepted drafts
+        if p.has_logit_constraints:
+            return 0  # drafts are verified against the unconstrained target: decode plainly
         backoff = self._backoff.get(seq.seq_id)
         if backoff is None:
             backoff = self._backoff[seq.seq_id] = BackOff(ewma=self._prior())

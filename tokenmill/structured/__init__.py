@@ -1,0 +1,15 @@
+"""Structured output: grammars (xgrammar) and per-token constraints.
+
+  compiler.GrammarCache    compiles a request's constraint on a worker thread,
+                           cached by the constraint, so the engine loop never waits
+  matcher.SequenceGrammar  one sequence's position in its grammar
+  logits.LogitsConstraints the sampler's one batched pass: grammar bitmask,
+                           logit_bias, allowed_token_ids and bad_words
+
+xgrammar is imported only when the first constrained request arrives.
+"""
+
+from tokenmill.structured.compiler import GrammarCache, GrammarError
+from tokenmill.structured.logits import LogitsConstraints
+
+__all__ = ["GrammarCache", "GrammarError", "LogitsConstraints"]

@@ -125,6 +125,8 @@ class EngineConfig:
     # auto | torch | cpu | ... (tokenmill/attention); auto = cpu on a CPU. Checked
     # against the registry at engine start-up, where the device is known
     attention_backend: str = "auto"
+    # vLLM's name: no CUDA graphs for decode (and on a CPU no static-buffer decode path)
+    enforce_eager: bool = False
     # check the block manager and prefix cache after every step (slow; for debugging)
     debug_kv_integrity: bool = False
     # speculative decoding (tokenmill/speculative, docs/speculative.md)

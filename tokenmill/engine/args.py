@@ -54,6 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--attention-backend", default="auto", metavar="NAME",
                    help="attention kernels: auto (cpu on a CPU), torch (the plain "
                         "reference), cpu (native kernels); an unavailable one is an error")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps as built, without CUDA graphs (on a CPU: without "
+                        "the padded static-buffer path the graphs replay)")
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")
@@ -84,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         debug_kv_integrity=args.debug_kv_integrity,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

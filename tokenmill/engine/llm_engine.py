@@ -121,7 +121,10 @@ class LLMEngine:
         num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
                                        self.max_model_len, config.max_num_seqs)
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  loaded.dtype, device, config.attention_backend)
+                                  loaded.dtype, device, config.attention_backend,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(

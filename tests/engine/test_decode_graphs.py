@@ -1,0 +1,67 @@
+"""The graph-shaped decode closure on CPU (engine/cuda_graph.py): the same static
+buffers and padding a CUDA graph replays, run eagerly, give the tokens of the
+plain eager path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.conftest import assert_no_leak
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.cuda_graph import bucket_sizes
+
+ENGINE = {"dtype": "float32", "attention_backend": "torch", "num_kv_blocks": 64,
+          "max_num_seqs": 8, "max_model_len": 256}
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+
+
+def generate(llm: LLM, batch: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert_no_leak(llm.engine)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_buckets():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert bucket_sizes(64)[-3:] == [48, 56, 64]
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_model) -> LLM:
+    llm = LLM(tiny_model, enforce_eager=True, **ENGINE)
+    assert llm.engine.runner.graphs is None
+    return llm
+
+
+def test_batch_of_5_padded_to_8_gives_the_unpadded_tokens(tiny_model, eager, monkeypatch):
+    llm = LLM(tiny_model, **ENGINE)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.bucket_for(5) == 8
+    buckets_run: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda meta: buckets_run.append(meta.num_seqs) or run(meta))
+    batch = prompts(5, seed=1)
+    assert generate(llm, batch, [6] * 5) == generate(eager, batch, [6] * 5)
+    assert buckets_run and set(buckets_run) == {8}  # every decode step ran padded
+
+
+def test_static_buffers_reused_across_batch_sizes_give_fresh_buffers_tokens(tiny_model, eager):
+    llm = LLM(tiny_model, **ENGINE)
+    # batch sizes 7 -> 5 -> 2 -> 1 as sequences finish, then a second run of 3 over
+    # the stale buffers the first left behind
+    first, lengths = prompts(7, seed=2), [2, 4, 4, 7, 7, 7, 9]
+    second = prompts(3, seed=3)
+    got = generate(llm, first, lengths) + generate(llm, second, [5] * 3)
+    fresh = LLM(tiny_model, **ENGINE)
+    expected_second = generate(fresh, second, [5] * 3)
+    assert got == generate(eager, first, lengths) + expected_second

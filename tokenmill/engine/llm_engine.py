@@ -118,8 +118,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings, 8192),
             self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
+        graph_share = 0.0
+        if device.type == "cuda":  # the KV budget subtracts this forward's peak
+            profile_activations(loaded.model, config.max_num_batched_tokens,
+                                config.max_num_seqs, self.max_model_len, device)
+            if not config.enforce_eager:
+                graph_share = min(1.0, config.max_num_seqs / config.max_num_batched_tokens)
         num_blocks = choose_num_blocks(self.model_config, config.cache, loaded.dtype, device,
-                                       self.max_model_len, config.max_num_seqs)
+                                       self.max_model_len, config.max_num_seqs, graph_share)
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
                                   loaded.dtype, device, config.attention_backend,
                                   max_num_seqs=config.max_num_seqs,
@@ -368,6 +374,22 @@ class LLMEngine:
             st.spec_accepted_tokens = spec.num_accepted_tokens
             st.spec_verified_steps = spec.num_verified_steps
         return st
+
+
+@torch.inference_mode()
+def profile_activations(model: torch.nn.Module, num_tokens: int, num_logit_rows: int,
+                        max_model_len: int, device: torch.device) -> None:
+    """One forward of num_tokens (one causal sequence, no KV cache) and the logits of
+    num_logit_rows, so that torch's peak-memory counter holds the activations of the
+    largest step the scheduler can build (kvcache/budget.py reads it)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.arange(num_tokens, device=device) % max_model_len
+    hidden = model(ids, pos)  # (T, hidden)
+    model.compute_logits(hidden[:num_logit_rows])
+    del hidden
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)

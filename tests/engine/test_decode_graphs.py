@@ -65,3 +65,30 @@ def test_static_buffers_reused_across_batch_sizes_give_fresh_buffers_tokens(tiny
     fresh = LLM(tiny_model, **ENGINE)
     expected_second = generate(fresh, second, [5] * 3)
     assert got == generate(eager, first, lengths) + expected_second
+
+
+def test_greedy_and_seeded_sampling_on_the_static_path_equal_the_eager_path(tiny_model, eager):
+    """Sampling runs on the static logits buffer where the graph left them."""
+    llm = LLM(tiny_model, **ENGINE)
+    batch = prompts(4, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=12, n=2, max_tokens=5,
+                             ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=13, max_tokens=5,
+                             ignore_eos=True)]
+
+    def run(engine: LLM) -> tuple[list, list]:
+        outs = engine.generate(batch, params, use_tqdm=False)
+        assert_no_leak(engine.engine)
+        completions = [c for o in outs for c in o.outputs]
+        logprobs = [(t, e.rank, e.logprob) for c in completions for step in c.logprobs or []
+                    for t, e in step.items()]
+        return [c.token_ids for c in completions], logprobs
+
+    tokens, logprobs = run(llm)
+    expected_tokens, expected_logprobs = run(eager)
+    assert tokens == expected_tokens
+    # a padded batch's matmuls may round in another order: logprobs agree to fp32 noise
+    assert [lp[:2] for lp in logprobs] == [lp[:2] for lp in expected_logprobs]
+    assert logprobs and all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(logprobs, expected_logprobs))

@@ -117,6 +117,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None: the fastest correct default for the weights
+    load_format: str = "auto"  # auto | dummy (random weights, the checkpoint's shapes)
     max_model_len: int | None = None  # None: min(model's context, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024

@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -82,6 +84,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -107,10 +107,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # before loading weights: a bad --attention-backend fails in a moment
         check_backend(config.attention_backend, device)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
-                                                      config.quantization, device)
+                                                      config.quantization, device,
+                                                      config.load_format)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)

@@ -92,3 +92,14 @@ def test_greedy_and_seeded_sampling_on_the_static_path_equal_the_eager_path(tiny
     # a padded batch's matmuls may round in another order: logprobs agree to fp32 noise
     assert [lp[:2] for lp in logprobs] == [lp[:2] for lp in expected_logprobs]
     assert logprobs and all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(logprobs, expected_logprobs))
+
+
+def test_layerskip_drafts_over_the_padded_metadata(tiny_model, eager):
+    """The layer-skip proposer runs the model itself over the runner's decode
+    metadata: with the static path it gets the padded bucket's ids, and the
+    tokens stay those of the eager engine."""
+    spec = {"speculative": "layerskip", "draft_layers": 2, "num_speculative_tokens": 3}
+    llm = LLM(tiny_model, **ENGINE, **spec)
+    assert llm.engine.runner.graphs is not None
+    batch = prompts(3, seed=5)
+    assert generate(llm, batch, [8] * 3) == generate(eager, batch, [8] * 3)

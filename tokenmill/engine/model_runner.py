@@ -109,8 +109,10 @@ class ModelRunner:
             # decode only: every sequence runs and samples one token
             meta = self.graphs.load(input_ids, positions, slots, seq_lens,
                                     [item.seq.block_table for item in batch])
-            n = meta.num_seqs
-            return self.graphs.input_ids[:n], self.graphs.positions[:n], meta, logit_rows
+            # the padded bucket's ids and positions, so that a caller running the model
+            # itself over this metadata (speculative/layerskip.py) sees matching shapes
+            b = meta.num_seqs
+            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, logit_rows
         max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]

@@ -80,13 +80,15 @@ class Plan:
     batches: tuple[int, ...] = (1, 8, 32, 64)
     prefill_lens: tuple[int, ...] = (512, 2048)
     max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
     num_kv_blocks: int | None = None  # None: the --gpu-memory-utilization budget
 
 
 GPU_PLAN = Plan(LLAMA3_8B, torch.bfloat16, 2**31, 8192, context=512, warmup_steps=4,
                 timed_steps=32)
 SMOKE_PLAN = Plan(TINY, torch.float32, 2**24, 256, context=8, warmup_steps=1, timed_steps=2,
-                  prefill_lens=(32, 128), max_model_len=256, num_kv_blocks=256)
+                  prefill_lens=(32, 128), max_model_len=256, num_kv_blocks=256,
+                  max_num_batched_tokens=512)  # batch 64's prompts in one interpreted step
 
 
 @dataclass
@@ -250,7 +252,7 @@ class Check:
             model=str(path), dtype=self.engine_dtype_name, device=self.device.type,
             load_format="dummy", quantization=None if on_cpu else quantization,
             enforce_eager=eager, attention_backend="triton", max_num_seqs=max(plan.batches),
-            max_num_batched_tokens=max(plan.prefill_lens), max_model_len=plan.max_model_len,
+            max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
             cache=CacheConfig(num_kv_blocks=plan.num_kv_blocks, enable_prefix_caching=False)))
         if on_cpu and quantization == "fp8":
             # the flag refuses a CPU; the same Fp8Linear runs its CPU emulation here

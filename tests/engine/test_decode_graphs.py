@@ -38,13 +38,20 @@ def test_buckets():
 
 @pytest.fixture(scope="module")
 def eager(tiny_model) -> LLM:
+    """Every step built fresh: no static buffers at all."""
     llm = LLM(tiny_model, enforce_eager=True, **ENGINE)
     assert llm.engine.runner.graphs is None
     return llm
 
 
-def test_batch_of_5_padded_to_8_gives_the_unpadded_tokens(tiny_model, eager, monkeypatch):
-    llm = LLM(tiny_model, **ENGINE)
+@pytest.fixture(scope="module")
+def static(tiny_model) -> LLM:
+    """One engine for the module: each test finds the buffers the last one left."""
+    return LLM(tiny_model, **ENGINE)
+
+
+def test_batch_of_5_padded_to_8_gives_the_unpadded_tokens(static, eager, monkeypatch):
+    llm = static
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.bucket_for(5) == 8
     buckets_run: list[int] = []
@@ -55,21 +62,18 @@ def test_batch_of_5_padded_to_8_gives_the_unpadded_tokens(tiny_model, eager, mon
     assert buckets_run and set(buckets_run) == {8}  # every decode step ran padded
 
 
-def test_static_buffers_reused_across_batch_sizes_give_fresh_buffers_tokens(tiny_model, eager):
-    llm = LLM(tiny_model, **ENGINE)
-    # batch sizes 7 -> 5 -> 2 -> 1 as sequences finish, then a second run of 3 over
-    # the stale buffers the first left behind
+def test_static_buffers_reused_across_batch_sizes_give_fresh_buffers_tokens(static, eager):
+    # batch sizes 7 -> 5 -> 2 -> 1 as sequences finish (buckets 8, 8, 2, 1), then a
+    # second run of 3 over the stale rows the first left behind
     first, lengths = prompts(7, seed=2), [2, 4, 4, 7, 7, 7, 9]
     second = prompts(3, seed=3)
-    got = generate(llm, first, lengths) + generate(llm, second, [5] * 3)
-    fresh = LLM(tiny_model, **ENGINE)
-    expected_second = generate(fresh, second, [5] * 3)
-    assert got == generate(eager, first, lengths) + expected_second
+    got = generate(static, first, lengths) + generate(static, second, [5] * 3)
+    assert got == generate(eager, first, lengths) + generate(eager, second, [5] * 3)
 
 
-def test_greedy_and_seeded_sampling_on_the_static_path_equal_the_eager_path(tiny_model, eager):
+def test_greedy_and_seeded_sampling_on_the_static_path_equal_the_eager_path(static, eager):
     """Sampling runs on the static logits buffer where the graph left them."""
-    llm = LLM(tiny_model, **ENGINE)
+    llm = static
     batch = prompts(4, seed=4)
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=5, ignore_eos=True),

@@ -107,3 +107,17 @@ def test_layerskip_drafts_over_the_padded_metadata(tiny_model, eager):
     assert llm.engine.runner.graphs is not None
     batch = prompts(3, seed=5)
     assert generate(llm, batch, [8] * 3) == generate(eager, batch, [8] * 3)
+
+
+def test_flags_reach_the_engine_config():
+    import argparse
+
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(
+        ["m", "--enforce-eager", "--load-format", "dummy", "--quantization", "fp8"]))
+    assert (config.enforce_eager, config.load_format, config.quantization) == (True, "dummy",
+                                                                                 "fp8")
+    assert not engine_config_from_args(parser.parse_args(["m"])).enforce_eager

@@ -180,6 +180,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None: the fastest correct default for the weights
+    load_format: str = "auto"  # auto | dummy (random weights, the checkpoint's shapes)
     max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -189,6 +190,8 @@ class EngineConfig:
     # auto | torch | cpu | ... (tokenmill/attention); auto = cpu on a CPU. Checked
     # against the registry at engine start-up, where the device is known
     attention_backend: str = "auto"
+    # vLLM's name: no CUDA graphs for decode (and on a CPU no static-buffer decode path)
+    enforce_eager: bool = False
     # check the block manager and prefix cache after every step (slow; for debugging)
     debug_kv_integrity: bool = False
     # speculative decoding (tokenmill/speculative, docs/speculative.md)

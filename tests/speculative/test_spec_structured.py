@@ -4,7 +4,7 @@ valid while unconstrained neighbours still speculate."""
 
 import re
 
-from tests.spec.conftest import assert_no_leak, make_llm
+from tests.speculative.conftest import assert_no_leak, make_llm
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams as Structured
 

@@ -192,3 +192,22 @@ def test_logprobs_are_the_models_log_softmax_with_rank(params):
 
     assert out.logprobs[1] is None
     assert list(out.logprobs[2]) == [out.token_ids[2]]
+
+
+def test_one_device_to_host_copy_per_step(monkeypatch):
+    """Ids and requested logprobs come back packed in one tensor: one .cpu() call
+    for a batch mixing greedy, seeded top-p and logprob rows."""
+    calls = []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: calls.append(t.shape) or cpu(t))
+    logits = torch.randn(4, 300)
+    seqs = [make_seq(temperature=0.0, logprobs=2), make_seq(temperature=0.9, top_p=0.8, seed=7),
+            make_seq(temperature=1.0, logprobs=0), make_seq(temperature=0.0)]
+    out = Sampler([EOS])(logits, seqs)
+    assert len(calls) == 1
+    assert out.token_ids[0] == int(logits[0].argmax()) and len(out.logprobs[0]) >= 2
+    lp = torch.log_softmax(logits[2], -1)
+    tok = out.token_ids[2]
+    assert out.logprobs[2][tok].logprob == pytest.approx(float(lp[tok]))
+    assert out.logprobs[2][tok].rank == int((lp > lp[tok]).sum()) + 1
+    assert out.logprobs[1] is None and out.logprobs[3] is None

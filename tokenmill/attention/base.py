@@ -39,6 +39,12 @@ class AttentionBackend(ABC):
     # the --kv-cache-dtype values it reads; 8-bit ones run through
     # attention/quantized.py's QuantizedKVBackend around this backend
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "bfloat16")
+    # True: store_kv skips slot -1 and forward gives seq_len-0 rows no keys, so a
+    # decode batch padded to a CUDA-graph bucket is harmless (engine/cuda_graph.py)
+    supports_padded_decode: ClassVar[bool] = False
+    # True: a decode step reads only tensors (no host sync, no per-step host ints
+    # in kernel launches once the plan is built), so it can be captured in a CUDA graph
+    cuda_graph_capturable: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device

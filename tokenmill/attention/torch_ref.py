@@ -32,6 +32,8 @@ class TorchBackend(AttentionBackend):
     # 8-bit caches: dequantized blocks, then this path (attention/quantized.py)
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
         "auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+    # store_kv drops slot -1 rows (a host sync: fine here, never captured)
+    supports_padded_decode: ClassVar[bool] = True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -50,7 +52,11 @@ class TorchBackend(AttentionBackend):
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v (T, num_kv_heads, head_dim) into the slots slot_mapping (T,) of
-    head-major caches (kv_heads, num_blocks, block_size, head_dim)."""
+    head-major caches (kv_heads, num_blocks, block_size, head_dim); a slot < 0
+    is padding and is not stored."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(
         1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))

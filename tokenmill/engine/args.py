@@ -44,8 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's own context, capped by what the KV cache holds")
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -79,6 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--attention-backend", default="auto", metavar="NAME",
                    help="attention kernels: auto (cpu on a CPU), torch (the plain "
                         "reference), cpu (native kernels); an unavailable one is an error")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps as built, without CUDA graphs (on a CPU: without "
+                        "the padded static-buffer path the graphs replay)")
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")
@@ -104,12 +109,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         debug_kv_integrity=args.debug_kv_integrity,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -120,10 +120,11 @@ class LLMEngine:
         # the --kv-cache-dtype) fails in a moment
         check_kv_cache_dtype(check_backend(config.attention_backend, device),
                              config.cache.kv_cache_dtype)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
-                                                      config.quantization, device)
+                                                      config.quantization, device,
+                                                      config.load_format)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
@@ -134,8 +135,14 @@ class LLMEngine:
         kv_cache_dtype = config.cache.kv_cache_dtype
         # "auto": the model's dtype; 8-bit formats store bytes + scales (attention/quantized)
         kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else loaded.dtype
+        graph_share = 0.0
+        if device.type == "cuda":  # the KV budget subtracts this forward's peak
+            profile_activations(loaded.model, config.max_num_batched_tokens,
+                                config.max_num_seqs, self.max_model_len, device)
+            if not config.enforce_eager:
+                graph_share = min(1.0, config.max_num_seqs / config.max_num_batched_tokens)
         num_blocks = choose_num_blocks(self.model_config, config.cache, kv_dtype, device,
-                                       self.max_model_len, config.max_num_seqs)
+                                       self.max_model_len, config.max_num_seqs, graph_share)
         if config.max_model_len is None and self.max_model_len > num_blocks * block_size:
             # as vLLM: the model's own context by default, but never more than fits
             logger.warning("max_model_len is %d, not the model's %d: the KV cache holds %d "
@@ -144,7 +151,10 @@ class LLMEngine:
             self.max_model_len = num_blocks * block_size
             self._context_note = " (all the KV cache holds; raise --kv-cache-memory)"
         self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  kv_dtype, device, config.attention_backend, kv_cache_dtype)
+                                  kv_dtype, device, config.attention_backend, kv_cache_dtype,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.kv_events = KVEventStream.start(config.cache.kv_events, self.block_manager,
@@ -476,6 +486,22 @@ class LLMEngine:
             st.spec_accepted_tokens = spec.num_accepted_tokens
             st.spec_verified_steps = spec.num_verified_steps
         return st
+
+
+@torch.inference_mode()
+def profile_activations(model: torch.nn.Module, num_tokens: int, num_logit_rows: int,
+                        max_model_len: int, device: torch.device) -> None:
+    """One forward of num_tokens (one causal sequence, no KV cache) and the logits of
+    num_logit_rows, so that torch's peak-memory counter holds the activations of the
+    largest step the scheduler can build (kvcache/budget.py reads it)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.arange(num_tokens, device=device) % max_model_len
+    hidden = model(ids, pos)  # (T, hidden)
+    model.compute_logits(hidden[:num_logit_rows])
+    del hidden
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -6,6 +6,11 @@ how many tokens each gets; this file lays those tokens out as one flat batch
 with its attention metadata (and the backend's plan for it, built once per
 step), runs `model.forward`, and returns the logits of the sequences that
 sample this step. The attention backend is chosen once, here, at start-up.
+
+Decode-only steps go through `DecodeGraphs` (engine/cuda_graph.py) when the
+backend can run a padded batch: static buffers, one bucket per batch size, a
+CUDA graph per bucket on CUDA (unless enforce_eager), the same closure run
+eagerly elsewhere. Prefill and mixed steps always run eagerly.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from tokenmill.attention import get_backend, kv_quant
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dtype
 from tokenmill.config import ModelConfig
+from tokenmill.engine.cuda_graph import DecodeGraphs
 from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache.pool import KVPool
 
@@ -33,7 +39,12 @@ class Scheduled(Protocol):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int,
                  num_blocks: int, kv_dtype: torch.dtype, device: torch.device,
-                 attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto", *,
+                 max_num_seqs: int = 0, max_model_len: int = 0,
+                 enforce_eager: bool = False) -> None:
+        """max_num_seqs, max_model_len: size the static decode buffers (0: none, every
+        step eager); enforce_eager: no CUDA graphs (and, on a CPU, no static-buffer
+        path either: every step runs as built)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -51,6 +62,17 @@ class ModelRunner:
                            kv_format=kv_format)
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
+        self.graphs: DecodeGraphs | None = None
+        if (max_num_seqs and not enforce_eager and self.backend.supports_padded_decode
+                and self.pool.fresh is None):
+            self.graphs = DecodeGraphs(model, self.backend, config.vocab_size, max_num_seqs,
+                                       max_model_len, block_size, device)
+            if device.type == "cuda" and self.backend.cuda_graph_capturable:
+                self.graphs.capture()
+
+    @property
+    def cuda_graphs_captured(self) -> bool:
+        return self.graphs is not None and bool(self.graphs.graphs)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -89,6 +111,15 @@ class ModelRunner:
                                         query_start[-1]))
         if fresh:
             self.pool.zero_blocks(fresh)
+        if (self.graphs is not None and len(input_ids) == len(batch) == len(logit_rows)
+                and self.graphs.bucket_for(len(batch)) is not None):
+            # decode only: every sequence runs and samples one token
+            meta = self.graphs.load(input_ids, positions, slots, seq_lens,
+                                    [item.seq.block_table for item in batch])
+            # the padded bucket's ids and positions, so that a caller running the model
+            # itself over this metadata (speculative/layerskip.py) sees matching shapes
+            b = meta.num_seqs
+            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, logit_rows
         max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
         tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                   for item in batch]
@@ -113,6 +144,8 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: list[int]) -> torch.Tensor:
         """Logits (len(logit_rows), vocab) float32."""
+        if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
+            return self.graphs.run(meta)[:len(logit_rows)]
         with attention_metadata(meta):
             hidden = self.model(ids, pos)  # (T, hidden)
         if not logit_rows:

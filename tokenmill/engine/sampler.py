@@ -80,10 +80,7 @@ class Sampler:
         else:
             token_ids = self._sample(logits, seqs, blocked, penalized)
 
-        token_list = token_ids.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+        token_list, logprobs = _fetch(token_ids, raw_logprobs, num_logprobs)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     def _blocked_stop_ids(self, seqs: SequenceLike[Sequence]) -> list[tuple[int, list[int]]]:
@@ -255,27 +252,46 @@ def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return (block * _CDF_BLOCK + offset)[:, 0]
 
 
+def _fetch(
+    token_ids: torch.Tensor,  # (N,) where the logits are
+    logprobs: torch.Tensor | None,  # (N, V) log_softmax of the raw logits, or None
+    num_logprobs: list[int | None],
+) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """The chosen ids and the requested logprobs, brought to the host in one copy:
+    everything is computed where the logits are and packed into one float64
+    tensor (token ids < 2^53 stay exact)."""
+    n = token_ids.shape[0]
+    cols = [token_ids.double()[:, None]]  # (N, 1)
+    k_max = 0
+    if logprobs is not None:
+        chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
+        ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # (N, 1)
+        cols += [chosen.double(), ranks.double()]
+        k_max = min(max(k for k in num_logprobs if k is not None), logprobs.shape[1])
+        if k_max > 0:
+            top = logprobs.topk(k_max, dim=-1)  # (N, k_max) each
+            cols += [top.values.double(), top.indices.double()]
+    host = torch.cat(cols, dim=1).cpu().tolist()  # the one device-to-host copy of a step
+    token_list = [int(row[0]) for row in host]
+    if logprobs is None:
+        return token_list, [None] * n
+    out: list[dict[int, Logprob] | None] = []
+    for row, k, tok in zip(host, num_logprobs, token_list):
+        if k is None:
+            out.append(None)
+            continue
+        entry = {tok: Logprob(logprob=row[1], rank=int(row[2]))}
+        top_vals, top_ids = row[3:3 + k_max][:k], row[3 + k_max:][:k]
+        for i, (tid, val) in enumerate(zip(top_ids, top_vals)):
+            entry.setdefault(int(tid), Logprob(logprob=val, rank=i + 1))
+        out.append(entry)
+    return token_list, out
+
+
 def _gather_logprobs(
     logprobs: torch.Tensor,  # (N, V) log_softmax of the raw logits
     token_ids: torch.Tensor,  # (N,)
     num_logprobs: list[int | None],
 ) -> list[dict[int, Logprob] | None]:
-    chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    k_max = max(k for k in num_logprobs if k is not None)
-    top_vals: list[list[float]] = [[] for _ in num_logprobs]
-    top_ids: list[list[int]] = [[] for _ in num_logprobs]
-    if k_max > 0:
-        top = logprobs.topk(min(k_max, logprobs.shape[1]), dim=-1)
-        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    out: list[dict[int, Logprob] | None] = []
-    for row, (k, tok, lp, rank) in enumerate(
-            zip(num_logprobs, token_ids.tolist(), chosen[:, 0].tolist(), ranks)):
-        if k is None:
-            out.append(None)
-            continue
-        entry = {tok: Logprob(logprob=lp, rank=rank)}
-        for i, (tid, val) in enumerate(zip(top_ids[row][:k], top_vals[row][:k])):
-            entry.setdefault(tid, Logprob(logprob=val, rank=i + 1))
-        out.append(entry)
-    return out
+    """The logprobs entries of given tokens (speculative verification's accepted ones)."""
+    return _fetch(token_ids, logprobs, num_logprobs)[1]

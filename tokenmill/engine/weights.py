@@ -33,9 +33,11 @@ def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> 
 
 
 def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
-                      device: torch.device) -> tuple[LoadedModel, str]:
+                      device: torch.device, load_format: str = "auto"
+                      ) -> tuple[LoadedModel, str]:
     """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
-    loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device)
+    loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
+                        load_format=load_format)
     method = resolve_method(quantization, loaded.model, dtype)
     summary = quantize_model(loaded.model, method)
     logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB dense kept for "

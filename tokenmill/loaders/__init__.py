@@ -32,6 +32,7 @@ __all__ = [
     "resolve_model",
 ]
 
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -74,8 +75,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", load_format: str = "auto") -> LoadedModel:
+    """load_format "dummy" (vLLM's name): the checkpoint's config, random weights made
+    on the device; what a speed check at real shapes needs (benchmarks/gpu_check.py)
+    without shipping or reading 16 GB of weights."""
     from tokenmill.models.registry import get_model_class
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; use {' or '.join(LOAD_FORMATS)}")
 
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
@@ -83,7 +90,9 @@ def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "aut
     torch_dtype = resolve_dtype(dtype, source, device)
     with _default_dtype(torch_dtype), torch.device(device):
         model = get_model_class(config.architecture)(config)  # type: ignore[call-arg]
-    if source.kind == "gguf":
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    elif source.kind == "gguf":
         from tokenmill.loaders.gguf import gguf_errors, iter_gguf_tensors
 
         with gguf_errors(source.path, "load the weights of"):
@@ -95,6 +104,19 @@ def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "aut
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, config, torch_dtype, source)
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Every parameter uniform in [-1e-2, 1e-2) (norm weights near 1), drawn on its
+    own device: small enough that activations stay finite at any depth."""
+    gen = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if gen is None or gen.device != param.device:
+                gen = torch.Generator(param.device).manual_seed(seed)
+            param.uniform_(-1e-2, 1e-2, generator=gen)
+            if "norm" in name:
+                param.add_(1.0)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> None:

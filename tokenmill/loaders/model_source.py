@@ -42,8 +42,10 @@ def _embedded_model(name: str) -> ModelSource:
     return ModelSource("gguf", path, name)
 
 
-def resolve_model(name_or_path: str | Path) -> ModelSource:
-    """Turn a model name or local path into a ModelSource, or explain why not."""
+def resolve_model(name_or_path: str | Path, need_weights: bool = True) -> ModelSource:
+    """Turn a model name or local path into a ModelSource, or explain why not.
+    need_weights=False (load_format "dummy"): a checkpoint directory needs only its
+    config.json and tokenizer."""
     text = str(name_or_path)
     if text.lower() in EMBEDDED_MODELS:
         return _embedded_model(text.lower())
@@ -60,7 +62,7 @@ def resolve_model(name_or_path: str | Path) -> ModelSource:
                 return ModelSource("gguf", ggufs[0], ggufs[0].stem)
             raise ModelSourceError(f"{path} is a directory without config.json; a Hugging Face "
                                    "checkpoint directory needs config.json and *.safetensors")
-        if not any(path.glob("*.safetensors")):
+        if need_weights and not any(path.glob("*.safetensors")):
             raise ModelSourceError(f"{path} has config.json but no *.safetensors weights")
         return ModelSource("hf", path, path.name)
     if path.suffix.lower() == ".gguf" or "/" in text or text.startswith("."):

@@ -7,6 +7,8 @@ lm_head. Methods:
         Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
+  fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
+        LM head kept in the model's dtype (as vLLM keeps it)
 
 With a bfloat16 model, each quantized linear also keeps the model's own bf16
 weight, packed for oneDNN (dense.py), and uses it for inputs of
@@ -32,9 +34,10 @@ from tokenmill.quant.codes import (
     int4_codes_from_float,
     int8_codes_from_float,
 )
+from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
-METHODS = ("none", "gguf", "int4", "int8")
+METHODS = ("none", "gguf", "int4", "int8", "fp8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
 # AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
@@ -62,7 +65,14 @@ def quantize_model(model: nn.Module, method: str,
     summary = QuantizationSummary(method)
     if method != "none":
         for name, module in list(model.named_modules()):
-            if name.rpartition(".")[2] in TARGET_MODULES and not isinstance(
+            leaf = name.rpartition(".")[2]
+            if method == "fp8" and leaf in TARGET_MODULES and leaf != "lm_head":
+                parent = name.rpartition(".")[0]
+                fp8 = Fp8Linear(module.weight, getattr(module, "bias", None))
+                model.get_submodule(parent).register_module(leaf, fp8)
+                summary.quantized.append(name)
+                summary.lowbit_bytes += fp8.lowbit_bytes()
+            elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary)
     for module in model.modules():  # the raw blocks are only needed here
@@ -86,6 +96,14 @@ def resolve_method(requested: str | None, model: nn.Module,
         if requested not in METHODS:
             raise ValueError(f"unknown quantization {requested!r}; use one of "
                              f"{', '.join(METHODS)}")
+        if requested == "fp8":
+            weight = next(model.parameters())
+            reason = fp8_unavailable_reason(weight.device)
+            if reason is not None:
+                raise ValueError(f"--quantization fp8: {reason}")
+            if weight.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError("--quantization fp8 needs a bfloat16 or float16 model "
+                                 f"(its output dtype), not {weight.dtype}")
         return requested
     if dtype in ("float32", "float", torch.float32):
         return "none"

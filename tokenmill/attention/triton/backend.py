@@ -48,6 +48,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     block_dim = 0
     needs_zeroed_blocks = False
+    supports_padded_decode = True  # the store kernel skips slot < 0
+    cuda_graph_capturable = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *,
                  num_splits: int | None = None) -> None:

@@ -25,7 +25,8 @@ def tokenizer():
 def _app(tokenizer, **config) -> TestClient:
     llm = SimpleNamespace(tokenizer=tokenizer, model_name="m", max_model_len=2048,
                           model_config=SimpleNamespace(vocab_size=len(tokenizer)))
-    engine = SimpleNamespace(engine=llm, stats=EngineStats(), shutdown=lambda: None)
+    engine = SimpleNamespace(engine=llm, stats=EngineStats(), shutdown=lambda: None,
+                             core_pid=None)
     return TestClient(build_app(engine, config=ServingConfig(**config)))
 
 

@@ -174,7 +174,9 @@ class AsyncEngine:
                     self._wake.wait(0.5)
             self._abort_all(Aborted())
             self._snapshot_stats()
-            self.engine.close()
+            close = getattr(self.engine, "close", None)  # LLMEngine: the KV-event sockets
+            if close is not None:
+                close()
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
             self._dead_reason = "the engine loop stopped after an internal error"

@@ -104,6 +104,19 @@ class _Request:
     grammar: Future | None = None  # structured outputs: its compile
 
 
+def check_startup_choices(config: EngineConfig) -> torch.device:
+    """The device, once a bad --attention-backend (or one that cannot read the
+    --kv-cache-dtype) has failed in a moment, before any weights load. `tokenmill
+    serve` calls it before it starts an engine core process, so the usage error
+    is its own (exit 2, one line), not a dead core's."""
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
+        else config.device)
+    check_kv_cache_dtype(check_backend(config.attention_backend, device),
+                         config.cache.kv_cache_dtype)
+    return device
+
+
 class LLMEngine:
     """detokenize=False: outputs carry token ids only (text ""), and `stop`
     strings are left to whoever detokenizes (the front end of the core process)."""
@@ -112,14 +125,8 @@ class LLMEngine:
                  **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
-        device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
-            else config.device)
+        device = check_startup_choices(config)
         torch.manual_seed(config.seed)
-        # before loading weights: a bad --attention-backend (or one that cannot read
-        # the --kv-cache-dtype) fails in a moment
-        check_kv_cache_dtype(check_backend(config.attention_backend, device),
-                             config.cache.kv_cache_dtype)
         self.source = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,

@@ -89,6 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    from tokenmill.engine.llm_engine import check_startup_choices
+
+    check_startup_choices(engine_config_from_args(args))  # BackendUnavailable: exit 2
     if args.engine_in_process:
         return _serve_in_process(args, serving_config)
     return _serve_with_core_process(args, serving_config)

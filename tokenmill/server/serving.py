@@ -90,7 +90,7 @@ class Serving:
         # beside an engine core process, one here too, so that a schema that cannot
         # compile is a 400 before the request is sent (the core compiles its own copy)
         self.grammars = getattr(llm, "grammars", None) or GrammarCache(
-            self.tokenizer, self.vocab_size, llm.eos_token_ids)
+            self.tokenizer, self.vocab_size, getattr(llm, "eos_token_ids", ()))
         self.template_knows_tools = template_knows_tools(self.chat_template)
         self._token_text: dict[int, str] = {}
 

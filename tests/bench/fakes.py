@@ -79,7 +79,12 @@ async def _stream(body: dict, chat: bool):
 
 async def completions(request: Request):
     body = await request.json()
-    if (body.get("fake") or {}).get("status"):
+    fake = body.get("fake") or {}
+    if fake.get("reject") and fake["reject"] in body:  # a strict server: unknown field
+        return JSONResponse({"error": {"message": f"Unrecognized request argument supplied: "
+                                                  f"{fake['reject']}", "param": fake["reject"]}},
+                            status_code=400)
+    if fake.get("status"):
         return JSONResponse({"error": {"message": "nope"}}, status_code=body["fake"]["status"])
     return StreamingResponse(_stream(body, chat=False), media_type="text/event-stream")
 

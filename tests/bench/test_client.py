@@ -105,6 +105,14 @@ def test_http_errors_are_counted_by_status(fake):
     assert result["summary"]["failures"] == {"http_503": 3}
 
 
+def test_a_server_that_rejects_ignore_eos_gets_requests_without_it(fake):
+    result, _ = run(fake, runner.LoadSpec(concurrency=2), n=4, reject="ignore_eos")
+    s = result["summary"]
+    assert s["num_completed"] == 4 and s["num_failed"] == 0
+    assert result["config"]["dropped_request_fields"] == ["ignore_eos"]
+    assert any("rejected ignore_eos" in note for note in result["notes"])
+
+
 def test_usage_mismatch_is_reported(fake):
     result, _ = run(fake, runner.LoadSpec(), n=2, usage_delta=1)
     check = result["summary"]["token_count_check"]

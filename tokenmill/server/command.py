@@ -66,18 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # (async_engine.py says why). uvicorn catches signals only on the main thread,
     # so SIGTERM / SIGINT are routed to it by hand: it drains in-flight requests
     # (--shutdown-timeout), its lifespan stops the engine loop, and we exit 0.
-    # uvicorn drops the connections still open at --shutdown-timeout; abort their requests
-    # a little before, so those clients get the documented "aborted" error, not a cut
-    abort_after_s = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 2))
-
-    def on_signal(sig: int, frame: object) -> None:
-        server.handle_exit(sig, frame)
-        timer = threading.Timer(abort_after_s, engine.stop)
-        timer.daemon = True  # a drain that ends sooner must not wait for it
-        timer.start()
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, server.handle_exit)
     http = threading.Thread(target=serve_http, name="tokenmill-http")
     http.start()
     engine.run()

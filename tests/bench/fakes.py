@@ -177,7 +177,12 @@ class FakeServer:
         async def completions(request: Request):
             body = await request.json()
             self.bodies.append(body)
-            if (body.get("fake") or {}).get("status"):
+            fake = body.get("fake") or {}
+            if fake.get("reject") and fake["reject"] in body:  # a strict server
+                return JSONResponse({"error": {
+                    "message": f"Unrecognized request argument supplied: {fake['reject']}",
+                    "param": fake["reject"]}}, status_code=400)
+            if fake.get("status"):
                 return JSONResponse({"error": {"message": "nope"}},
                                     status_code=body["fake"]["status"])
             return StreamingResponse(_stream(body, False, self.stats),

@@ -11,49 +11,44 @@ from tests.engine.conftest import assert_no_leak
 from tokenmill import LLM, SamplingParams
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def near_tie(out_a, out_b, i: int) -> bool:
-    """vLLM's rule: at the first differing step each run's token is in the
-    other's top-5, with logprobs within 0.01."""
-    lp_a, lp_b = out_a.logprobs[i], out_b.logprobs[i]
-    ta, tb = out_a.token_ids[i], out_b.token_ids[i]
-    if ta not in lp_b or tb not in lp_a:
-        return False
-    return (abs(lp_a[ta].logprob - lp_a[tb].logprob) < 0.01
-            and abs(lp_b[ta].logprob - lp_b[tb].logprob) < 0.01)
-
-
 @pytest.mark.slow
 def test_batching_and_preemption_do_not_change_greedy_outputs():
+    """README: greedy output on the fp32 path does not depend on the batch. Batch
+    composition moves fp32 logits only in the last bits (up to ~2e-5 measured, from
+    different matmul shapes), far below any greedy margin of these prompts, so every
+    output must be token-identical to the same prompt run alone, the preempted
+    (recomputed) ones included."""
     rng = random.Random(0)
     lens = [4, 600] + [rng.randint(4, 600) for _ in range(62)]
     prompts = [[rng.randrange(100, 49000) for _ in range(n)] for n in lens]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 12), ignore_eos=True,
-                             logprobs=5) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 12), ignore_eos=True)
+              for _ in prompts]
     # a cache of 160 blocks x 16 = 2,560 tokens for 64 prompts of ~300: preemption must happen
     llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=160, max_num_seqs=32,
               max_num_batched_tokens=1024, enable_prefix_caching=False)
+    scheduler = llm.engine.scheduler
+    preempted: set[str] = set()
+    preempt = scheduler._preempt
+
+    def record(seq):
+        preempted.add(seq.request_id)
+        preempt(seq)
+
+    scheduler._preempt = record
     batched = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions >= 1
+    scheduler._preempt = preempt
+    assert llm.engine.get_stats().num_preemptions >= 1 and preempted
     assert_no_leak(llm.engine)
-    identical = 0
+    diverged, preempted_diverged = [], []
     for prompt, p, b in zip(prompts, params, batched):
         alone = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
-        out = b.outputs[0]
-        assert len(out.token_ids) == p.max_tokens
-        i = first_divergence(alone.token_ids, out.token_ids)
-        if i is None:
-            identical += 1
-        else:
-            assert near_tie(alone, out, i), f"prompt of {len(prompt)} tokens diverged at {i}"
-    print(f"{identical}/64 identical token for token")
-    assert identical >= 60
+        assert len(b.outputs[0].token_ids) == p.max_tokens
+        if alone.token_ids != b.outputs[0].token_ids:
+            diverged.append(len(prompt))
+            if b.request_id in preempted:
+                preempted_diverged.append(len(prompt))
+    assert preempted_diverged == [], "preempted sequences changed their greedy output"
+    assert diverged == [], f"prompts of these lengths diverged: {diverged}"
     assert_no_leak(llm.engine)
 
 

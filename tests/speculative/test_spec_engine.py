@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from tests.engine.test_engine import first_divergence, near_tie
 from tests.speculative.conftest import assert_no_leak, make_llm
 from tokenmill import SamplingParams
 
@@ -40,22 +39,15 @@ def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:
 def reference(tiny_model):
     """Greedy outputs without speculation, each prompt alone."""
     llm = make_llm(tiny_model, num_kv_blocks=256)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = grounded_prompts(16)
     return prompts, params, [llm.generate([p], params, use_tqdm=False)[0].outputs[0]
                              for p in prompts]
 
 
-def assert_same_up_to_near_ties(expected, got) -> None:
-    identical = 0
-    for want, out in zip(expected, got):
-        assert len(out.token_ids) == len(want.token_ids)
-        i = first_divergence(want.token_ids, out.token_ids)
-        if i is None:
-            identical += 1
-        else:
-            assert near_tie(want, out, i), f"diverged at {i}: {want.token_ids} {out.token_ids}"
-    assert identical >= len(expected) - 1
+def assert_token_identical(expected, got) -> None:
+    """Speculation is exact by construction: greedy tokens equal decoding without it."""
+    assert [out.token_ids for out in got] == [want.token_ids for want in expected]
 
 
 @pytest.mark.parametrize("name", list(PROPOSERS))
@@ -64,9 +56,9 @@ def test_greedy_outputs_equal_no_speculation_alone_and_batched(name, reference, 
     prompts, params, expected = reference
     llm = make_llm(tiny_model, num_kv_blocks=256, **spec_kwargs(name, tiny_draft))
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
-    assert_same_up_to_near_ties(expected, alone)
+    assert_token_identical(expected, alone)
     batched = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert_same_up_to_near_ties(expected, batched)
+    assert_token_identical(expected, batched)
     stats = llm.engine.get_stats()
     assert stats.spec_proposed_tokens > 0
     assert stats.spec_accepted_tokens > 0
@@ -193,13 +185,13 @@ def test_ngram_on_smollm2_rewrite_is_greedy_identical_and_accepts_often():
     text = ("The city council met on Tuesday to discuss the new budget. After a long debate, "
             "the members agreed to increase funding for public libraries by ten percent.")
     msgs = [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
-    params = SamplingParams(temperature=0, max_tokens=40, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=40)
     spec = llm.engine.speculator
     llm.engine.speculator = None
     plain = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
     llm.engine.speculator = spec
     fast = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
-    assert_same_up_to_near_ties([plain], [fast])
+    assert_token_identical([plain], [fast])
     stats = llm.engine.get_stats()
     assert stats.spec_acceptance_rate > 0.3
     assert_no_leak(llm.engine)

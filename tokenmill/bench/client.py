@@ -144,7 +144,7 @@ class OpenAIClient:
             async with self.http.stream("POST", self.path, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
-                    if resp.status_code in (400, 422) and self._drop_rejected_field(text):
+                    if resp.status_code in (400, 422) and self._drop_rejected_field(text, body):
                         return True
                     record.fail(f"http_{resp.status_code}", text[:500], now() - t0)
                     return False
@@ -218,10 +218,14 @@ class OpenAIClient:
             record.usage_prompt_tokens = usage.get("prompt_tokens")
             record.usage_completion_tokens = usage.get("completion_tokens")
 
-    def _drop_rejected_field(self, error_text: str) -> bool:
+    def _drop_rejected_field(self, error_text: str, body: dict[str, Any]) -> bool:
+        """Whether to resend without a field the server rejected. A request sent before
+        another one's rejection dropped the field is resent too, not failed."""
+        sent = {*body, *body.get("stream_options", {})}
         for name in self.OPTIONAL_FIELDS:
-            if name in error_text and name not in self.dropped_fields:
-                self.dropped_fields.append(name)
+            if name in error_text and name in sent:
+                if name not in self.dropped_fields:
+                    self.dropped_fields.append(name)
                 return True
         return False
 

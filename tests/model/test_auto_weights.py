@@ -1,0 +1,71 @@
+"""The default weight choice (`dtype="auto"`, no --quantization) and --quantization
+int8 / int4 through the engine, on a tiny GGUF written by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.conftest import make_hf_model, write_tiny_gguf
+from tokenmill.engine import weights
+from tokenmill.loaders import resolve_model
+from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+from tokenmill.quant.model import DENSE_MIN_ROWS
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auto-gguf") / "tiny.gguf"
+    return str(write_tiny_gguf(make_hf_model("llama"), path))
+
+
+def _linears(model) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
+    loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
+                                               torch.device("cpu"))
+    assert loaded.dtype == torch.bfloat16 and method == "gguf"
+    linears = _linears(loaded.model)
+    assert len(linears) == 9 and all(isinstance(m, Int4Linear) for m in linears)
+    # 1-7 rows: the int4 kernel; 8 and up: the bf16 weights, packed for oneDNN
+    assert DENSE_MIN_ROWS == 8
+    assert all(m.dense is not None and m.dense_min_rows == 8 for m in linears)
+    m = linears[0]
+    x = torch.randn(8, m.in_features, dtype=torch.bfloat16)
+    assert torch.equal(m(x), m.dense(x))  # 8 rows: the bf16 weights
+    assert torch.equal(m(x[:7]), m._lowbit(x[:7]))  # 7 rows: the int4 kernel
+    assert not torch.equal(m(x[:7]), m.dense(x[:7]))
+
+
+def test_auto_elsewhere_keeps_float32_weights_and_float32_asks_for_the_reference(
+        tiny_gguf, monkeypatch):
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
+    loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
+                                               torch.device("cpu"))
+    assert loaded.dtype == torch.float32
+    assert all(m.dense is None for m in _linears(loaded.model))  # no bf16 copy kept
+    exact, method = weights.load_engine_model(resolve_model(tiny_gguf), "float32", None,
+                                              torch.device("cpu"))
+    assert method == "none" and _linears(exact.model) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, cls", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_quantization_flag_through_the_engine(method, cls):
+    """--quantization int8|int4 on the embedded model: every target linear is swapped and
+    greedy decoding still says what the fp32 reference says first."""
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = "The capital of France is"
+    ref = LLM("smollm2-135m", dtype="float32", num_kv_blocks=16).generate(
+        [prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM("smollm2-135m", dtype="float32", quantization=method, num_kv_blocks=16)
+    linears = _linears(llm.engine.runner.model)
+    assert len(linears) == 30 * 4 + 1 and all(isinstance(m, cls) for m in linears)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert out.token_ids[0] == ref.token_ids[0]  # " Paris": a margin no quantization flips

@@ -42,6 +42,16 @@ class EngineStepError(RuntimeError):
     """The engine failed while running this request; other requests carry on."""
 
 
+class StreamBehindError(RuntimeError):
+    """The consumer fell too far behind (a client that stops reading its stream):
+    the request was aborted rather than buffering its outputs without bound."""
+
+
+# outputs a stream may hold unread before its request is aborted; each output
+# carries the text so far, so an unread backlog costs O(tokens^2) memory
+DEFAULT_MAX_STREAM_BACKLOG = 512
+
+
 @dataclass
 class _Ack:
     error: BaseException | None = None
@@ -60,19 +70,38 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 num_seqs: int = 1) -> None:
+                 num_seqs: int = 1, max_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
+                 on_overflow: Any = None) -> None:
         self.request_id = request_id
         self.num_seqs = num_seqs
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
         self.aborted = False
+        self.max_backlog = max_backlog
+        self.on_overflow = on_overflow  # called with the request id when it overflows
+        self.overflowed = False
 
     def put(self, item: Any) -> None:  # engine loop
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _deliver(self, item: Any) -> None:  # event loop
+        if self.overflowed:
+            return  # the abort's own _Aborted, or outputs that were already in flight
+        if isinstance(item, RequestOutput) and self.queue.qsize() >= self.max_backlog:
+            self.overflowed = True
+            while not self.queue.empty():  # free the backlog now, not when it is read
+                self.queue.get_nowait()
+            self.queue.put_nowait(StreamBehindError(
+                f"the client read its stream too slowly ({self.max_backlog} outputs "
+                "unread); the request was aborted"))
+            if self.on_overflow is not None:
+                self.on_overflow(self.request_id)
+            return
+        self.queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
@@ -107,12 +136,15 @@ class AsyncEngine:
 
     max_waiting: how many requests may wait for a running slot before new ones
     are refused (None: unbounded). stuck_after_s: a step running longer than
-    this makes `health()` report the loop as stuck.
+    this makes `health()` report the loop as stuck. max_stream_backlog: outputs
+    a request's stream may hold unread before the request is aborted.
     """
 
     def __init__(self, engine: Any, max_waiting: int | None = None,
-                 stuck_after_s: float = 120.0) -> None:
+                 stuck_after_s: float = 120.0,
+                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG) -> None:
         self.engine = engine
+        self.max_stream_backlog = max_stream_backlog
         self.max_waiting = max_waiting
         self.stuck_after_s = stuck_after_s
         self._lock = threading.Lock()
@@ -153,7 +185,8 @@ class AsyncEngine:
         Raises ValueError (engine validation, with `.param`), QueueFullError or
         EngineUnavailableError.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n,
+                               self.max_stream_backlog, self.abort)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if not self._accepting or not self._loop_alive():

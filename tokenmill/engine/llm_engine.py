@@ -203,10 +203,14 @@ class LLMEngine:
                 f"you requested {total} tokens ({len(ids)} in the prompt, {max_tokens} to "
                 f"generate). Reduce the prompt or max_tokens.", "max_tokens")
         cache_tokens = self.block_manager.max_tokens_that_fit()
-        if total > cache_tokens:
+        # its n sequences share at most the prompt: a request that could never have
+        # them all in the cache at once is refused rather than preempted forever
+        needed = len(ids) + params.n * max_tokens if params.n > 1 else total
+        if needed > cache_tokens:
             raise RequestError(
-                f"the request needs {total} tokens of KV cache but the whole cache holds "
-                f"{cache_tokens}; raise --kv-cache-memory or reduce the request", "max_tokens")
+                f"the request needs {needed} tokens of KV cache (n={params.n}) but the whole "
+                f"cache holds {cache_tokens}; raise --kv-cache-memory or reduce the request",
+                "max_tokens")
         if max_tokens != params.max_tokens:
             params = _with_max_tokens(params, max_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time

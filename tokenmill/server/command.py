@@ -25,9 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model names clients may send; responses carry the first "
                    "(default: the engine's model name)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TOKENMILL_API_KEY "
-                   "or VLLM_API_KEY)")
+    g.add_argument("--api-key", action="extend", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+                   "/detokenize; repeat it (or give several) to accept any of several keys; "
+                   "TOKENMILL_API_KEY and VLLM_API_KEY add one each")
+    g.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics needs an API key too (default off, as vLLM)")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="log each request's prompt text (default: never logged)")
+    g.add_argument("--max-stream-backlog", type=int, default=None,
+                   help="outputs a stream may hold unread before its request is aborted "
+                   "(a client that stopped reading; default 512)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 when this many wait for a slot")
     g.add_argument("--max-request-size", type=parse_bytes, default="8MiB",
@@ -75,16 +83,23 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
-    api_key = (args.api_key or os.environ.get("TOKENMILL_API_KEY")
-               or os.environ.get("VLLM_API_KEY") or None)
+    api_keys = api_keys_of(args.api_key, os.environ)
+    if args.metrics_auth and not api_keys:
+        raise SystemExit("--metrics-auth needs an API key (--api-key, TOKENMILL_API_KEY "
+                         "or VLLM_API_KEY)")
+    if args.max_stream_backlog is not None and args.max_stream_backlog < 1:
+        raise SystemExit("--max-stream-backlog must be at least 1")
     try:
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    backlog = {} if args.max_stream_backlog is None else \
+        {"max_stream_backlog": args.max_stream_backlog}
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
-                         max_waiting=args.max_waiting)
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size, config=serving_config)
+                         max_waiting=args.max_waiting, **backlog)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
+                    max_request_bytes=args.max_request_size, config=serving_config,
+                    metrics_auth=args.metrics_auth)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
@@ -110,6 +125,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def api_keys_of(flags: list[str] | None, environ: Any) -> list[str]:
+    """Every accepted key: each --api-key, then TOKENMILL_API_KEY and VLLM_API_KEY."""
+    keys = list(flags or [])
+    keys += [environ[name] for name in ("TOKENMILL_API_KEY", "VLLM_API_KEY")
+             if environ.get(name)]
+    return list(dict.fromkeys(k for k in keys if k))
+
+
 def _serving_config(args: argparse.Namespace) -> Any:
     """What the server flags change, checked before the model loads."""
     from tokenmill.loaders.model_source import resolve_model
@@ -124,7 +147,8 @@ def _serving_config(args: argparse.Namespace) -> Any:
         metrics_prefix=args.metrics_prefix,
         generation_defaults=load_generation_defaults(args.generation_config, source),
         chat_template=load_chat_template(args.chat_template),
-        chat_template_content_format=args.chat_template_content_format)
+        chat_template_content_format=args.chat_template_content_format,
+        log_prompts=args.log_prompts)
 
 
 def refuse_remote_code(source: Any) -> None:

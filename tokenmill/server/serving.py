@@ -9,6 +9,7 @@ keep only the HTTP shaping; everything two routes share lives here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -21,6 +22,7 @@ from tokenmill.engine.async_engine import (
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
+    StreamBehindError,
 )
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -31,6 +33,8 @@ from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
 from tokenmill.server.streams import Part, merge
 from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
+
+logger = logging.getLogger(__name__)
 
 MAX_PROMPTS = 2048  # per completion request, as OpenAI
 # apply_chat_template arguments the server sets itself
@@ -52,6 +56,7 @@ class ServingConfig:
     chat_template: str | None = None  # --chat-template: replaces the model's own
     # --chat-template-content-format: how message content reaches the template
     chat_template_content_format: str = "auto"  # auto | string | openai
+    log_prompts: bool = False  # --log-prompts: prompt text in the log (never otherwise)
 
 
 class Serving:
@@ -221,6 +226,11 @@ class Serving:
         """One engine request per prompt, tokenized here (never on the engine loop);
         if one is refused, the others are aborted."""
         prompt_ids = await self.prompt_token_ids(prompts)
+        if self.config.log_prompts:
+            for prompt, ids in zip(prompts, prompt_ids):
+                text = prompt if isinstance(prompt, str) else await self.decode(ids)
+                logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, prompt: %r",
+                            request_id, len(ids), params.n, params.max_tokens, text[:4000])
         parts: list[Part] = []
         try:
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
@@ -243,6 +253,9 @@ class Serving:
                 async for part, out in outputs:
                     part.progress.observe(out)
                     finals[id(part)] = out
+        except StreamBehindError as e:
+            raise APIError(503, str(e), "service_unavailable_error",
+                           code="stream_too_slow") from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:

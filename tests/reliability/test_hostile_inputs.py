@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.reliability.common import BackgroundStream, wait_idle
+from tests.reliability.common import BackgroundStream, metric, wait_idle
 from tokenmill.server import protocol as p
 
 pytestmark = pytest.mark.slow
@@ -140,6 +140,9 @@ def test_numeric_fields_at_their_bounds_are_accepted(server):
         r = client.post(TOK, json={"messages": HI * p.MAX_MESSAGES})
         assert r.status_code == 200, r.text[:300]
     wait_idle(server.base_url)
+    # the lazily touched pool: some of it committed by now, never more than all of it
+    committed = metric(server.base_url, ":kv_cache_committed_bytes")
+    assert 0 < committed <= metric(server.base_url, ":kv_cache_pool_bytes")
 
 
 def test_limits_are_in_the_readme():

@@ -7,7 +7,9 @@ processor detokenizes and checks stops, the scheduler frees what finished.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +53,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # bytes of KV blocks ever used: what the lazily touched pool adds to RSS so far
+    kv_cache_committed_bytes: int = 0
+    kv_cache_bytes: int = 0  # the whole pool
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
@@ -99,10 +104,20 @@ class _Request:
     arrival_time: float
 
 
+def process_rss_bytes() -> int:
+    """This process's resident set (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
+        baseline_rss_bytes = process_rss_bytes()  # the interpreter, torch, libraries
         device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
             else config.device)
@@ -155,10 +170,29 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         # seq_id of a request's first sample -> its prompt logprobs so far
         self.prompt_logprobs: dict[int, list] = {}
-        self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.stats = EngineStats(num_total_blocks=num_blocks,
+                                 kv_cache_bytes=self.runner.kv_cache_bytes)
+        if config.cache.prefault:
+            self.runner.pool.zero_blocks(list(range(num_blocks)))
+            self.block_manager.mark_all_touched()
         logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                     "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
                     num_blocks, block_size, self.runner.kv_cache_bytes / 2**20)
+        self._log_expected_rss(baseline_rss_bytes, loaded.model, device)
+
+    def _log_expected_rss(self, baseline_bytes: int, model: torch.nn.Module,
+                          device: torch.device) -> None:
+        """The pool's pages are touched as blocks are first used, so RSS climbs
+        under load up to this figure; saying so at start-up tells an operator
+        that the climb is expected and where it stops."""
+        weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+        kv = self.runner.kv_cache_bytes if device.type == "cpu" else 0
+        weights_host = weights if device.type == "cpu" else 0
+        logger.info("expected steady-state RSS %.0f MiB = baseline %.0f MiB + weights "
+                    "%.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool is touched as it "
+                    "fills, or at once with --kv-cache-prefault)",
+                    (baseline_bytes + weights_host + kv) / 2**20, baseline_bytes / 2**20,
+                    weights_host / 2**20, kv / 2**20, process_rss_bytes() / 2**20)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -392,6 +426,8 @@ class LLMEngine:
         st.num_waiting = self.scheduler.num_waiting
         st.num_free_blocks = bm.num_free_blocks
         st.num_total_blocks = bm.num_total_blocks
+        st.kv_cache_committed_bytes = (st.kv_cache_bytes * bm.num_touched_blocks
+                                       // max(bm.num_total_blocks, 1))
         st.kv_cache_usage = bm.usage
         st.prefix_cache_queries = bm.prefix_cache_queries
         st.prefix_cache_hits = bm.prefix_cache_hits

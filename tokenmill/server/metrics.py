@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -60,6 +66,11 @@ class _EngineStatsCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
                     st.kv_cache_usage)
+        yield gauge("kv_cache_committed_bytes", "Bytes of KV-cache blocks ever used: what "
+                    "the lazily touched pool adds to RSS so far.",
+                    getattr(st, "kv_cache_committed_bytes", 0))
+        yield gauge("kv_cache_pool_bytes", "Bytes of the whole KV-cache pool.",
+                    getattr(st, "kv_cache_bytes", 0))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       st.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -90,6 +101,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(get_stats, model_name, prefix))
+        # process_resident_memory_bytes, open fds, CPU time of this (serving) process
+        ProcessCollector(registry=self.registry)
         labels, self._values = _base_labels(prefix, model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

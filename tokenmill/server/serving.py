@@ -256,6 +256,9 @@ class Serving:
         except StreamBehindError as e:
             raise APIError(503, str(e), "service_unavailable_error",
                            code="stream_too_slow") from None
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "service_unavailable_error",
+                           code="unavailable") from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:

@@ -8,7 +8,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from tokenmill.engine.async_engine import EngineStepError, StreamBehindError
+from tokenmill.engine.async_engine import (
+    EngineStepError,
+    EngineUnavailableError,
+    StreamBehindError,
+)
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
@@ -48,6 +52,8 @@ async def event_stream(serving: Serving, request_id: str, parts: list[Part], chu
                             "usage": p.dump(serving.usage(list(last.values()), prompt_only))})
     except StreamBehindError as e:  # reaches the client only if it reads again
         yield sse_line(error_body(str(e), "invalid_request_error", code="stream_too_slow"))
+    except EngineUnavailableError as e:  # the engine loop died under the stream
+        yield sse_line(error_body(str(e), "service_unavailable_error", code="unavailable"))
     except EngineStepError as e:
         yield sse_line(error_body(str(e), "server_error"))
     finally:

@@ -1,7 +1,7 @@
 """Soak: `tokenmill serve` at saturation for --duration seconds (issue 23).
 
-W2-style mixed lengths at concurrency 32 (prompts of 16-1500 tokens, log-uniform;
-16-256 output tokens), with 10% of requests disconnecting mid-stream and 5%
+W2-style mixed lengths at concurrency 32 (prompts of 16-512 words, log-uniform;
+16-160 output tokens, around W2's 128/128), with 10% of requests disconnecting mid-stream and 5%
 invalid. Reports requests and errors by kind; RSS summed over the server's
 process tree (front end, engine, workers), open fds and threads at 1, 5 and 10
 minutes (and the end); KV usage once the load stops.
@@ -59,9 +59,9 @@ def tree_usage(pid: int) -> dict[str, float]:
 
 
 def prompt_of(rng: random.Random) -> tuple[str, int]:
-    num_words = int(math.exp(rng.uniform(math.log(16), math.log(1500))))
+    num_words = int(math.exp(rng.uniform(math.log(16), math.log(512))))
     text = " ".join(rng.choice(WORDS) for _ in range(num_words))
-    return text, rng.randint(16, 256)
+    return text, rng.randint(16, 160)
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random,
@@ -106,10 +106,13 @@ async def client_loop(base_url: str, headers: dict, seed: int, deadline: float,
                 await one_request(client, rng, counts)
             except httpx.HTTPError as e:
                 counts[f"transport error: {type(e).__name__}"] += 1
+            except asyncio.CancelledError:  # the deadline: the client leaves mid-request
+                counts["in flight at the deadline (cut)"] += 1
+                raise
 
 
 async def sampler(pid: int, start: float, deadline: float, samples: list) -> None:
-    pending = [c for c in CHECKPOINTS_S if start + c <= deadline + 1]
+    pending = [c for c in CHECKPOINTS_S if start + c < deadline]
     while pending:
         await asyncio.sleep(max(0.0, start + pending[0] - time.monotonic()))
         samples.append((pending.pop(0), tree_usage(pid)))
@@ -132,24 +135,31 @@ async def soak(base_url: str, pid: int, duration_s: float, concurrency: int,
     start = time.monotonic()
     deadline = start + duration_s
     samples.append((0, tree_usage(pid)))
-    await asyncio.gather(sampler(pid, start, deadline, samples),
-                         *(client_loop(base_url, headers, seed, deadline, counts)
-                           for seed in range(concurrency)))
+    tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts))
+             for seed in range(concurrency)]
+    tasks.append(asyncio.create_task(sampler(pid, start, deadline, samples)))
+    await asyncio.sleep(duration_s)
+    samples.append((round(time.monotonic() - start), tree_usage(pid)))  # still under load
+    for task in tasks:  # a long request would otherwise run on past the deadline
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = time.monotonic() - start
-    samples.append((round(elapsed), tree_usage(pid)))
     idle_deadline = time.monotonic() + 30
     usage, running = kv_usage(base_url, headers)
     while (usage or running) and time.monotonic() < idle_deadline:
         await asyncio.sleep(0.5)
         usage, running = kv_usage(base_url, headers)
+    after = tree_usage(pid)
     return {"duration_s": round(elapsed, 1), "concurrency": concurrency,
             "requests": sum(counts.values()), "outcomes": dict(counts.most_common()),
             "usage": [{"at_s": at, **u} for at, u in samples],
+            "usage_after": after,
             "kv_cache_usage_after": usage, "running_after": running}
 
 
 def verdict(result: dict) -> list[str]:
-    expected = {"completed", "disconnected mid-stream (on purpose)", "invalid: 4xx as expected"}
+    expected = {"completed", "disconnected mid-stream (on purpose)", "invalid: 4xx as expected",
+                "in flight at the deadline (cut)"}
     problems = [f"{n} x {kind}" for kind, n in result["outcomes"].items() if kind not in expected]
     if result["kv_cache_usage_after"] != 0:
         problems.append(f"KV usage {result['kv_cache_usage_after']} after the load")
@@ -200,6 +210,8 @@ def main() -> int:
     for u in result["usage"]:
         print(f"  {u['at_s']:5d}  {u['rss_mib']:7.0f}  {u['fds']:3d}  {u['threads']:7d}  "
               f"{u['processes']:9d}")
+    a = result["usage_after"]
+    print(f"after the load: RSS {a['rss_mib']:.0f} MiB, {a['fds']} fds, {a['threads']} threads")
     print(f"KV usage after the load: {result['kv_cache_usage_after']}, "
           f"running: {result['running_after']}")
     problems = verdict(result)

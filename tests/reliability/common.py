@@ -41,10 +41,10 @@ class BackgroundStream:
         self.window_end = time.monotonic()
         self.thread.join(300)
 
-    def max_gap_in_window_s(self) -> float:
-        """The longest gap between chunks that overlaps the `with` block."""
-        return max((b - a for a, b in itertools.pairwise(self.arrivals)
-                    if b >= self.window_start and a <= self.window_end), default=0.0)
+    def max_gap_in_window(self) -> tuple[float, float]:
+        """The longest gap between chunks that overlaps the `with` block, and when it ended."""
+        return max(((b - a, b) for a, b in itertools.pairwise(self.arrivals)
+                    if b >= self.window_start and a <= self.window_end), default=(0.0, 0.0))
 
 
 def metric(base_url: str, suffix: str, headers: dict[str, str] | None = None) -> float:

@@ -139,6 +139,9 @@ class CacheConfig:
     # vLLM's --kv-events-config: publish the prefix cache's changes for routers
     kv_events: KVEventsConfig | None = None
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # --kv-cache-prefault: write the whole pool at start-up, so its pages are resident
+    # (RSS at its steady state from the start, no first-touch page faults under load)
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="as vLLM on CUDA (share of the GPU's memory for the instance); on a "
                    "CPU the share of available RAM for the KV cache (default there: "
                    "min(15%% of RAM, 2 GiB))")
+    g.add_argument("--kv-cache-prefault", action="store_true",
+                   help="touch the whole KV pool at start-up: RSS reaches its steady state "
+                   "at once and no request pays first-touch page faults")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: auto (the model's dtype), bfloat16, int8 or fp8 "
@@ -133,5 +136,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             kv_events=args.kv_events_config,
             kv_cache_dtype=args.kv_cache_dtype,
+            prefault=args.kv_cache_prefault,
         ),
     )

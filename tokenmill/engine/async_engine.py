@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.request_stream import (  # noqa: F401 - the server imports them here
+    DEFAULT_MAX_STREAM_BACKLOG,
     Aborted,
     Accepted,
     EngineDiedError,
@@ -31,6 +32,7 @@ from tokenmill.engine.request_stream import (  # noqa: F401 - the server imports
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
+    StreamBehindError,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -57,14 +59,17 @@ class AsyncEngine:
 
     max_waiting: how many requests may wait for a running slot before new ones
     are refused (None: unbounded). stuck_after_s: a step running longer than
-    this makes `health()` report the loop as stuck.
+    this makes `health()` report the loop as stuck. max_stream_backlog: outputs
+    a request's stream may hold unread before the request is aborted.
     """
 
     core_pid = None  # the engine runs in this process
 
     def __init__(self, engine: Any, max_waiting: int | None = None,
-                 stuck_after_s: float = 120.0) -> None:
+                 stuck_after_s: float = 120.0,
+                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG) -> None:
         self.engine = engine
+        self.max_stream_backlog = max_stream_backlog
         self.max_waiting = max_waiting
         self.stuck_after_s = stuck_after_s
         self._lock = threading.Lock()
@@ -105,7 +110,8 @@ class AsyncEngine:
         Raises ValueError (engine validation, with `.param`), QueueFullError or
         EngineUnavailableError.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n,
+                               self.max_stream_backlog, self.abort)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if not self._accepting or not self._loop_alive():

@@ -37,6 +37,7 @@ from tokenmill.engine import core_messages as m
 from tokenmill.engine.llm_engine import EngineStats, RequestError
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request_stream import (
+    DEFAULT_MAX_STREAM_BACKLOG,
     Aborted,
     Accepted,
     EngineDiedError,
@@ -73,8 +74,10 @@ class FrontEndModel:
 class CoreClient:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  hang_timeout_s: float = 10.0, stuck_after_s: float = 120.0,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info",
+                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG) -> None:
         self.max_waiting = max_waiting
+        self.max_stream_backlog = max_stream_backlog
         self.hang_timeout_s = hang_timeout_s
         self.stuck_after_s = stuck_after_s
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-core-")
@@ -144,7 +147,8 @@ class CoreClient:
         else:
             text, ids = None, [int(t) for t in prompt]
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), params.n,
+                               self.max_stream_backlog, self.abort)
         with self._lock:
             down = self._down_reason_locked()
             if down is not None:

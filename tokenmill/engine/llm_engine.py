@@ -8,7 +8,9 @@ processor detokenizes and checks stops, the scheduler frees what finished.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -55,6 +57,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # bytes of KV blocks ever used: what the lazily touched pool adds to RSS so far
+    kv_cache_committed_bytes: int = 0
+    kv_cache_bytes: int = 0  # the whole pool
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
@@ -117,6 +122,15 @@ def check_startup_choices(config: EngineConfig) -> torch.device:
     return device
 
 
+def process_rss_bytes() -> int:
+    """This process's resident set (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class LLMEngine:
     """detokenize=False: outputs carry token ids only (text ""), and `stop`
     strings are left to whoever detokenizes (the front end of the core process)."""
@@ -125,6 +139,7 @@ class LLMEngine:
                  **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
+        baseline_rss_bytes = process_rss_bytes()  # the interpreter, torch, libraries
         device = check_startup_choices(config)
         torch.manual_seed(config.seed)
         self.source = resolve_model(config.model, need_weights=config.load_format != "dummy")
@@ -192,10 +207,29 @@ class LLMEngine:
         self._compiling: dict[str, _Request] = {}  # constrained requests waiting for a grammar
         # seq_id of a request's first sample -> its prompt logprobs so far
         self.prompt_logprobs: dict[int, list] = {}
-        self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.stats = EngineStats(num_total_blocks=num_blocks,
+                                 kv_cache_bytes=self.runner.kv_cache_bytes)
+        if config.cache.prefault:
+            self.runner.pool.zero_blocks(list(range(num_blocks)))
+            self.block_manager.mark_all_touched()
         logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                     "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
                     num_blocks, block_size, self.runner.kv_cache_bytes / 2**20)
+        self._log_expected_rss(baseline_rss_bytes, loaded.model, device)
+
+    def _log_expected_rss(self, baseline_bytes: int, model: torch.nn.Module,
+                          device: torch.device) -> None:
+        """The pool's pages are touched as blocks are first used, so RSS climbs
+        under load up to this figure; saying so at start-up tells an operator
+        that the climb is expected and where it stops."""
+        weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+        kv = self.runner.kv_cache_bytes if device.type == "cpu" else 0
+        weights_host = weights if device.type == "cpu" else 0
+        logger.info("expected steady-state RSS %.0f MiB = baseline %.0f MiB + weights "
+                    "%.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool is touched as it "
+                    "fills, or at once with --kv-cache-prefault)",
+                    (baseline_bytes + weights_host + kv) / 2**20, baseline_bytes / 2**20,
+                    weights_host / 2**20, kv / 2**20, process_rss_bytes() / 2**20)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -242,10 +276,14 @@ class LLMEngine:
                 f"you requested {total} tokens ({len(ids)} in the prompt, {max_tokens} to "
                 f"generate). Reduce the prompt or max_tokens.", "max_tokens")
         cache_tokens = self.block_manager.max_tokens_that_fit()
-        if total > cache_tokens:
+        # its n sequences share at most the prompt: a request that could never have
+        # them all in the cache at once is refused rather than preempted forever
+        needed = len(ids) + params.n * max_tokens if params.n > 1 else total
+        if needed > cache_tokens:
             raise RequestError(
-                f"the request needs {total} tokens of KV cache but the whole cache holds "
-                f"{cache_tokens}; raise --kv-cache-memory or reduce the request", "max_tokens")
+                f"the request needs {needed} tokens of KV cache (n={params.n}) but the whole "
+                f"cache holds {cache_tokens}; raise --kv-cache-memory or reduce the request",
+                "max_tokens")
         if max_tokens != params.max_tokens:
             params = _with_max_tokens(params, max_tokens)
         params = self._check_constraints(params)
@@ -483,6 +521,8 @@ class LLMEngine:
         st.num_waiting = self.scheduler.num_waiting
         st.num_free_blocks = bm.num_free_blocks
         st.num_total_blocks = bm.num_total_blocks
+        st.kv_cache_committed_bytes = (st.kv_cache_bytes * bm.num_touched_blocks
+                                       // max(bm.num_total_blocks, 1))
         st.kv_cache_usage = bm.usage
         st.prefix_cache_queries = bm.prefix_cache_queries
         st.prefix_cache_hits = bm.prefix_cache_hits

@@ -34,6 +34,16 @@ class EngineDiedError(EngineStepError):
     """The engine core process died or hung while this request was in flight."""
 
 
+class StreamBehindError(RuntimeError):
+    """The consumer fell too far behind (a client that stops reading its stream):
+    the request was aborted rather than buffering its outputs without bound."""
+
+
+# outputs a stream may hold unread before its request is aborted; each output
+# carries the text so far, so an unread backlog costs O(tokens^2) memory
+DEFAULT_MAX_STREAM_BACKLOG = 512
+
+
 @dataclass
 class Accepted:
     """The engine's answer to an add: taken (error None), or why not."""
@@ -54,19 +64,38 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 num_seqs: int = 1) -> None:
+                 num_seqs: int = 1, max_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
+                 on_overflow: Any = None) -> None:
         self.request_id = request_id
         self.num_seqs = num_seqs
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
         self.aborted = False
+        self.max_backlog = max_backlog
+        self.on_overflow = on_overflow  # called with the request id when it overflows
+        self.overflowed = False
 
     def put(self, item: Any) -> None:  # any thread
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _deliver(self, item: Any) -> None:  # event loop
+        if self.overflowed:
+            return  # the abort's own Aborted, or outputs that were already in flight
+        if isinstance(item, RequestOutput) and self.queue.qsize() >= self.max_backlog:
+            self.overflowed = True
+            while not self.queue.empty():  # free the backlog now, not when it is read
+                self.queue.get_nowait()
+            self.queue.put_nowait(StreamBehindError(
+                f"the client read its stream too slowly ({self.max_backlog} outputs "
+                "unread); the request was aborted"))
+            if self.on_overflow is not None:
+                self.on_overflow(self.request_id)
+            return
+        self.queue.put_nowait(item)
 
     async def accepted(self) -> None:
         """Wait for the engine's answer to the add; raise its refusal."""

@@ -56,6 +56,9 @@ class BlockManager:
         self.num_total_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))  # free, never-cached blocks
+        # blocks ever handed out: the pool's memory is touched lazily, block by block
+        self._touched = bytearray(num_blocks)
+        self.num_touched_blocks = 0
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -253,7 +256,15 @@ class BlockManager:
             assert evicted is not None, "no free block: check can_allocate_slots first"
             block_id = evicted
         self.ref_counts[block_id] = 1
+        if not self._touched[block_id]:
+            self._touched[block_id] = 1
+            self.num_touched_blocks += 1
         return block_id
+
+    def mark_all_touched(self) -> None:
+        """The pool was written whole (--kv-cache-prefault)."""
+        self._touched = bytearray(b"\x01") * self.num_total_blocks
+        self.num_touched_blocks = self.num_total_blocks
 
     def _release(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1

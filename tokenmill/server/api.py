@@ -23,10 +23,11 @@ from tokenmill.server.serving import Serving, ServingConfig
 
 
 def build_app(engine: EngineClient, served_model_name: str | None = None,
-              api_key: str | None = None,
+              api_key: str | list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              config: ServingConfig | None = None) -> FastAPI:
-    """The app in front of `engine`; its lifespan's end shuts the engine down."""
+              config: ServingConfig | None = None, metrics_auth: bool = False) -> FastAPI:
+    """The app in front of `engine`; its lifespan's end shuts the engine down.
+    `api_key`: one key or several, any of which is accepted."""
     serving = Serving(engine, served_model_name, config)
     protocol.allow_unknown_fields(serving.config.allow_unknown_fields)
 
@@ -38,7 +39,8 @@ def build_app(engine: EngineClient, served_model_name: str | None = None,
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server")
-    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes,
+                       metrics_auth=metrics_auth)
     install_error_handlers(app)
     for module in (admin, tokenize, completions, chat):
         app.include_router(module.router)

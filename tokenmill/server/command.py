@@ -25,9 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model names clients may send; responses carry the first "
                    "(default: the engine's model name)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TOKENMILL_API_KEY "
-                   "or VLLM_API_KEY)")
+    g.add_argument("--api-key", action="extend", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+                   "/detokenize; repeat it (or give several) to accept any of several keys; "
+                   "TOKENMILL_API_KEY and VLLM_API_KEY add one each")
+    g.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics needs an API key too (default off, as vLLM)")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="log each request's prompt text (default: never logged)")
+    g.add_argument("--max-stream-backlog", type=int, default=None,
+                   help="outputs a stream may hold unread before its request is aborted "
+                   "(a client that stopped reading; default 512)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 when this many wait for a slot")
     g.add_argument("--max-request-size", type=parse_bytes, default="8MiB",
@@ -85,6 +93,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--max-waiting must be non-negative")
     if args.engine_hang_timeout <= 0:
         raise SystemExit("--engine-hang-timeout must be positive")
+    api_keys = api_keys_of(args.api_key, os.environ)
+    if args.metrics_auth and not api_keys:
+        raise SystemExit("--metrics-auth needs an API key (--api-key, TOKENMILL_API_KEY "
+                         "or VLLM_API_KEY)")
+    if args.max_stream_backlog is not None and args.max_stream_backlog < 1:
+        raise SystemExit("--max-stream-backlog must be at least 1")
     try:
         serving_config = _serving_config(args)
     except ValueError as e:
@@ -93,32 +107,39 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_startup_choices(engine_config_from_args(args))  # BackendUnavailable: exit 2
     if args.engine_in_process:
-        return _serve_in_process(args, serving_config)
-    return _serve_with_core_process(args, serving_config)
+        return _serve_in_process(args, serving_config, api_keys)
+    return _serve_with_core_process(args, serving_config, api_keys)
 
 
-def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any) -> Any:
+def _backlog(args: argparse.Namespace) -> dict:
+    return {} if args.max_stream_backlog is None else \
+        {"max_stream_backlog": args.max_stream_backlog}
+
+
+def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any,
+                    api_keys: list[str]) -> Any:
     import uvicorn
 
     from tokenmill.server.api import build_app
 
-    api_key = (args.api_key or os.environ.get("TOKENMILL_API_KEY")
-               or os.environ.get("VLLM_API_KEY") or None)
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_request_bytes=args.max_request_size, config=serving_config)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
+                    max_request_bytes=args.max_request_size, config=serving_config,
+                    metrics_auth=args.metrics_auth)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     return uvicorn.Server(config)
 
 
-def _serve_with_core_process(args: argparse.Namespace, serving_config: Any) -> int:
+def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
+                             api_keys: list[str]) -> int:
     from tokenmill.engine.core_client import CoreClient, CoreStartError
 
     try:
         # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
         client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
-                            hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level)
+                            hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level,
+                            **_backlog(args))
     except CoreStartError as e:
         logging.getLogger(__name__).error("%s", e)
         return 1
@@ -127,7 +148,7 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any) -> i
         # requests (--shutdown-timeout), then its lifespan stops the core. Once
         # done, uvicorn re-raises the signal to the handler it found installed:
         # that is this one, so we go on to exit 0 instead of dying of SIGTERM.
-        server = _uvicorn_server(args, client, serving_config)
+        server = _uvicorn_server(args, client, serving_config, api_keys)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
         try:
@@ -139,13 +160,14 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any) -> i
     return 0 if server.started else 1
 
 
-def _serve_in_process(args: argparse.Namespace, serving_config: Any) -> int:
+def _serve_in_process(args: argparse.Namespace, serving_config: Any,
+                      api_keys: list[str]) -> int:
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm_engine import LLMEngine
 
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
-                         max_waiting=args.max_waiting)
-    server = _uvicorn_server(args, engine, serving_config)
+                         max_waiting=args.max_waiting, **_backlog(args))
+    server = _uvicorn_server(args, engine, serving_config, api_keys)
 
     def serve_http() -> None:
         try:
@@ -167,6 +189,14 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any) -> int:
     return 0 if server.started else 1
 
 
+def api_keys_of(flags: list[str] | None, environ: Any) -> list[str]:
+    """Every accepted key: each --api-key, then TOKENMILL_API_KEY and VLLM_API_KEY."""
+    keys = list(flags or [])
+    keys += [environ[name] for name in ("TOKENMILL_API_KEY", "VLLM_API_KEY")
+             if environ.get(name)]
+    return list(dict.fromkeys(k for k in keys if k))
+
+
 def _serving_config(args: argparse.Namespace) -> Any:
     """What the server flags change, checked before the model loads."""
     from tokenmill.loaders.model_source import resolve_model
@@ -185,7 +215,8 @@ def _serving_config(args: argparse.Namespace) -> Any:
         metrics_prefix=args.metrics_prefix,
         generation_defaults=load_generation_defaults(args.generation_config, source),
         chat_template=load_chat_template(args.chat_template),
-        chat_template_content_format=args.chat_template_content_format)
+        chat_template_content_format=args.chat_template_content_format,
+        log_prompts=args.log_prompts)
 
 
 def refuse_remote_code(source: Any) -> None:

@@ -12,27 +12,35 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 class Gate:
-    """Pure ASGI, before routing: API key on /v1 and tokenize routes, then the
-    request-size limit (the body is read here once and replayed to the app)."""
+    """Pure ASGI, before routing: API key on /v1 and tokenize routes (and on
+    /metrics with `metrics_auth`), then the request-size limit (the body is read
+    here once and replayed to the app)."""
 
     PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | list[str] | None, max_request_bytes: int,
+                 metrics_auth: bool = False) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = [k.encode() for k in keys if k]
+        self.protected = self.PROTECTED + (("/metrics",) if metrics_auth else ())
         self.max_request_bytes = max_request_bytes
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        # every key compared, so the time taken does not tell which one nearly matched
+        return sum(hmac.compare_digest(token, key) for key in self.api_keys) > 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith(self.PROTECTED):
-            auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
-                return await _send_error(send, APIError(
-                    401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key", headers={"www-authenticate": "Bearer"}))
+        if self.api_keys and scope["path"].startswith(self.protected) \
+                and not self._authorized(headers):
+            return await _send_error(send, APIError(
+                401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key", headers={"www-authenticate": "Bearer"}))
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
             return await _send_error(send, self._too_large())

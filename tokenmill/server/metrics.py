@@ -66,6 +66,11 @@ class _EngineStatsCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
                     st.kv_cache_usage)
+        yield gauge("kv_cache_committed_bytes", "Bytes of KV-cache blocks ever used: what "
+                    "the lazily touched pool adds to RSS so far.",
+                    getattr(st, "kv_cache_committed_bytes", 0))
+        yield gauge("kv_cache_pool_bytes", "Bytes of the whole KV-cache pool.",
+                    getattr(st, "kv_cache_bytes", 0))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       st.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",

@@ -25,9 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from tokenmill.sampling_params import SamplingParams
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MAX = 2**63 - 1
 MAX_N = 128  # as OpenAI
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+# vLLM has no limits (nor flags) for these; each stop string is searched for in
+# the text after every step, so their count and length are work per token
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_MESSAGES = 2048  # per chat request, as OpenAI
 
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
@@ -139,7 +144,8 @@ class _SamplingRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    # a negative seed is refused (as OpenAI): the generator takes 0 .. 2**63 - 1
+    seed: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -162,6 +168,18 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, "
+                             f"got {longest}")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -333,7 +351,7 @@ class ChatTemplateFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -361,7 +379,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
 class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ keep only the HTTP shaping; everything two routes share lives here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -24,6 +25,7 @@ from tokenmill.engine.request_stream import (
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
+    StreamBehindError,
 )
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
@@ -37,6 +39,8 @@ from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
 from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
 from tokenmill.server.tool_calls import conversation as tool_conversation
 from tokenmill.structured.compiler import GrammarCache
+
+logger = logging.getLogger(__name__)
 
 MAX_PROMPTS = 2048  # per completion request, as OpenAI
 # apply_chat_template arguments the server sets itself
@@ -61,6 +65,7 @@ class ServingConfig:
     # --enable-auto-tool-choice --tool-call-parser NAME: parse tool_choice "auto" output
     tool_call_parser: str | None = None
     allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
+    log_prompts: bool = False  # --log-prompts: prompt text in the log (never otherwise)
 
 
 class Serving:
@@ -241,6 +246,11 @@ class Serving:
         """One engine request per prompt, tokenized here (never on the engine loop);
         if one is refused, the others are aborted."""
         prompt_ids = await self.prompt_token_ids(prompts)
+        if self.config.log_prompts:
+            for prompt, ids in zip(prompts, prompt_ids):
+                text = prompt if isinstance(prompt, str) else await self.decode(ids)
+                logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, prompt: %r",
+                            request_id, len(ids), params.n, params.max_tokens, text[:4000])
         parts: list[Part] = []
         try:
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
@@ -266,6 +276,12 @@ class Serving:
         except EngineDiedError as e:
             raise APIError(503, str(e), "service_unavailable_error", code="engine_down",
                            headers={"Retry-After": "5"}) from None
+        except StreamBehindError as e:
+            raise APIError(503, str(e), "service_unavailable_error",
+                           code="stream_too_slow") from None
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "service_unavailable_error",
+                           code="unavailable") from None
         except EngineStepError as e:
             raise APIError(500, str(e), "server_error") from None
         finally:

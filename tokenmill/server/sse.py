@@ -9,7 +9,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import EngineDiedError, EngineStepError
+from tokenmill.engine.request_stream import (
+    EngineDiedError,
+    EngineStepError,
+    EngineUnavailableError,
+    StreamBehindError,
+)
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
 from tokenmill.server.serving import Serving
@@ -48,6 +53,10 @@ async def event_stream(serving: Serving, request_id: str, parts: list[Part], chu
                             "usage": p.dump(serving.usage(list(last.values()), prompt_only))})
     except EngineDiedError as e:  # the engine core died or hung mid-stream
         yield sse_line(error_body(str(e), "service_unavailable_error", code="engine_down"))
+    except StreamBehindError as e:  # reaches the client only if it reads again
+        yield sse_line(error_body(str(e), "invalid_request_error", code="stream_too_slow"))
+    except EngineUnavailableError as e:  # the engine loop died under the stream
+        yield sse_line(error_body(str(e), "service_unavailable_error", code="unavailable"))
     except EngineStepError as e:
         yield sse_line(error_body(str(e), "server_error"))
     finally:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tokenmill.engine.async_engine import RequestStream, StreamBehindError, _Aborted
+from tokenmill.engine.request_stream import Aborted, RequestStream, StreamBehindError
 from tokenmill.engine.outputs import RequestOutput
 
 
@@ -22,7 +22,7 @@ def test_a_stream_past_its_backlog_is_aborted_and_says_why():
                                on_overflow=aborted.append)
         for _ in range(5):  # the engine keeps producing; nobody reads
             stream.put(_out())
-        stream.put(_Aborted())  # the abort's own reply, ignored once overflowed
+        stream.put(Aborted())  # the abort's own reply, ignored once overflowed
         await asyncio.sleep(0)
         queued = stream.queue.qsize()
         got = []

@@ -81,7 +81,13 @@ def test_http_health_is_503_with_the_reason_while_stuck(hanging):
 
     from tokenmill.server.api import build_app
 
+    from tokenmill.loaders import load_tokenizer, resolve_model
+
     fake, engine = hanging
+    # the app tokenizes and renders templates itself: it needs the real tokenizer
+    fake.tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
+    fake.model_config = SimpleNamespace(vocab_size=len(fake.tokenizer))
+    fake.max_model_len = 2048
     app = build_app(engine)
 
     async def get_health() -> httpx.Response:

@@ -84,7 +84,8 @@ class Serving:
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
-                                     self.config.metrics_prefix, core_pid=engine.core_pid)
+                                     self.config.metrics_prefix,
+                                     core_pid=getattr(engine, "core_pid", None))
         self.chat_template = template_of(self.tokenizer, self.config.chat_template)
         self.content_format = content_format(self.config.chat_template_content_format,
                                              self.chat_template)

@@ -79,9 +79,8 @@ def test_a_stuck_step_makes_health_unhealthy_until_it_returns(hanging):
 def test_http_health_is_503_with_the_reason_while_stuck(hanging):
     import asyncio
 
-    from tokenmill.server.api import build_app
-
     from tokenmill.loaders import load_tokenizer, resolve_model
+    from tokenmill.server.api import build_app
 
     fake, engine = hanging
     # the app tokenizes and renders templates itself: it needs the real tokenizer

@@ -18,7 +18,7 @@ def chat_run(server, tmp_path_factory):
                      "--dataset", "multiturn", "--turns", "3", "--input-len", "40",
                      "--output-len", "8", "--num-requests", "2", "--concurrency", "2",
                      "--warmup", "1", "--no-progress", "--tokenizer", "smollm2-135m",
-                     "--scrape-interval", "0.5", "--output", str(out)])
+                     "--scrape-interval", "0.1", "--output", str(out)])
     assert code == 0
     return json.loads(out.read_text())
 

@@ -72,14 +72,24 @@ def test_abort_takes_effect_before_the_next_step():
         engine.abort("r")  # the client left
         return received
 
-    def release_steps() -> None:  # steps proceed one at a time, as fast as asked
-        for _ in range(50):
+    trickling = threading.Event()
+    trickling.set()
+
+    def release_steps() -> None:  # a step every 5 ms until the test has seen enough
+        while trickling.is_set():
             fake.go.release()
+            threading.Event().wait(0.005)
 
     threading.Thread(target=release_steps, daemon=True).start()
     received = asyncio.run(client())
-    for _ in range(20):  # let the loop run on: it must not step "r" again
-        fake.go.release()
+    # let the loop run on: it must not step "r" again
+    for _ in range(2000):
+        if len(fake.steps) > abort_called_at[0] + 5:
+            break
+        threading.Event().wait(0.005)
+    trickling.clear()
+    for _ in range(4):
+        fake.go.release()  # whatever step is waiting may finish
     engine.shutdown(5)
     loop.join(5)
     assert received == 3 and "r" in fake.aborted_at_step

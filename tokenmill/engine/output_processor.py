@@ -75,7 +75,10 @@ class OutputProcessor:
                     seq.output_logprobs.append(lp)
                     seq.cumulative_logprob += lp[token_id].logprob
                 if seq.first_token_time is None:
-                    seq.first_token_time = delta.first_token_time or time.monotonic()
+                    # stamped here, where the token leaves for the client (as vLLM's
+                    # front end does), not when the core produced it: TTFT then
+                    # includes the hop between the processes, as the client sees it
+                    seq.first_token_time = time.monotonic()
                 self.stop_checker.check(seq)
             if d.finish_reason is not None and not seq.is_finished:
                 # the core ended it for a reason the shadow cannot see (abort)

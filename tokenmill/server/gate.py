@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import Any
 
 from tokenmill.server.errors import APIError, error_body
@@ -35,6 +36,9 @@ class Gate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # when the request arrived (request.state.arrival_time): TTFT, queue and E2E
+        # count from here, before the body is read and parsed, as the client counts
+        scope.setdefault("state", {})["arrival_time"] = time.monotonic()
         headers = dict(scope.get("headers") or [])
         if self.api_keys and scope["path"].startswith(self.protected) \
                 and not self._authorized(headers):

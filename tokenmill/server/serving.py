@@ -227,10 +227,12 @@ class Serving:
         return Progress(n, self.metrics, object_name)
 
     async def submit(self, request_id: str, prompt: str | list[int],
-                     params: SamplingParams) -> RequestStream:
+                     params: SamplingParams,
+                     arrival_time: float | None = None) -> RequestStream:
         await check_compiles(self.grammars, params.structured_outputs)
         try:
-            return await self.engine.add_request(request_id, prompt, params)
+            return await self.engine.add_request(request_id, prompt, params,
+                                                 arrival_time=arrival_time)
         except QueueFullError as e:
             raise APIError(503, str(e), "service_unavailable_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
@@ -243,9 +245,11 @@ class Serving:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
     async def submit_all(self, request_id: str, prompts: list[str | list[int]],
-                         params: SamplingParams, object_name: str) -> list[Part]:
+                         params: SamplingParams, object_name: str,
+                         arrival_time: float | None = None) -> list[Part]:
         """One engine request per prompt, tokenized here (never on the engine loop);
-        if one is refused, the others are aborted."""
+        if one is refused, the others are aborted. arrival_time: when the route got
+        the request (time.monotonic), so TTFT and queue time include tokenization."""
         prompt_ids = await self.prompt_token_ids(prompts)
         if self.config.log_prompts:
             for prompt, ids in zip(prompts, prompt_ids):
@@ -256,7 +260,7 @@ class Serving:
         try:
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                stream = await self.submit(rid, ids, params)
+                stream = await self.submit(rid, ids, params, arrival_time)
                 parts.append(Part(stream, self.progress(params.n, object_name), prompt,
                                   i * params.n))
         except BaseException:

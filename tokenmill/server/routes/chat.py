@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from typing import Any
 
@@ -31,13 +32,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
              responses=_ERRORS)
 async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                            serving: ServingDep) -> Any:
+    # stamped by the Gate as the request came in: rendering, tokenizing count in TTFT
+    arrival = getattr(request.state, "arrival_time", None) or time.monotonic()
     serving.check_model(req.model)
     tools = plan_tools(req, serving.config.tool_call_parser)
     params = _with_tools(serving.sampling_params(req), tools)
     prompt_ids = await serving.render_chat(req.messages, req, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parts = await serving.submit_all(request_id, [prompt_ids], params,
-                                     "chat.completion.chunk")
+                                     "chat.completion.chunk",
+                                     arrival_time=arrival)
     top_k = req.top_logprobs or 0
     decode = serving.decode_token
 

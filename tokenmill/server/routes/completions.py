@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -69,6 +70,8 @@ class _Choices:
 @router.post("/v1/completions", response_model=p.CompletionResponse, responses=_ERRORS)
 async def completions(req: p.CompletionRequest, request: Request,
                       serving: ServingDep) -> Any:
+    # stamped by the Gate as the request came in: parsing, tokenizing count in TTFT
+    arrival = getattr(request.state, "arrival_time", None) or time.monotonic()
     serving.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -77,7 +80,8 @@ async def completions(req: p.CompletionRequest, request: Request,
     request_id = f"cmpl-{uuid.uuid4().hex}"
     shape = _Choices(serving, req)
     await shape.prepare_echo(prompts)
-    parts = await serving.submit_all(request_id, prompts, params, "text_completion")
+    parts = await serving.submit_all(request_id, prompts, params, "text_completion",
+                                     arrival_time=arrival)
 
     if req.stream:
         def chunks(part: Part, out: RequestOutput) -> list[dict]:

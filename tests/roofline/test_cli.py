@@ -105,7 +105,7 @@ def test_cpu_figures_come_from_the_cache_file(cache_home, monkeypatch):
     key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
     path.write_text(json.dumps({key: planted, "other-cpu|threads=1|torch=0": {}}))
     hw = hardware.measure_cpu()
-    assert hw.memory_bandwidth_bytes_s == 30e9  # max(read, copy)
+    assert hw.memory_bandwidth_bytes_s == 12e9  # the median read (issue 22: not flattered by copy)
     assert hw.flops("bf16") == 3e11 and hw.flops("fp32") == 1e11
 
 

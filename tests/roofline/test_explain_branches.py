@@ -43,7 +43,10 @@ def test_readme_worked_example_line_for_line(capsys, fake_cpu):
             "(compute-bound at batch 15.6); it uses only 20% of peak FLOP/s") in text
     assert ("Next lever: fewer, fused ops per step (torch.compile or fused kernels): 40.9 ms "
             "of every 51 ms step is neither moving bytes nor doing math at full rate") in text
-    assert "then: chunked prefill: ITL p99 410 ms is 10.0× p50 41 ms" in text
+    # chunked prefill is always on in tokenmill: the lever is its knob, with the flag
+    assert ("then: smaller prefill chunks (tokenmill always chunks prompts): ITL p99 410 ms "
+            "is 10.0× p50 41 ms") in text
+    assert "try: --max-num-batched-tokens 512" in text
     assert "then: prefix caching (if prompts share a prefix): TTFT is 40% of end-to-end" in text
     assert "then: faster prefill kernels: prefill reaches 1.5% MFU" in text
     r = json.loads(_json(capsys, f"{DATA}/bench_result.json", "--bandwidth", "47",
@@ -52,7 +55,8 @@ def test_readme_worked_example_line_for_line(capsys, fake_cpu):
     assert r["decode"]["measured_step_ms"] / r["decode"]["floor_step_ms"] == pytest.approx(
         5.0, abs=0.05)
     assert names(r) == ["fewer, fused ops per step (torch.compile or fused kernels)",
-                        "chunked prefill", "prefix caching (if prompts share a prefix)",
+                        "smaller prefill chunks (tokenmill always chunks prompts)",
+                        "prefix caching (if prompts share a prefix)",
                         "faster prefill kernels"]
 
 

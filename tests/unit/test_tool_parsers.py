@@ -66,16 +66,23 @@ def _stream(parser, text, rng):
         cut = min(len(text), cut + rng.randint(1, 7))
         piece, deltas = stream.update(text[:cut], final=False)
         content += piece
+        _one_per_call(deltas)
         for d in deltas:
             _add(calls, first_deltas, d)
     piece, deltas = stream.update(text, final=True)
     content += piece
+    _one_per_call(deltas)
     for d in deltas:
         _add(calls, first_deltas, d)
     for d in first_deltas.values():  # OpenAI: the first delta of a call has id, type, name
         assert d["id"].startswith("call_") and d["type"] == "function"
         assert d["function"]["name"]
     return content, [calls[i] for i in sorted(calls)]
+
+
+def _one_per_call(deltas):
+    indexes = [d["index"] for d in deltas]
+    assert len(indexes) == len(set(indexes)), deltas
 
 
 def _add(calls, first_deltas, delta):
@@ -114,6 +121,18 @@ def test_required_array_and_named_formats():
     named = NamedParser("get_weather")
     _, calls = _stream(named, '{"city": "Paris"}', random.Random(0))
     assert calls == [["get_weather", '{"city": "Paris"}']]
+
+
+def test_a_call_opens_with_its_first_arguments_in_one_delta():
+    """One delta per call per chunk, as OpenAI: langchain merges a stream's deltas by
+    index across chunks, so a second index-0 delta in the first chunk lost the
+    call's name and id (a named tool_choice streamed to bind_tools came back nameless)."""
+    stream = ToolCallStream(NamedParser("get_weather"))
+    _, deltas = stream.update('{"city": "Pa', final=False)
+    assert deltas == [{"index": 0, "id": stream.ids[0], "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
+    _, deltas = stream.update('{"city": "Paris"}', final=True)
+    assert deltas == [{"index": 0, "function": {"arguments": 'ris"}'}}]
 
 
 def test_malformed_call_is_text():

@@ -108,17 +108,23 @@ class ToolCallStream:
                 and len(scan.content) > self.content_sent:
             content = scan.content[self.content_sent:]
             self.content_sent = len(scan.content)
+        # at most one delta per call in a chunk, as OpenAI: clients that merge deltas
+        # by index across chunks (langchain, instructor's partials) lose a second one
         deltas: list[dict] = []
         for index, call in enumerate(scan.calls):
+            delta: dict | None = None
             if index == len(self.ids):
                 if call.name is None:
                     break
                 self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
                 self.args_sent.append(0)
-                deltas.append({"index": index, "id": self.ids[index], "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
+                delta = {"index": index, "id": self.ids[index], "type": "function",
+                         "function": {"name": call.name, "arguments": ""}}
             new = call.arguments[self.args_sent[index]:]
             if new:
                 self.args_sent[index] = len(call.arguments)
-                deltas.append({"index": index, "function": {"arguments": new}})
+                delta = delta or {"index": index, "function": {}}
+                delta["function"]["arguments"] = new
+            if delta is not None:
+                deltas.append(delta)
         return content, deltas

@@ -4,8 +4,11 @@
   transport, for the calls agent frameworks make (create, stream, tools, parse).
 - lm-eval (installed here): its own `_create_payload` for generate_until and
   loglikelihood, local-completions and local-chat-completions.
-- langchain-openai, instructor, guidellm, `vllm bench serve`: not installable
-  here; built as their sources build them (named per body), explicit nulls kept.
+- `vllm bench serve`: built as its source builds them (named per body),
+  explicit nulls kept.
+- langchain-openai, instructor, guidellm: captured off the wire by
+  capture_client_requests_frameworks.py (run with a venv that has them); this
+  script keeps their entries as they are in the file.
 
 Run: PYTHONPATH=. python tests/data/capture_client_requests.py
 """
@@ -88,64 +91,7 @@ def lm_eval_bodies() -> list[dict]:
 
 
 def built_from_sources() -> list[dict]:
-    user = [{"role": "user", "content": "What is the weather in Paris?"}]
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    city_schema = City.model_json_schema()
     return [
-        # langchain-openai ChatOpenAI: _default_params + _get_request_payload
-        {"client": "langchain-openai invoke", "path": "/v1/chat/completions", "body": {
-            "messages": user, "model": MODEL, "stream": False, "n": 1, "temperature": 0.7,
-            "max_tokens": 4}},
-        {"client": "langchain-openai stream", "path": "/v1/chat/completions", "body": {
-            "messages": user, "model": MODEL, "stream": True, "temperature": 0.7,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 4}},
-        {"client": "langchain-openai tool loop", "path": "/v1/chat/completions", "body": {
-            "messages": user + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                                {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}],
-            "model": MODEL, "stream": False, "max_tokens": 8, "tools": [WEATHER],
-            "tool_choice": "none"}},
-        {"client": "langchain-openai with_structured_output", "path": "/v1/chat/completions",
-         "body": {"messages": user, "model": MODEL, "stream": False, "max_tokens": 40,
-                  "response_format": {"type": "json_schema", "json_schema": {
-                      "name": "City", "description": "A city", "schema": city_schema,
-                      "strict": None}}}},
-        {"client": "langchain-openai function_calling", "path": "/v1/chat/completions", "body": {
-            "messages": user, "model": MODEL, "stream": False, "max_tokens": 20,
-            "tools": [WEATHER], "parallel_tool_calls": False,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}},
-        # instructor Mode.TOOLS, then its retry with the failed call and the error
-        {"client": "instructor tools", "path": "/v1/chat/completions", "body": {
-            "messages": user, "model": MODEL, "max_tokens": 20,
-            "tools": [{"type": "function", "function": {
-                "name": "City", "description": "Correctly extracted `City` with all the "
-                "required parameters with correct types", "parameters": city_schema}}],
-            "tool_choice": {"type": "function", "function": {"name": "City"}}}},
-        {"client": "instructor retry", "path": "/v1/chat/completions", "body": {
-            "messages": user + [
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_2", "type": "function",
-                     "function": {"name": "City", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_2", "name": "City",
-                 "content": "Validation Error found:\ncountry: Field required\n"
-                 "Recall the function correctly, fix the errors"}],
-            "model": MODEL, "max_tokens": 20,
-            "tools": [{"type": "function", "function": {"name": "City",
-                                                        "parameters": city_schema}}],
-            "tool_choice": {"type": "function", "function": {"name": "City"}}}},
-        {"client": "instructor json_schema", "path": "/v1/chat/completions", "body": {
-            "messages": user, "model": MODEL, "max_tokens": 40, "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "City", "schema": city_schema, "strict": True}}}},
-        # guidellm OpenAIHTTPBackend (text and chat), fixed output length
-        {"client": "guidellm text", "path": "/v1/completions", "body": {
-            "prompt": "Hello there", "model": MODEL, "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": 4,
-            "max_completion_tokens": 4, "stop": None, "ignore_eos": True}},
-        {"client": "guidellm chat", "path": "/v1/chat/completions", "body": {
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
-            "model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-            "max_completion_tokens": 4, "stop": None, "ignore_eos": True}},
         # vllm bench serve: openai-completions and openai-chat request functions
         {"client": "vllm bench serve completions", "path": "/v1/completions", "body": {
             "model": MODEL, "prompt": "Hello there", "temperature": 0.0,
@@ -164,7 +110,12 @@ def built_from_sources() -> list[dict]:
 
 
 def main() -> None:
-    bodies = openai_sdk_bodies() + lm_eval_bodies() + built_from_sources()
+    captured, built = openai_sdk_bodies() + lm_eval_bodies(), built_from_sources()
+    ours = {b["client"].split(" ")[0] for b in captured + built}
+    old = json.loads(OUT.read_text()) if OUT.exists() else []
+    # the frameworks script's entries are kept, between the captured and the built
+    others = [e for e in old if e["client"].split(" ")[0] not in ours]
+    bodies = captured + others + built
     OUT.write_text(json.dumps(bodies, indent=1) + "\n")
     print(f"wrote {len(bodies)} bodies to {OUT}")
 

@@ -1,6 +1,10 @@
 """What real clients send must not be refused: tests/data/client_requests.json
-(made by tests/data/capture_client_requests.py) replayed, and unknown fields
-refused by name."""
+(made by tests/data/capture_client_requests*.py) replayed, and unknown fields
+refused by name.
+
+A body with tools and no tool_choice asks for "auto", which tokenmill (as vLLM)
+serves only with --enable-auto-tool-choice --tool-call-parser: such bodies
+(langchain's bind_tools default) are replayed on a server started so."""
 
 import json
 from pathlib import Path
@@ -15,6 +19,20 @@ from tokenmill.server.errors import validation_error
 BODIES = json.loads((Path(__file__).parents[1] / "data" / "client_requests.json").read_text())
 IDS = [f"{i}-{b['client']}" for i, b in enumerate(BODIES)]
 MODELS = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions": p.ChatCompletionRequest}
+AUTO_TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def _wants_auto_tools(body: dict) -> bool:
+    return bool(body.get("tools")) and body.get("tool_choice") in (None, "auto")
+
+
+@pytest.fixture(scope="module")
+def auto_tool_server():
+    from tests.serving import start_server
+
+    srv = start_server("smollm2-135m", "--max-num-seqs", "8", *AUTO_TOOLS)
+    yield srv
+    srv.stop()
 
 
 @pytest.mark.parametrize("entry", BODIES, ids=IDS)
@@ -23,13 +41,49 @@ def test_client_body_validates(entry):
 
 
 @pytest.mark.parametrize("entry", BODIES, ids=IDS)
-def test_client_body_is_served(server, entry):
-    r = httpx.post(server.base_url + entry["path"], json=entry["body"], timeout=120)
+def test_client_body_is_served(request, entry):
+    body = entry["body"]
+    server = request.getfixturevalue("auto_tool_server" if _wants_auto_tools(body) else "server")
+    r = httpx.post(server.base_url + entry["path"], json=body, timeout=120)
     if r.status_code == 400 and r.json()["error"]["param"] == entry.get("needs"):
         pytest.xfail(f"{entry['needs']} is another branch's feature")
     assert r.status_code == 200, r.text
-    if entry["body"].get("stream"):
+    if body.get("stream"):
         assert r.text.rstrip().endswith("data: [DONE]")
+        _tool_deltas_as_openai(r.text)
+        return
+    choice = r.json()["choices"][0]
+    named = body.get("tool_choice")
+    if isinstance(named, dict):  # what the client will read: a call of that function
+        calls = choice["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == [named["function"]["name"]], choice
+    fmt = (body.get("response_format") or {}).get("type")
+    if fmt in ("json_object", "json_schema") and choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+
+
+def _tool_deltas_as_openai(sse: str) -> None:
+    """Each chunk has at most one delta per call, and a call's first one carries its
+    id and name: langchain and instructor merge deltas by index across chunks."""
+    opened = set()
+    for line in sse.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            deltas = (choice.get("delta") or {}).get("tool_calls") or []
+            indexes = [d["index"] for d in deltas]
+            assert len(indexes) == len(set(indexes)), deltas
+            for d in deltas:
+                if d["index"] not in opened:
+                    assert d["id"] and d["function"]["name"], d
+                    opened.add(d["index"])
+
+
+def test_auto_tool_bodies_need_the_flags(server):
+    body = next(e["body"] for e in BODIES if _wants_auto_tools(e["body"]))
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
 
 
 def _error(model, body):

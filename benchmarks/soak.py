@@ -10,7 +10,9 @@ minutes (and the end); KV usage once the load stops.
     python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid PID
 
 Not part of `make test`; the figures go to BENCHMARKS.md. Pass criteria printed
-at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%.
+at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%
+(the server it starts pre-touches its KV pool, --kv-cache-prefault, so RSS is flat
+once warm; RSS net of the KV pool's touched bytes is held to the same 2% either way).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ INVALID = [  # each must come back as a 4xx with an error object
     {"prompt": []},
     {"prompt": "hi", "max_tokens": 10**7},
 ]
-CHECKPOINTS_S = (60, 300, 600)
+CHECKPOINTS_S = (60, 120, 180, 240, 300, 360, 420, 480, 540, 600)
+PRINTED_S = (0, 60, 300, 600)
 
 
 def tree_usage(pid: int) -> dict[str, float]:
@@ -111,11 +114,23 @@ async def client_loop(base_url: str, headers: dict, seed: int, deadline: float,
                 raise
 
 
-async def sampler(pid: int, start: float, deadline: float, samples: list) -> None:
+async def sampler(pid: int, start: float, deadline: float, samples: list,
+                  base_url: str, headers: dict) -> None:
     pending = [c for c in CHECKPOINTS_S if start + c < deadline]
     while pending:
         await asyncio.sleep(max(0.0, start + pending[0] - time.monotonic()))
-        samples.append((pending.pop(0), tree_usage(pid)))
+        usage = tree_usage(pid)
+        usage["kv_committed_mib"] = await asyncio.to_thread(kv_committed_mib, base_url, headers)
+        samples.append((pending.pop(0), usage))
+
+
+def kv_committed_mib(base_url: str, headers: dict) -> float:
+    """The KV pool's bytes ever used (tokenmill:kv_cache_committed_bytes), in MiB."""
+    text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+    for line in text.splitlines():
+        if not line.startswith("#") and "kv_cache_committed_bytes" in line:
+            return float(line.rsplit(" ", 1)[1]) / 2**20
+    return -1.0
 
 
 def kv_usage(base_url: str, headers: dict) -> tuple[float, float]:
@@ -134,12 +149,16 @@ async def soak(base_url: str, pid: int, duration_s: float, concurrency: int,
     samples: list = []
     start = time.monotonic()
     deadline = start + duration_s
-    samples.append((0, tree_usage(pid)))
+    samples.append((0, {**tree_usage(pid), "kv_committed_mib": kv_committed_mib(base_url,
+                                                                              headers)}))
     tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts))
              for seed in range(concurrency)]
-    tasks.append(asyncio.create_task(sampler(pid, start, deadline, samples)))
+    tasks.append(asyncio.create_task(sampler(pid, start, deadline, samples, base_url,
+                                             headers)))
     await asyncio.sleep(duration_s)
-    samples.append((round(time.monotonic() - start), tree_usage(pid)))  # still under load
+    end_usage = tree_usage(pid)  # still under load
+    end_usage["kv_committed_mib"] = kv_committed_mib(base_url, headers)
+    samples.append((round(time.monotonic() - start), end_usage))
     for task in tasks:  # a long request would otherwise run on past the deadline
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -165,9 +184,15 @@ def verdict(result: dict) -> list[str]:
         problems.append(f"KV usage {result['kv_cache_usage_after']} after the load")
     usage = result["usage"]
     half = [u for u in usage if u["at_s"] >= result["duration_s"] / 2]
-    if len(half) >= 2 and half[-1]["rss_mib"] > 1.02 * half[0]["rss_mib"]:
-        problems.append(f"RSS grew {half[0]['rss_mib']:.0f} -> {half[-1]['rss_mib']:.0f} MiB "
-                        "over the second half")
+    if len(half) >= 2:
+        # net of the KV pool's first touches (all at start-up with --kv-cache-prefault)
+        first, last = (u["rss_mib"] - max(u["kv_committed_mib"], 0) for u in (half[0], half[-1]))
+        if last > 1.02 * first:
+            problems.append(f"RSS net of the KV pool grew {first:.0f} -> {last:.0f} MiB over "
+                            "the second half")
+        if result.get("prefault") and half[-1]["rss_mib"] > 1.02 * half[0]["rss_mib"]:
+            problems.append(f"RSS grew {half[0]['rss_mib']:.0f} -> {half[-1]['rss_mib']:.0f} "
+                            "MiB over the second half")
     if len(usage) >= 3 and (usage[-1]["fds"] > usage[1]["fds"] + 4
                             or usage[-1]["threads"] > usage[1]["threads"] + 4):
         problems.append("fds or threads grew after warm-up")
@@ -183,6 +208,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--no-prefault", action="store_true",
+                    help="start the server without --kv-cache-prefault (RSS then climbs "
+                         "while the KV pool is touched for the first time)")
     ap.add_argument("server_args", nargs="*", help="extra `tokenmill serve` arguments")
     args = ap.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -190,8 +218,11 @@ def main() -> int:
     if args.base_url is None:
         from tests.serving import start_server
 
+        # the pool pre-touched, so a flat RSS means no leak rather than "the KV pool
+        # happens to be fully touched by now" (--no-prefault to watch it fill instead)
+        prefault = [] if args.no_prefault else ["--kv-cache-prefault"]
         server = start_server(args.model, "--max-num-seqs", str(args.concurrency),
-                              *args.server_args)
+                              *prefault, *args.server_args)
         base_url, pid = server.base_url, server.proc.pid
     else:
         if args.server_pid is None:
@@ -199,6 +230,7 @@ def main() -> int:
         base_url, pid = args.base_url, args.server_pid
     try:
         result = asyncio.run(soak(base_url, pid, args.duration, args.concurrency, headers))
+        result["prefault"] = server is not None and not args.no_prefault
     finally:
         if server is not None:
             server.stop()
@@ -206,10 +238,12 @@ def main() -> int:
           f"{result['requests']} requests")
     for kind, n in result["outcomes"].items():
         print(f"  {n:6d}  {kind}")
-    print("   at_s  RSS MiB  fds  threads  processes")
-    for u in result["usage"]:
-        print(f"  {u['at_s']:5d}  {u['rss_mib']:7.0f}  {u['fds']:3d}  {u['threads']:7d}  "
-              f"{u['processes']:9d}")
+    print("   at_s  RSS MiB  KV touched MiB  fds  threads  processes")
+    usage = result["usage"]
+    for u in usage:
+        if u["at_s"] in PRINTED_S or u is usage[-1]:
+            print(f"  {u['at_s']:5d}  {u['rss_mib']:7.0f}  {u['kv_committed_mib']:14.0f}  "
+                  f"{u['fds']:3d}  {u['threads']:7d}  {u['processes']:9d}")
     a = result["usage_after"]
     print(f"after the load: RSS {a['rss_mib']:.0f} MiB, {a['fds']} fds, {a['threads']} threads")
     print(f"KV usage after the load: {result['kv_cache_usage_after']}, "

@@ -1,8 +1,12 @@
 """Structured output overhead: `tokenmill serve` with a JSON schema vs unconstrained.
 
 Streams /v1/chat/completions at concurrency 1 and 16 (N requests per level), once
-unconstrained and once with `response_format` json_schema (the same schema, so it
-is compiled once and cached), and reports TTFT p50 and TPOT mean per level. Then
+with `response_format` json_schema (the same schema, so it is compiled once and
+cached) and once unconstrained with the same completion lengths (each request
+`ignore_eos` with min_tokens = max_tokens = the length a schema request produced:
+a JSON document ends when the schema does, and shorter requests mean more prefills
+per decoded token, which alone would raise TPOT), and reports TTFT p50 and TPOT
+mean per level. Then
 the compile cost: TTFT of the first request with a never-seen schema vs the same
 schema again (cached). Targets (issue 16): TPOT overhead <= 10% at c=16; a cached
 schema adds <= 20 ms TTFT.
@@ -44,8 +48,8 @@ SCHEMA = {"type": "object", "properties": {
 PROMPT = "Invent a customer record with a name, age, email, tags and an address, as JSON."
 
 
-async def one(client: httpx.AsyncClient, body: dict) -> tuple[float, float | None]:
-    """(TTFT s, TPOT s or None) of one streamed request."""
+async def one(client: httpx.AsyncClient, body: dict) -> tuple[float, float | None, int]:
+    """(TTFT s, TPOT s or None, completion tokens) of one streamed request."""
     start = time.perf_counter()
     first = None
     tokens = 0
@@ -63,13 +67,16 @@ async def one(client: httpx.AsyncClient, body: dict) -> tuple[float, float | Non
     end = time.perf_counter()
     first = first or end
     tpot = (end - first) / (tokens - 1) if tokens > 1 else None
-    return first - start, tpot
+    return first - start, tpot, tokens
 
 
-def body(max_tokens: int, schema: dict | None) -> dict:
+def body(max_tokens: int, schema: dict | None, exact: int | None = None) -> dict:
+    """exact: an unconstrained request of exactly this many tokens (ignore_eos)."""
     b = {"model": "smollm2-135m", "messages": [{"role": "user", "content": PROMPT}],
-         "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
+         "max_tokens": exact or max_tokens, "temperature": 1.0, "stream": True,
          "stream_options": {"include_usage": True}}
+    if exact:
+        b.update(min_tokens=exact, ignore_eos=True)
     if schema is not None:
         b["response_format"] = {"type": "json_schema",
                                 "json_schema": {"name": "record", "schema": schema}}
@@ -77,20 +84,23 @@ def body(max_tokens: int, schema: dict | None) -> dict:
 
 
 async def level(base_url: str, concurrency: int, num_requests: int, max_tokens: int,
-                schema: dict | None) -> tuple[float, float]:
-    """TTFT p50 (ms) and TPOT mean (ms) of num_requests at this concurrency."""
-    results: list[tuple[float, float | None]] = []
-    queue = list(range(num_requests))
+                schema: dict | None, lengths: list[int] | None = None
+                ) -> tuple[float, float, list[int]]:
+    """TTFT p50 (ms), TPOT mean (ms) and the completion lengths of num_requests at this
+    concurrency. lengths: unconstrained requests of exactly these lengths, in order."""
+    results: list[tuple[float, float | None, int]] = []
+    queue = list(reversed(lengths)) if lengths else [None] * num_requests
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         async def worker() -> None:
             while queue:
-                queue.pop()
-                results.append(await one(client, body(max_tokens, schema)))
+                exact = queue.pop()
+                results.append(await one(client, body(max_tokens, schema, exact)))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    ttft = statistics.median(t for t, _ in results) * 1e3
-    tpots = [t for _, t in results if t is not None]
-    return ttft, (statistics.mean(tpots) * 1e3 if tpots else float("nan"))
+    ttft = statistics.median(r[0] for r in results) * 1e3
+    tpots = [r[1] for r in results if r[1] is not None]
+    return ttft, (statistics.mean(tpots) * 1e3 if tpots else float("nan")), \
+        [r[2] for r in results]
 
 
 async def compile_cost(base_url: str, max_tokens: int) -> tuple[float, float]:
@@ -98,8 +108,8 @@ async def compile_cost(base_url: str, max_tokens: int) -> tuple[float, float]:
     fresh = json.loads(json.dumps(SCHEMA))
     fresh["properties"][f"x{uuid.uuid4().hex[:8]}"] = {"type": "boolean"}  # a new cache key
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        first, _ = await one(client, body(max_tokens, fresh))
-        cached, _ = await one(client, body(max_tokens, fresh))
+        first, _, _ = await one(client, body(max_tokens, fresh))
+        cached, _, _ = await one(client, body(max_tokens, fresh))
     return first * 1e3, cached * 1e3
 
 
@@ -108,6 +118,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=32, help="requests per level and mode")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="schema/baseline pairs per level")
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -116,14 +127,21 @@ def main() -> None:
     try:
         url = server.base_url
         asyncio.run(level(url, 1, 1, 8, SCHEMA))  # warm-up; compiles SCHEMA once
-        print(f"{'c':>3} {'mode':>13} {'TTFT p50 ms':>12} {'TPOT ms':>9} {'TPOT overhead':>14}")
+        print(f"{'c':>3} {'mode':>22} {'tokens':>7} {'TTFT p50 ms':>12} {'TPOT ms':>9} "
+              f"{'TPOT overhead':>14}")
         for c in levels:
-            base_ttft, base_tpot = asyncio.run(level(url, c, args.num_requests,
-                                                     args.max_tokens, None))
-            ttft, tpot = asyncio.run(level(url, c, args.num_requests, args.max_tokens, SCHEMA))
-            print(f"{c:>3} {'unconstrained':>13} {base_ttft:>12.1f} {base_tpot:>9.2f}")
-            print(f"{c:>3} {'json_schema':>13} {ttft:>12.1f} {tpot:>9.2f} "
-                  f"{(tpot / base_tpot - 1) * 100:>13.1f}%")
+            for _ in range(args.repeats):
+                ttft, tpot, lengths = asyncio.run(level(url, c, args.num_requests,
+                                                        args.max_tokens, SCHEMA))
+                # the baseline generates exactly the lengths the schema run did, so both
+                # runs see the same batch sizes and the same prefills per decoded token
+                base_ttft, base_tpot, _ = asyncio.run(level(
+                    url, c, len(lengths), args.max_tokens, None, lengths))
+                mean_len = statistics.mean(lengths)
+                print(f"{c:>3} {'unconstrained (matched)':>22} {mean_len:>7.1f} "
+                      f"{base_ttft:>12.1f} {base_tpot:>9.2f}")
+                print(f"{c:>3} {'json_schema':>22} {mean_len:>7.1f} {ttft:>12.1f} {tpot:>9.2f} "
+                      f"{(tpot / base_tpot - 1) * 100:>13.1f}%")
         first, cached = asyncio.run(compile_cost(url, args.max_tokens))
         print(f"TTFT with a new schema {first:.1f} ms (compile included), "
               f"the same schema again {cached:.1f} ms (cached)")

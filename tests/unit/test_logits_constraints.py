@@ -74,3 +74,27 @@ def test_sampler_greedy_follows_the_constraint(constraints):
     logits[:, 100] = 10.0
     out = sampler(logits, [_seq(), _seq(logit_bias={200: 50.0})])
     assert out.token_ids == [100, 200]
+
+
+def test_grammar_rows_of_a_mixed_batch_allow_exactly_the_grammars_tokens(constraints,
+                                                                          tokenizer):
+    # rows 0 and 2 carry a choice grammar, rows 1 and 3 none: the constrained rows keep
+    # finite logits exactly where the matcher allows a token, the others are untouched
+    import xgrammar as xgr
+
+    logits = torch.randn(4, VOCAB)
+    spec = Structured(choice=["yes", "no"])
+    seqs = [_seq(structured_outputs=spec), _seq(), _seq(structured_outputs=spec), _seq()]
+    out = constraints.apply(logits, seqs)
+    matcher = xgr.GrammarMatcher(constraints.grammars.submit(spec).result())
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(mask, 0)
+    bits = (mask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(-1)[:VOCAB].bool()
+    first = {tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")}
+    assert first <= set(allowed.nonzero().flatten().tolist())
+    for row in (0, 2):
+        assert torch.equal(torch.isfinite(out[row]), allowed)
+        assert torch.equal(out[row][allowed], logits[row][allowed])
+    for row in (1, 3):
+        assert torch.equal(out[row], logits[row])

@@ -3,9 +3,9 @@
 For the rows of a batch that carry constraints, in this order:
   logit_bias (added) -> allowed_token_ids (all others -inf) -> bad_words
   (their last token -inf where the rest already matches) -> the grammar
-  bitmask (one (G, ceil(V/32)) int32 mask for the G grammar rows, filled by
-  xgrammar's batch matcher and applied in one vectorised torch op; on CUDA by
-  xgrammar's own kernel),
+  bitmask (one (N, ceil(V/32)) int32 mask per step whose G grammar rows are
+  filled by xgrammar's batch matcher and applied by xgrammar's kernel, on the
+  CPU and on CUDA alike),
 so a grammar always wins over a bias. Rows without constraints are not
 touched: their tokens are the same as in a batch of their own.
 """
@@ -117,19 +117,17 @@ class LogitsConstraints:
                 seq.grammar = SequenceGrammar(compiled)
             seq.grammar.sync(seq.output_token_ids)
             matchers.append(seq.grammar.matcher)
-        vocab = logits.shape[1]
-        bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # (G, ceil(V/32)) int32
+        # one row per batch row (xgrammar's kernels index the mask by the logits' row);
+        # only the grammar rows are filled and applied
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
         if self._batch_matcher is None:
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        self._bitmasks = dict(zip(rows, bitmask))  # for _never_empty, this step only
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        if logits.device.type == "cuda":
-            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-            return
-        # xgrammar's CPU path is several times slower than this unpacking
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill_(~_allowed(bitmask, vocab), float("-inf"))
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_fill_threads())
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        self._bitmasks = {i: bitmask[i] for i in rows}  # for _never_empty, this step only
+        # xgrammar's own kernel on either device: on the CPU 2-6x faster than unpacking
+        # the bits with torch ops (measured at batch 16-64, vocab 32,000-49,155)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        indices=rows)
 
     def _never_empty(self, logits: torch.Tensor, raw: torch.Tensor,
                      seqs: SequenceLike[Sequence], rows: list[int]) -> None:
@@ -156,6 +154,13 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """xgrammar's packed bitmask (G, ceil(V/32)) int32 -> allowed tokens (G, V) bool."""
     bits = _BITS.to(bitmask.device)
     return ((bitmask[:, :, None] & bits) != 0).view(bitmask.shape[0], -1)[:, :vocab]
+
+
+def _fill_threads() -> int:
+    """Threads for the batch mask fill. Filling a mask is microseconds per sequence
+    in the common states, so on a small CPU extra threads only contend with torch's."""
+    cpus = os.cpu_count() or 1
+    return 1 if cpus <= 4 else min(8, cpus // 2)
 
 
 def _num_bans(p: SamplingParams) -> int:

@@ -94,7 +94,8 @@ def bench(base_url: str, extra: list[str]) -> dict:
                "--model", "smollm2-135m", "--output", str(out), "--no-progress", *extra]
         print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())["runs"][0]["summary"]
+        result = json.loads(out.read_text())
+        return (result.get("runs") or [result])[0]["summary"]  # one level: no "runs"
 
 
 def prefix_policies(args) -> None:

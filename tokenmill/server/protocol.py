@@ -158,6 +158,10 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # SGLang's names, which vllm-router adds to every request it forwards (at these
+    # defaults): no_stop_trim is include_stop_str_in_output; hidden states are not served
+    no_stop_trim: bool = False
+    return_hidden_states: Literal[False] = False
     # token constraints and structured outputs (server/constraints.py, tokenmill/structured)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = None
@@ -212,7 +216,7 @@ class _SamplingRequest(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -357,6 +361,12 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # deprecated alias, still sent
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    # SGLang's reasoning switches (vllm-router adds them to every chat request): they act
+    # only with a reasoning parser, which tokenmill does not have, so as in SGLang
+    # without --reasoning-parser no output holds reasoning_content, whatever they say
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -124,3 +124,13 @@ def test_lenient_mode_drops_unknown_fields():
 def test_best_of_above_one_is_refused():
     with pytest.raises(ValueError, match="best_of"):
         p.CompletionRequest(prompt="x", best_of=2).to_sampling_params()
+
+
+def test_the_routers_sglang_fields_do_what_they_say():
+    # vllm-router forwards every request with these (tests/data/capture_router_requests.py)
+    req = p.CompletionRequest.model_validate({"prompt": "x", "stop": ["."], "no_stop_trim": True})
+    assert req.to_sampling_params().include_stop_str_in_output
+    req = p.CompletionRequest.model_validate({"prompt": "x", "stop": ["."], "no_stop_trim": False})
+    assert not req.to_sampling_params().include_stop_str_in_output
+    err = _error(p.CompletionRequest, {"prompt": "x", "return_hidden_states": True})
+    assert (err.status, err.param) == (400, "return_hidden_states")

@@ -1,6 +1,6 @@
 """Data parallel behind vllm-router: 2 tokenmill replicas x 1 thread, by routing policy.
 
-Part 1 (W5-style, 4 distinct prefixes): 64 requests, each one of 4 distinct
+Part 1 (W5-style, 4 and then 16 distinct prefixes): 64 requests, each one of N distinct
 1,024-token prefixes plus a distinct 64-token suffix, 64 output tokens,
 concurrency 16, through `vllm-router --policy kv_aware | cache_aware |
 round_robin` over two `tokenmill serve` replicas (OMP_NUM_THREADS=1 each, KV
@@ -98,11 +98,12 @@ def bench(base_url: str, extra: list[str]) -> dict:
         return (result.get("runs") or [result])[0]["summary"]  # one level: no "runs"
 
 
-def prefix_policies(args) -> None:
-    workload = ["--dataset", "prefix", "--num-prefixes", "4", "--prefix-len", "1024",
+def prefix_policies(args, num_prefixes: int) -> None:
+    workload = ["--dataset", "prefix", "--num-prefixes", str(num_prefixes), "--prefix-len", "1024",
                 "--input-len", "64", "--output-len", "64", "--num-requests",
                 str(args.num_requests), "--concurrency", "16", "--seed", "0"]
-    print("\npolicy        hit rate   TTFT p50   out tok/s   requests per replica")
+    print(f"\n{num_prefixes} distinct prefixes")
+    print("policy        hit rate   TTFT p50   out tok/s   requests per replica")
     for policy in args.policies:
         with replicas(2, 1, kv_events=policy == "kv_aware") as (servers, ports), \
                 router(servers, policy, ports if policy == "kv_aware" else []) as url:
@@ -135,11 +136,14 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware", "round_robin"])
     ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--num-prefixes", type=int, nargs="+", default=[4, 16],
+                    help="distinct 1,024-token prefixes, one part-1 run per value")
     args = ap.parse_args()
     if ROUTER is None:
         sys.exit("vllm-router is not installed: pip install vllm-router==0.1.17")
     print(f"data parallel behind vllm-router · {machine()}")
-    prefix_policies(args)
+    for n in args.num_prefixes:
+        prefix_policies(args, n)
     if not args.skip_w2:
         w2_layouts(args)
 

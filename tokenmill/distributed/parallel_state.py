@@ -21,15 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenmill.distributed.errors import TensorParallelError
+
+__all__ = ["ParallelState", "TensorParallelError", "destroy_parallel", "get_tp",
+           "init_parallel"]
+
 logger = logging.getLogger(__name__)
 
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # one collective inside a step
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for the next step
-
-
-class TensorParallelError(RuntimeError):
-    """A rank of the tensor-parallel group died or a collective failed: the group
-    cannot be trusted any more, so the engine stops rather than retrying."""
 
 
 @dataclass

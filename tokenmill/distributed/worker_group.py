@@ -28,7 +28,7 @@ from tokenmill.distributed.parallel_state import (
     destroy_parallel,
     init_parallel,
 )
-from tokenmill.loaders import ModelSource, load_model_config
+from tokenmill.loaders import ModelSource, load_model_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ def check_shapes(config: ModelConfig, world_size: int) -> None:
         raise ValueError(f"--tensor-parallel-size {n} and the model's num_key_value_heads "
                          f"({kv}) do not split: the size must divide the KV heads, or be a "
                          "multiple of them (each KV head then replicated)")
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """The launch flags agree and the model splits over the ranks (reads only the
+    model's config); ValueError otherwise, before anything is started."""
+    launch = launch_config(config)
+    if launch.world_size > 1:
+        check_shapes(load_model_config(resolve_model(config.model, need_weights=False)),
+                     launch.world_size)
 
 
 def rank_device(device: torch.device, launch: LaunchConfig, rank: int) -> torch.device:
@@ -134,7 +143,6 @@ def start_workers(config: EngineConfig, source: ModelSource,
     if launch.node_rank != 0:
         raise ValueError(f"--node-rank {launch.node_rank}: the engine runs on node 0; start "
                          "the other nodes with `tokenmill worker` (README: Tensor parallelism)")
-    check_shapes(load_model_config(source), launch.world_size)
     launch = launch.with_port()
     own_device = rank_device(device, launch, 0)
     threads = cpu_threads_per_rank(launch)

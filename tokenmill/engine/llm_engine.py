@@ -22,7 +22,7 @@ from tokenmill.attention import check_backend
 from tokenmill.attention.quantized import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.distributed.parallel_state import get_tp
-from tokenmill.distributed.worker_group import start_workers
+from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
@@ -119,6 +119,7 @@ def check_startup_choices(config: EngineConfig) -> torch.device:
         else config.device)
     check_kv_cache_dtype(check_backend(config.attention_backend, device),
                          config.cache.kv_cache_dtype)
+    check_tensor_parallel(config)  # ValueError: a size the model's shapes do not split
     return device
 
 

@@ -39,10 +39,15 @@ def _generate(model: str, **kwargs) -> tuple[list[list[int]], LLM]:
 
 
 @pytest.fixture(scope="module")
-def tiny_reference(tiny) -> list[list[int]]:
-    tokens, llm = _generate(tiny)
+def tiny_one_rank(tiny) -> dict:
+    """One rank's tokens and texts, and the sizes two ranks split."""
+    llm = LLM(tiny, **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.engine.close()
-    return tokens
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "texts": [o.outputs[0].text for o in outs],
+            "bytes": _weight_bytes(llm.engine.runner.model),
+            "kv_pool_bytes": llm.engine.runner.kv_cache_bytes}
 
 
 def _weight_bytes(model) -> tuple[int, int]:
@@ -55,33 +60,40 @@ def _weight_bytes(model) -> tuple[int, int]:
 
 
 def test_two_ranks_give_one_rank_s_tokens_with_half_the_weights_and_two_all_reduces_per_layer(
-        tiny, tiny_reference):
-    one, llm_one = _generate(tiny)  # the same engine, one rank: the byte reference
-    total, norms = _weight_bytes(llm_one.engine.runner.model)
-    one_pool = llm_one.engine.runner.kv_cache_bytes
-    llm_one.engine.close()
+        tiny, tiny_one_rank):
+    total, norms = tiny_one_rank["bytes"]
     llm = LLM(tiny, **ENGINE, tensor_parallel_size=2)
     try:
         engine = llm.engine
         calls, steps = get_tp().all_reduce_calls, engine.stats.num_steps
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == tiny_reference == one
+        assert [o.outputs[0].token_ids for o in outs] == tiny_one_rank["tokens"]
         layers = engine.model_config.num_hidden_layers
         # two per layer (o_proj, down_proj) and one for the vocab-parallel embedding
         assert get_tp().all_reduce_calls - calls == (2 * layers + 1) * (
             engine.stats.num_steps - steps)
         assert engine.workers.rank_parameter_bytes == [(total - norms) // 2 + norms] * 2
-        assert engine.runner.kv_cache_bytes == one_pool // 2  # one of the two KV heads
+        # each rank's pool holds one of the two KV heads
+        assert engine.runner.kv_cache_bytes == tiny_one_rank["kv_pool_bytes"] // 2
     finally:
         llm.engine.close()
     assert get_tp().world_size == 1  # closed: this process is a single rank again
 
 
-def test_three_ranks_of_smollm2_give_one_rank_s_tokens():
-    one, llm_one = _generate("smollm2-135m")  # 9 heads, 3 KV heads: one per rank
-    total, norms = _weight_bytes(llm_one.engine.runner.model)
-    llm_one.engine.close()
-    three, llm = _generate("smollm2-135m", tensor_parallel_size=3)
+@pytest.fixture(scope="module")
+def smollm2_reference() -> tuple[list[list[int]], list[str], tuple[int, int]]:
+    """One rank's tokens, texts and weight bytes for the embedded SmolLM2 (9 heads,
+    3 KV heads)."""
+    llm = LLM("smollm2-135m", **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    sizes = _weight_bytes(llm.engine.runner.model)
+    llm.engine.close()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], sizes
+
+
+def test_three_ranks_of_smollm2_give_one_rank_s_tokens(smollm2_reference):
+    one, _, (total, norms) = smollm2_reference
+    three, llm = _generate("smollm2-135m", tensor_parallel_size=3)  # one KV head per rank
     try:
         assert three == one
         # the tied embedding / LM head is one tensor, counted once on every rank
@@ -90,7 +102,7 @@ def test_three_ranks_of_smollm2_give_one_rank_s_tokens():
         llm.engine.close()
 
 
-def test_two_nodes_on_loopback_give_the_same_tokens(tiny, tiny_reference):
+def test_two_nodes_on_loopback_give_the_same_tokens(tiny, tiny_one_rank):
     port = free_port()
     worker = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", "worker", "--tensor-parallel-size", "2",
@@ -101,7 +113,7 @@ def test_two_nodes_on_loopback_give_the_same_tokens(tiny, tiny_reference):
                                 master_addr="127.0.0.1", master_port=port)
         assert llm.engine.workers.procs == {}  # node 0 runs rank 0 only
         llm.engine.close()
-        assert tokens == tiny_reference
+        assert tokens == tiny_one_rank["tokens"]
         assert worker.wait(30) == 0  # told to stop, it stops
     finally:
         if worker.poll() is None:
@@ -112,29 +124,29 @@ def test_two_nodes_on_loopback_give_the_same_tokens(tiny, tiny_reference):
 def test_a_size_that_does_not_split_fails_at_start_up_with_the_reason():
     r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "smollm2-135m",
                         "--tensor-parallel-size", "2", "--port", str(free_port())],
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--tensor-parallel-size 2 does not divide the model's num_attention_heads (9)" \
         in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def _complete_ids(srv, prompt: str) -> str:
-    r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
-                   json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+def _complete_texts(srv) -> list[str]:
+    """PROMPTS as one batched request, greedy."""
+    r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
+                   json={"prompt": PROMPTS, "max_tokens": 12, "temperature": 0,
                          "ignore_eos": True})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
 
-def test_serve_with_two_ranks_answers_like_one_and_a_killed_rank_is_503_not_a_hang(tiny):
-    reference = LLM(tiny, **ENGINE)
-    expected = [o.outputs[0].text for o in reference.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    reference.engine.close()
+def test_serve_with_two_ranks_answers_like_one_and_a_killed_rank_is_503_not_a_hang(
+        tiny, tiny_one_rank):
+    expected = tiny_one_rank["texts"]
     srv = start_server(tiny, "--tensor-parallel-size", "2", "--dtype", "float32",
                        "--num-kv-blocks", "64", "--max-num-seqs", "4")
     try:
-        assert [_complete_ids(srv, p) for p in PROMPTS] == expected
+        assert _complete_texts(srv) == expected
         (core,) = child_pids(srv.proc.pid)
         (worker,) = child_pids(core)
         events: list = []
@@ -161,5 +173,17 @@ def test_serve_with_two_ranks_answers_like_one_and_a_killed_rank_is_503_not_a_ha
         assert not reader.is_alive(), "the stream hangs after a rank died"
         assert events[-1] == "[DONE]" and "error" in events[-2]
         assert wait_until(lambda: not pid_alive(core), 10.0)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_serve_with_three_ranks_of_smollm2_answers_like_one(smollm2_reference):
+    _, expected, _ = smollm2_reference
+    srv = start_server("smollm2-135m", "--tensor-parallel-size", "3", "--dtype", "float32",
+                       "--num-kv-blocks", "64", "--max-num-seqs", "4")
+    try:
+        assert _complete_texts(srv) == expected
+        (core,) = child_pids(srv.proc.pid)
+        assert len(child_pids(core)) == 2  # ranks 1 and 2
     finally:
         assert srv.stop() == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,8 @@ class ParallelState:
     control: Any = None  # dist.ProcessGroup (gloo) for objects
     device: torch.device | None = None
     all_reduce_calls: int = 0  # model all-reduces so far (the tests count them)
+    # seconds spent inside them, waiting for the slowest rank included (benchmarks)
+    all_reduce_s: float = 0.0
 
     @property
     def is_driver(self) -> bool:
@@ -58,7 +61,9 @@ class ParallelState:
         if self.world_size == 1:
             return x
         self.all_reduce_calls += 1
+        t0 = time.perf_counter()
         _collective(dist.all_reduce, x, group=self.group)
+        self.all_reduce_s += time.perf_counter() - t0
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

@@ -82,10 +82,10 @@ class ModelRunner:
             check_kv_cache_dtype(self.backend.name, kv_cache_dtype)
             self.backend = QuantizedKVBackend(self.backend, kv_format)
         layers = list(model.attention_layers())
-        # this rank's KV heads: all of them, or its share under tensor parallelism
-        self.pool = KVPool(self.backend, len(layers), num_blocks, block_size,
-                           layers[0].num_kv_heads, config.head_dim, kv_dtype, device,
-                           kv_format=kv_format)
+        # this rank's KV heads (its share under tensor parallelism), as its layers say
+        kv_heads = getattr(layers[0], "num_kv_heads", config.num_key_value_heads)
+        self.pool = KVPool(self.backend, len(layers), num_blocks, block_size, kv_heads,
+                           config.head_dim, kv_dtype, device, kv_format=kv_format)
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
         self.graphs: DecodeGraphs | None = None

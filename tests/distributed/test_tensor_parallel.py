@@ -15,7 +15,7 @@ import pytest
 
 from tests.serving import child_pids, free_port, pid_alive, start_server, wait_until
 from tokenmill import LLM, SamplingParams
-from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.distributed.parallel_state import TensorParallelError, get_tp
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,11 @@ def test_two_ranks_give_one_rank_s_tokens_with_half_the_weights_and_two_all_redu
         assert engine.workers.rank_parameter_bytes == [(total - norms) // 2 + norms] * 2
         # each rank's pool holds one of the two KV heads
         assert engine.runner.kv_cache_bytes == tiny_one_rank["kv_pool_bytes"] // 2
+        (worker,) = engine.workers.procs.values()
+        worker.kill()
+        worker.wait()
+        with pytest.raises(TensorParallelError, match="rank 1 .* exited"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # at once, not in a collective
     finally:
         llm.engine.close()
     assert get_tp().world_size == 1  # closed: this process is a single rank again

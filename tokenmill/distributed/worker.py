@@ -51,11 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     from tokenmill.distributed.launch import LaunchConfig
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[tp]: %(message)s")
     try:
         launch = LaunchConfig(args.tensor_parallel_size, args.nnodes, args.node_rank,
                               args.master_addr, args.master_port)
+        rank_label = args.rank if args.rank is not None else launch.local_ranks[0]
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
+                            f"%(name)s[rank {rank_label}]: %(message)s")
         if launch.world_size == 1:
             raise ValueError("a worker needs --tensor-parallel-size of 2 or more")
         if args.rank is None and launch.node_rank == 0:

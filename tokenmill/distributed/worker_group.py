@@ -12,6 +12,7 @@ which raises as soon as its sockets close.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -85,6 +86,8 @@ class WorkerGroup:
         self.tp = tp
         self.rank_parameter_bytes: list[int] = []
         self._broken: str | None = None
+        self._closed = False
+        atexit.register(self.close)  # an LLM nobody closed: stop the workers, leave the group
 
     def attach(self, runner: Any, parameter_bytes: int) -> None:
         """Drive `runner`'s steps; learn every rank's weight bytes (the workers send them)."""
@@ -116,7 +119,11 @@ class WorkerGroup:
             raise
 
     def close(self) -> None:
-        """Tell the workers to stop, wait for the local ones, leave the group."""
+        """Tell the workers to stop, wait for the local ones, leave the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         if self.dead_worker() is None:
             try:
                 self.tp.broadcast_object(None)

@@ -190,5 +190,8 @@ def test_serve_with_three_ranks_of_smollm2_answers_like_one(smollm2_reference):
         assert _complete_texts(srv) == expected
         (core,) = child_pids(srv.proc.pid)
         assert len(child_pids(core)) == 2  # ranks 1 and 2
+        info = httpx.get(f"{srv.base_url}/server_info").json()
+        assert info["tensor_parallel_size"] == 3
+        assert len(set(info["tensor_parallel_weight_bytes"])) == 1  # an equal share each
     finally:
         assert srv.stop() == 0

@@ -526,22 +526,6 @@ class LLMEngine:
         return st
 
 
-@torch.inference_mode()
-def profile_activations(model: torch.nn.Module, num_tokens: int, num_logit_rows: int,
-                        max_model_len: int, device: torch.device) -> None:
-    """One forward of num_tokens (one causal sequence, no KV cache) and the logits of
-    num_logit_rows, so that torch's peak-memory counter holds the activations of the
-    largest step the scheduler can build (kvcache/budget.py reads it)."""
-    torch.cuda.reset_peak_memory_stats(device)
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    pos = torch.arange(num_tokens, device=device) % max_model_len
-    hidden = model(ids, pos)  # (T, hidden)
-    model.compute_logits(hidden[:num_logit_rows])
-    del hidden
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-
-
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=max_tokens)
 

@@ -68,8 +68,6 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
     graph_share = 0.0
     capture = tp.world_size == 1  # NCCL collectives are not captured into graphs here
     if device.type == "cuda":  # the KV budget subtracts this forward's peak
-        from tokenmill.engine.llm_engine import profile_activations
-
         profile_activations(loaded.model, config.max_num_batched_tokens, config.max_num_seqs,
                             max_model_len, device)
         if not config.enforce_eager and capture:
@@ -93,3 +91,19 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
     if config.cache.prefault:
         runner.pool.zero_blocks(list(range(num_blocks)))
     return RankModel(loaded, quantization, runner, num_blocks, max_model_len, context_note)
+
+
+@torch.inference_mode()
+def profile_activations(model: torch.nn.Module, num_tokens: int, num_logit_rows: int,
+                        max_model_len: int, device: torch.device) -> None:
+    """One forward of num_tokens (one causal sequence, no KV cache) and the logits of
+    num_logit_rows, so that torch's peak-memory counter holds the activations of the
+    largest step the scheduler can build (kvcache/budget.py reads it)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    pos = torch.arange(num_tokens, device=device) % max_model_len
+    hidden = model(ids, pos)  # (T, hidden)
+    model.compute_logits(hidden[:num_logit_rows])
+    del hidden
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()

@@ -182,7 +182,8 @@ def test_serve_with_two_ranks_answers_like_one_and_a_killed_rank_is_503_not_a_ha
         assert srv.stop() == 0
 
 
-def test_serve_with_three_ranks_of_smollm2_answers_like_one(smollm2_reference):
+def test_serve_with_three_ranks_of_smollm2_answers_like_one_and_an_idle_dead_rank_is_503(
+        smollm2_reference):
     _, expected, _ = smollm2_reference
     srv = start_server("smollm2-135m", "--tensor-parallel-size", "3", "--dtype", "float32",
                        "--num-kv-blocks", "64", "--max-num-seqs", "4")
@@ -193,5 +194,13 @@ def test_serve_with_three_ranks_of_smollm2_answers_like_one(smollm2_reference):
         info = httpx.get(f"{srv.base_url}/server_info").json()
         assert info["tensor_parallel_size"] == 3
         assert len(set(info["tensor_parallel_weight_bytes"])) == 1  # an equal share each
+        # a rank that dies while nothing runs: the core's heartbeat thread sees it
+        os.kill(child_pids(core)[0], signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{srv.base_url}/health").status_code == 503,
+                          10.0), "/health is not 503 after an idle rank died"
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=30,
+                       json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert wait_until(lambda: not child_pids(core) and not pid_alive(core), 10.0)
     finally:
         assert srv.stop() == 0

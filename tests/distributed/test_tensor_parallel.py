@@ -85,6 +85,29 @@ def test_two_ranks_give_one_rank_s_tokens_with_half_the_weights_and_two_all_redu
     assert get_tp().world_size == 1  # closed: this process is a single rank again
 
 
+def test_rank_0_failing_inside_a_step_breaks_the_group_for_good(tiny, monkeypatch):
+    """The workers wait in that step's all-reduces: a later step would pair with them
+    out of order, so the engine refuses to run another and close() ends them."""
+    llm = LLM(tiny, **ENGINE, tensor_parallel_size=2)
+    (worker,) = llm.engine.workers.procs.values()
+    try:
+        norm = llm.engine.runner.model.model.norm
+
+        def boom(*args):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(norm, "add_forward", boom)
+        with pytest.raises(TensorParallelError, match="rank 0 failed inside .*injected"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        with pytest.raises(TensorParallelError, match="rank 0 failed inside"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    assert worker.poll() is not None  # ended, not left waiting in a collective
+    assert get_tp().world_size == 1
+
+
 @pytest.fixture(scope="module")
 def smollm2_reference() -> tuple[list[list[int]], list[str], tuple[int, int]]:
     """One rank's tokens, texts and weight bytes for the embedded SmolLM2 (9 heads,

@@ -118,6 +118,11 @@ class WorkerGroup:
             self._broken = str(e)
             raise
 
+    def mark_broken(self, reason: str) -> None:
+        """The group is out of step (rank 0 failed inside a step, or at start-up): the
+        workers wait in a collective that will never complete, so close() kills them."""
+        self._broken = self._broken or reason
+
     def close(self) -> None:
         """Tell the workers to stop, wait for the local ones, leave the group; idempotent."""
         if self._closed:
@@ -129,6 +134,10 @@ class WorkerGroup:
                 self.tp.broadcast_object(None)
             except TensorParallelError:
                 pass
+        else:  # a broken group: the workers left alive cannot be told to stop
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
         for proc in self.procs.values():
             try:
                 proc.wait(_STOP_WAIT_S)

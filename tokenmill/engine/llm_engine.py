@@ -150,6 +150,8 @@ class LLMEngine:
         try:
             rank = build_rank_model(config, self.source, get_tp().device or device)
         except BaseException:
+            if self.workers is not None:
+                self.workers.mark_broken("rank 0 failed to start")
             self.close()
             raise
         loaded, self.quantization = rank.loaded, rank.quantization

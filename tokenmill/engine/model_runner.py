@@ -30,6 +30,7 @@ from tokenmill.attention import get_backend, kv_quant
 from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dtype
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.cuda_graph import DecodeGraphs
 from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache.pool import KVPool
@@ -196,10 +197,25 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: list[int]) -> torch.Tensor:
         """Logits (len(logit_rows), vocab) float32."""
-        if self.driver is not None:  # the workers run this step with us
-            if self._last_step is None or self._last_step[0] is not meta:
-                raise RuntimeError("under tensor parallelism a step must come from prepare()")
-            self.driver.send_step(replace(self._last_step[1], forward_rows=list(logit_rows)))
+        if self.driver is None:
+            return self._forward(ids, pos, meta, logit_rows)
+        # the workers run this step with us
+        if self._last_step is None or self._last_step[0] is not meta:
+            raise RuntimeError("under tensor parallelism a step must come from prepare()")
+        self.driver.send_step(replace(self._last_step[1], forward_rows=list(logit_rows)))
+        try:
+            return self._forward(ids, pos, meta, logit_rows)
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            # the workers wait in this step's collectives: the next step would pair
+            # with them out of order, so no step may run again
+            reason = f"rank 0 failed inside a tensor-parallel step ({type(e).__name__}: {e})"
+            self.driver.mark_broken(reason)
+            raise TensorParallelError(reason) from e
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                 logit_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
         with attention_metadata(meta):

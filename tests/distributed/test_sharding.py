@@ -73,3 +73,21 @@ def test_a_safetensors_slice_reads_that_slice(tmp_path):
         assert torch.equal(t.narrow(0, 2, 2).load(), w[2:4])
         assert torch.equal(t.narrow(1, 3, 3).load(), w[:, 3:6])
         assert torch.equal(t.load(), w)
+
+
+def test_fewer_kv_heads_than_ranks_replicate_each_kv_head_over_its_query_heads(monkeypatch):
+    """4 heads, 2 KV heads, 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1,
+    and each rank's query head is one that attends with that KV head."""
+    from tokenmill.distributed import parallel_state
+    from tokenmill.models.parallel_layers import QKVParallelLinear
+
+    head_dim = 8
+    for rank in range(4):  # rank r holds query head r, which attends with KV head r // 2
+        monkeypatch.setattr(parallel_state, "_state",
+                            parallel_state.ParallelState(rank=rank, world_size=4))
+        qkv = QKVParallelLinear(32, head_dim, num_heads=4, num_kv_heads=2, bias=False)
+        assert (qkv.num_heads, qkv.num_kv_heads) == (1, 1)
+        kv_head = rank // 2  # Hugging Face's GQA: head h uses KV head h // (heads / kv_heads)
+        assert qkv.checkpoint_slice("q", "weight") == (0, rank * head_dim, head_dim)
+        assert qkv.checkpoint_slice("k", "weight") == (0, kv_head * head_dim, head_dim)
+        assert qkv.checkpoint_slice("v", "weight") == (0, kv_head * head_dim, head_dim)

@@ -19,6 +19,7 @@ COMMANDS = {
     "roofline": "tokenmill.roofline.command",
     "explain": "tokenmill.roofline.command",
     "export-tokenizer": "tokenmill.loaders.command",
+    "worker": "tokenmill.distributed.worker",
 }
 
 

@@ -205,6 +205,13 @@ class EngineConfig:
     draft_model: str | None = None  # speculative="draft": same tokenizer as the model
     draft_layers: int | None = None  # speculative="layerskip": None = a quarter of the layers
     spec_max_batch: int = 8  # no speculation while more sequences than this run
+    # tensor parallelism (tokenmill/distributed): ranks, and where they meet (torchrun's
+    # flags); master_port 0: a free port, single node only
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -228,3 +235,8 @@ class EngineConfig:
             raise ValueError("speculative='draft' needs draft_model")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not run under tensor parallelism "
+                             "yet: drop --speculative or use --tensor-parallel-size 1")

@@ -7,6 +7,7 @@ import argparse
 import re
 
 from tokenmill.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, KVEventsConfig
+from tokenmill.distributed.launch import add_launch_args
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -90,6 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")
+    add_launch_args(parser)
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative", default=None, choices=["ngram", "draft", "layerskip"],
                    help="propose tokens and verify them in one forward (exact: same outputs)")
@@ -128,6 +130,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         draft_layers=args.draft_layers,
         spec_max_batch=args.spec_max_batch,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         cache=CacheConfig(
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,

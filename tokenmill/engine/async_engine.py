@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.request_stream import (  # noqa: F401 - the server imports them here
     DEFAULT_MAX_STREAM_BACKLOG,
     Aborted,
@@ -185,7 +186,8 @@ class AsyncEngine:
                 close()
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop died")
-            self._dead_reason = "the engine loop stopped after an internal error"
+            self._dead_reason = (str(e) if isinstance(e, TensorParallelError) else
+                                 "the engine loop stopped after an internal error")
             self._abort_all(EngineUnavailableError(self._dead_reason))
             if not isinstance(e, Exception):
                 raise
@@ -225,6 +227,8 @@ class AsyncEngine:
         self._step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            raise  # a rank died: the group cannot run another step, the loop ends
         except Exception as e:
             # The batch that failed is lost; fail its requests, keep serving others.
             logger.exception("engine step failed; failing %d in-flight requests",

@@ -12,6 +12,11 @@ needs no GIL for long (torch releases it inside ops), so a long prefill keeps
 beating and only a stopped or frozen process goes quiet. The same thread exits
 the process when the front end is gone: PR_SET_PDEATHSIG (Linux) kills the
 core at once, the parent-pid poll catches the rest.
+
+Under tensor parallelism a rank that dies breaks the group for good: the
+core exits (the step's collective raises, or the heartbeat thread sees a
+local worker gone between steps), and the front end's dead-core handling
+answers 503 and ends the in-flight requests with an error.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine import core_messages as m
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.engine.outputs import RequestOutput
@@ -145,6 +151,8 @@ class EngineCore:
         self.step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            raise  # the group is broken: no step can run again (main exits)
         except Exception as e:
             # The batch that failed is lost; fail its requests, keep serving.
             failed = list(self.engine.requests)
@@ -177,6 +185,10 @@ def _heartbeat(core: EngineCore, ctx: zmq.Context, address: str, interval_s: flo
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     while os.getppid() == parent_pid:
+        broken = core.engine.parallel_failure()
+        if broken is not None:
+            logger.error("%s; the engine core exits", broken)
+            os._exit(1)
         started = core.step_started_at
         beat = m.Heartbeat(core.engine.stats.num_steps,
                            None if started is None else time.monotonic() - started)
@@ -224,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_heartbeat, name="tokenmill-heartbeat", daemon=True,
                      args=(core, ctx, args.outbox, args.heartbeat_interval,
                            args.parent_pid)).start()
-    core.run()
+    try:
+        core.run()
+    except TensorParallelError as e:
+        logger.error("%s; the engine core exits", e)
+        os._exit(1)
     logger.info("engine core stopped")
     os._exit(0)  # the heartbeat thread holds a socket: ctx.term() would wait on it
 

@@ -21,17 +21,17 @@ import torch
 from tokenmill.attention import check_backend
 from tokenmill.attention.quantized import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, SchedulerConfig
+from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
-from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
+from tokenmill.engine.rank_model import build_rank_model
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
-from tokenmill.engine.weights import load_engine_model
 from tokenmill.kvcache.block_manager import BlockManager
-from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -119,6 +119,7 @@ def check_startup_choices(config: EngineConfig) -> torch.device:
         else config.device)
     check_kv_cache_dtype(check_backend(config.attention_backend, device),
                          config.cache.kv_cache_dtype)
+    check_tensor_parallel(config)  # ValueError: a size the model's shapes do not split
     return device
 
 
@@ -144,39 +145,24 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.source = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_name = self.source.name
-        loaded, self.quantization = load_engine_model(self.source, config.dtype,
-                                                      config.quantization, device,
-                                                      config.load_format)
+        # tensor parallelism: the workers are started and joined; None for one rank
+        self.workers = start_workers(config, self.source, device)
+        try:
+            rank = build_rank_model(config, self.source, get_tp().device or device)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.mark_broken("rank 0 failed to start")
+            self.close()
+            raise
+        loaded, self.quantization = rank.loaded, rank.quantization
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
-        model_max = self.model_config.max_position_embeddings
-        self._context_note = ""  # why max_model_len is below the model's, if it is
-        self.max_model_len = min(config.max_model_len or model_max, model_max)
-        block_size = config.cache.block_size
-        kv_cache_dtype = config.cache.kv_cache_dtype
-        # "auto": the model's dtype; 8-bit formats store bytes + scales (attention/quantized)
-        kv_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else loaded.dtype
-        graph_share = 0.0
-        if device.type == "cuda":  # the KV budget subtracts this forward's peak
-            profile_activations(loaded.model, config.max_num_batched_tokens,
-                                config.max_num_seqs, self.max_model_len, device)
-            if not config.enforce_eager:
-                graph_share = min(1.0, config.max_num_seqs / config.max_num_batched_tokens)
-        num_blocks = choose_num_blocks(self.model_config, config.cache, kv_dtype, device,
-                                       self.max_model_len, config.max_num_seqs, graph_share)
-        if config.max_model_len is None and self.max_model_len > num_blocks * block_size:
-            # as vLLM: the model's own context by default, but never more than fits
-            logger.warning("max_model_len is %d, not the model's %d: the KV cache holds %d "
-                           "tokens (raise --kv-cache-memory or --gpu-memory-utilization)",
-                           num_blocks * block_size, model_max, num_blocks * block_size)
-            self.max_model_len = num_blocks * block_size
-            self._context_note = " (all the KV cache holds; raise --kv-cache-memory)"
-        self.runner = ModelRunner(loaded.model, self.model_config, block_size, num_blocks,
-                                  kv_dtype, device, config.attention_backend, kv_cache_dtype,
-                                  max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+        self.max_model_len, self._context_note = rank.max_model_len, rank.context_note
+        num_blocks, block_size = rank.num_blocks, config.cache.block_size
+        self.runner = rank.runner
+        if self.workers is not None:
+            self.workers.attach(self.runner, rank.parameter_bytes)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         self.kv_events = KVEventStream.start(config.cache.kv_events, self.block_manager,
@@ -209,8 +195,7 @@ class LLMEngine:
         self.prompt_logprobs: dict[int, list] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks,
                                  kv_cache_bytes=self.runner.kv_cache_bytes)
-        if config.cache.prefault:
-            self.runner.pool.zero_blocks(list(range(num_blocks)))
+        if config.cache.prefault:  # the pool was zeroed by build_rank_model
             self.block_manager.mark_all_touched()
         logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                     "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
@@ -509,10 +494,18 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Release what outlives a step (the KV-event sockets); idempotent."""
-        if self.kv_events is not None:
+        """Release what outlives a step (the KV-event sockets, the tensor-parallel
+        workers); idempotent."""
+        if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
             self.kv_events = None
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+            self.workers = None
+
+    def parallel_failure(self) -> str | None:
+        """Why the tensor-parallel group is broken (a local worker exited), or None."""
+        return None if self.workers is None else self.workers.dead_worker()
 
     def get_stats(self) -> EngineStats:
         st = self.stats
@@ -533,22 +526,6 @@ class LLMEngine:
             st.spec_accepted_tokens = spec.num_accepted_tokens
             st.spec_verified_steps = spec.num_verified_steps
         return st
-
-
-@torch.inference_mode()
-def profile_activations(model: torch.nn.Module, num_tokens: int, num_logit_rows: int,
-                        max_model_len: int, device: torch.device) -> None:
-    """One forward of num_tokens (one causal sequence, no KV cache) and the logits of
-    num_logit_rows, so that torch's peak-memory counter holds the activations of the
-    largest step the scheduler can build (kvcache/budget.py reads it)."""
-    torch.cuda.reset_peak_memory_stats(device)
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    pos = torch.arange(num_tokens, device=device) % max_model_len
-    hidden = model(ids, pos)  # (T, hidden)
-    model.compute_logits(hidden[:num_logit_rows])
-    del hidden
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

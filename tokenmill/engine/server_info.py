@@ -34,6 +34,10 @@ def server_info(llm: Any) -> dict[str, Any]:
         "kv_cache_dtype": getattr(cache, "kv_cache_dtype", "auto"),
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
         "num_kv_blocks": stats.num_total_blocks if stats is not None else cache.num_kv_blocks,
+        "tensor_parallel_size": getattr(config, "tensor_parallel_size", 1),
+        # each rank's weights (parameters and quantized blocks), rank 0 first
+        "tensor_parallel_weight_bytes": getattr(getattr(llm, "workers", None),
+                                                "rank_parameter_bytes", None),
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
     }

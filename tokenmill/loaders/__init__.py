@@ -2,7 +2,9 @@
 
 The weight loader is generic: checkpoint tensors arrive under Hugging Face
 names; `packed_modules_mapping` routes q/k/v and gate/up into fused parameters,
-and each parameter's own `weight_loader` copies the tensor into place.
+and each parameter's own `weight_loader` copies the tensor into place. Tensors
+arrive unread; under tensor parallelism a module's `checkpoint_slice` names
+the slice this rank holds, and only that slice is read.
 """
 
 from __future__ import annotations
@@ -145,15 +147,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
         param = params.get(f"{module_name}.{param_kind}")
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
-        value = tensor.dequantize() if isinstance(tensor, GGUFTensor) else tensor
+        module = model.get_submodule(module_name)
         try:
+            part = getattr(module, "checkpoint_slice", lambda *_: None)(shard_id, param_kind)
+            if part is not None:  # this tensor-parallel rank's slice, still unread
+                tensor = tensor.narrow(*part)
+            value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
             param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
         del value
         loaded.setdefault(f"{module_name}.{param_kind}", set()).add(shard_id)
         if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight":
-            module = model.get_submodule(module_name)
             row_offset = module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows") else 0
             shards = module.__dict__.setdefault("gguf_quantized", [])
             shards.append(QuantizedWeight(tensor.qtype, tensor.raw_blocks(), tensor.shape,

@@ -7,6 +7,10 @@ rotary pairs adjacent dims, Hugging Face's pairs halves); the permutation is
 undone here, on the raw rows, so raw blocks and dequantized weights agree with
 Hugging Face's layout. Rows can be permuted as raw bytes because quantization
 blocks run along the input dimension, within one row.
+
+A tensor-parallel rank reads only its slice (`GGUFTensor.narrow`): rows of the
+memory-mapped bytes, or for a row-parallel linear a range of columns cut on
+the quantization blocks' boundaries.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.loaders.errors import ModelLoadError
@@ -76,20 +80,54 @@ class GGUFTensor:
     qtype: GGMLQuantizationType
     raw: np.ndarray  # uint8 (rows, bytes_per_row) for block types; typed for F32/F16
     shape: tuple[int, ...]  # Hugging Face order, e.g. (out_features, in_features)
+    # rows of `raw` in Hugging Face order (q/k of llama-arch files); None: as stored
+    row_order: np.ndarray | None = None
 
     @property
     def is_quantized(self) -> bool:
         return self.qtype not in _UNQUANTIZED
 
+    def _rows(self) -> np.ndarray:
+        """The bytes in Hugging Face row order; only these rows are read from the file."""
+        raw = self.raw  # (rows, bytes_per_row) as the reader maps it, rows as stored
+        if len(self.shape) > 1 and raw.ndim == 1 and self.row_order is None:
+            raw = raw.reshape(self.shape[0], -1)
+        return raw if self.row_order is None else raw[self.row_order]
+
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
-        arr = gguf_dequantize(self.raw, self.qtype).reshape(self.shape)
+        arr = gguf_dequantize(self._rows(), self.qtype).reshape(self.shape)
         return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
+
+    load = dequantize  # the loader's name for "this tensor, in float"
 
     def raw_blocks(self) -> torch.Tensor:
         """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch."""
-        raw = self.raw.reshape(self.shape[0], -1) if len(self.shape) > 1 else self.raw
-        return torch.tensor(np.ascontiguousarray(raw).view(np.uint8))
+        return torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
+        """The slice [start, start + length) along dim 0 (rows) or dim 1 (columns, which
+        must fall on the quantization blocks' boundaries), still unread."""
+        shape = list(self.shape)
+        if dim == 0:
+            if self.row_order is not None:
+                rows = self.row_order[start:start + length]
+                return GGUFTensor(self.hf_name, self.qtype, self.raw, (length, *shape[1:]), rows)
+            shape[0] = length
+            return GGUFTensor(self.hf_name, self.qtype, self.raw[start:start + length],
+                              tuple(shape))
+        if dim != 1 or len(shape) != 2:
+            raise ValueError(f"{self.hf_name}: cannot slice dim {dim} of a {len(shape)}-d tensor")
+        block, block_bytes = (1, 1) if not self.is_quantized else GGML_QUANT_SIZES[self.qtype]
+        if start % block or length % block:
+            raise ValueError(f"{self.hf_name}: its {self.qtype.name} blocks hold {block} "
+                             f"columns, so columns [{start}, {start + length}) cannot be cut "
+                             "from it; choose a tensor-parallel size that splits it on block "
+                             "boundaries")
+        # a typed array (F32 / F16) is cut in elements, a block type in bytes
+        a, b = start // block * block_bytes, (start + length) // block * block_bytes
+        raw = self.raw[:, a:b]
+        return GGUFTensor(self.hf_name, self.qtype, raw, (shape[0], length), self.row_order)
 
 
 @contextlib.contextmanager
@@ -218,10 +256,12 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return cfg
 
 
-def _unpermute_rows(arr: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of convert_hf_to_gguf's LlamaModel.permute, on the first axis (rows)."""
-    half = arr.shape[0] // n_head // 2
-    return arr.reshape(n_head, half, 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
+def _unpermute_index(num_rows: int, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's LlamaModel.permute, as the stored row of each
+    Hugging Face row: HF row i is stored row order[i]."""
+    half = num_rows // n_head // 2
+    stored = np.arange(num_rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(num_rows)
+    return stored
 
 
 def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
@@ -239,11 +279,11 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
             raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has no place in a "
                                  f"{cfg['architectures'][0]}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        raw = t.data
         module = name.split(".")[-2]
+        order = None
         if arch in _PERMUTED_QK_ARCHS and module in heads:
-            raw = _unpermute_rows(raw, heads[module])
-        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), raw, shape)
+            order = _unpermute_index(shape[0], heads[module])
+        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order)
 
 
 @dataclass

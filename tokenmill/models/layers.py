@@ -9,8 +9,9 @@ SiLU * up each run as one fused native call (tokenmill/kernels/layer_ops.c)
 where it is built; the torch ops below are the fallback and the fp32 path.
 
 Each parameter carries `weight_loader(param, loaded_weight, shard_id)`. Fused
-linears (`QKVLinear`, `MergedLinear`) copy a checkpoint shard (q / k / v, or
-gate / up) into its rows of the fused weight.
+linears (`FusedLinear`: q / k / v, or gate / up) copy a checkpoint shard into
+its rows of the fused weight. The tensor-parallel versions the model builds
+are in parallel_layers.py.
 """
 
 from __future__ import annotations
@@ -94,8 +95,12 @@ class Linear(nn.Module):
         """(first row, number of rows) of the fused weight that `shard_id` fills."""
         return 0, self.out_features
 
+    def checkpoint_slice(self, shard_id: Any, param_kind: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the checkpoint tensor this rank reads; None: all of it."""
+        return None
 
-class _FusedLinear(Linear):
+
+class FusedLinear(Linear):
     """A linear whose output rows are the concatenation of several checkpoint tensors."""
 
     def __init__(self, in_features: int, shard_sizes: dict[Any, int], bias: bool) -> None:
@@ -115,22 +120,6 @@ class _FusedLinear(Linear):
                       shard_id: Any) -> None:
         start, size = self.shard_offsets[shard_id]
         default_weight_loader(param.narrow(0, start, size), loaded_weight)  # type: ignore[arg-type]
-
-
-class QKVLinear(_FusedLinear):
-    """q_proj, k_proj and v_proj as one matmul; output is [q | k | v]."""
-
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool) -> None:
-        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, bias)
-
-
-class MergedLinear(_FusedLinear):
-    """Several linears on the same input as one matmul (gate_proj and up_proj: shards 0, 1)."""
-
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, dict(enumerate(out_sizes)), bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,12 @@
 
 forward takes a flat batch of tokens (T,) and their positions (T,); attention
 metadata for the step comes from `tokenmill.attention.metadata`.
+
+Under tensor parallelism (tokenmill/distributed) each rank builds the same
+module over its own heads and slices (models/parallel_layers.py); the only
+communication is one all-reduce after each row-parallel linear (o_proj and
+down_proj: two per layer), one in the vocab-parallel embedding and one gather
+of the logits.
 """
 
 from __future__ import annotations
@@ -12,31 +18,34 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.models.attention import Attention
-from tokenmill.models.layers import (
-    Embedding,
-    Linear,
-    MergedLinear,
-    QKVLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    silu_and_mul,
+from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=config.attention_bias)
         # Llama's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=o_bias,
+                                        what="num_attention_heads * head_dim")
         if config.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -56,7 +65,8 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k rotate together: one set of ops instead of two
         q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v))  # q: (T, heads, head_dim), k/v: (T, kv, head_dim)
+        out = self.o_proj(self.attn(q, k, v))  # q: (T, heads, head_dim), k/v: (T, kv, head_dim)
+        return get_tp().all_reduce(out)  # (T, hidden): the ranks' partial sums added
 
 
 class LlamaMLP(nn.Module):
@@ -64,11 +74,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; tokenmill runs silu")
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
+                                                       [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return get_tp().all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -93,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         self.rotary_emb = rotary
@@ -123,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -132,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden_size) -> logits (N, vocab_size) float32."""
-        return self.lm_head(hidden).float()
+        """hidden: (N, hidden_size) -> logits (N, vocab_size) float32 (on rank 0; the
+        other tensor-parallel ranks get a tensor of that shape nobody reads)."""
+        return get_tp().gather_last_dim(self.lm_head(hidden).float())
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

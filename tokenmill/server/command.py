@@ -105,7 +105,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     from tokenmill.engine.llm_engine import check_startup_choices
 
-    check_startup_choices(engine_config_from_args(args))  # BackendUnavailable: exit 2
+    try:  # BackendUnavailable: exit 2
+        check_startup_choices(engine_config_from_args(args))
+    except ValueError as e:  # e.g. a --tensor-parallel-size the model does not split
+        raise SystemExit(f"tokenmill serve: error: {e}") from None
     if args.engine_in_process:
         return _serve_in_process(args, serving_config, api_keys)
     return _serve_with_core_process(args, serving_config, api_keys)

@@ -53,6 +53,7 @@ class _Add:
 class _Inbox:
     adds: deque[_Add] = field(default_factory=deque)
     aborts: set[str] = field(default_factory=set)
+    abort_everything: bool = False
 
 
 class AsyncEngine:
@@ -137,6 +138,13 @@ class AsyncEngine:
             self._inbox.aborts.add(request_id)
         self._wake.set()
 
+    def abort_in_flight(self) -> None:
+        """End every request now with the "aborted" event (the shutdown timeout is up)."""
+        self.stop_accepting()
+        with self._lock:
+            self._inbox.abort_everything = True
+        self._wake.set()
+
     def health(self) -> tuple[bool, str]:
         if not self._loop_alive():
             return False, self._dead_reason or "the engine loop is not running"
@@ -197,6 +205,8 @@ class AsyncEngine:
     def _drain_inbox(self) -> bool:
         with self._lock:
             adds, aborts = self._inbox.adds, self._inbox.aborts
+            if self._inbox.abort_everything:
+                aborts |= set(self._streams) | {add.request_id for add in adds}
             self._inbox = _Inbox()
         for add in adds:
             if add.request_id in aborts:

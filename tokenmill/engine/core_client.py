@@ -185,6 +185,18 @@ class CoreClient:
             self._send_locked(m.AbortRequests([request_id]))
         stream.put(Aborted())
 
+    def abort_in_flight(self) -> None:
+        """End every request now with the "aborted" event (the shutdown timeout is up)."""
+        with self._lock:
+            self._accepting = False
+            ids = list(self._streams)
+            streams = [self._pop_locked(rid) for rid in ids]
+            if ids and self._dead_reason is None and not self._closed:
+                self._send_locked(m.AbortRequests(ids))
+        for stream in streams:
+            if stream is not None:
+                stream.put(Aborted())
+
     def health(self) -> tuple[bool, str]:
         with self._lock:
             down = self._down_reason_locked()

@@ -125,13 +125,31 @@ def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any,
 
     from tokenmill.server.api import build_app
 
+    class Server(uvicorn.Server):
+        """uvicorn's server, plus: shortly before --shutdown-timeout is up, what is still
+        in flight ends with the "aborted" error event. uvicorn closes the connections
+        still open at the timeout before its lifespan shutdown aborts their requests,
+        so without this a client would see a cut stream instead of the event."""
+
+        deadline_armed = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            timeout_s = self.config.timeout_graceful_shutdown
+            if timeout_s is not None and not self.deadline_armed:
+                self.deadline_armed = True
+                lead = min(2.0, timeout_s / 2)  # time for the events to reach clients
+                timer = threading.Timer(timeout_s - lead, engine.abort_in_flight)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
                     max_request_bytes=args.max_request_size, config=serving_config,
                     metrics_auth=args.metrics_auth)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,

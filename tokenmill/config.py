@@ -195,6 +195,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs for decode (and on a CPU no static-buffer decode path)
     enforce_eager: bool = False
+    # vLLM's name: schedule step N+1 while step N computes (engine/overlap.py)
+    async_scheduling: bool = False
     # check the block manager and prefix cache after every step (slow; for debugging)
     debug_kv_integrity: bool = False
     # speculative decoding (tokenmill/speculative, docs/speculative.md)

@@ -15,7 +15,9 @@ eagerly elsewhere. Prefill and mixed steps always run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,8 +27,24 @@ from tokenmill.attention.metadata import AttentionMetadata, attention_metadata
 from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dtype
 from tokenmill.config import ModelConfig
 from tokenmill.engine.cuda_graph import DecodeGraphs
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from tokenmill.engine.staging import HostStaging
 from tokenmill.kvcache.pool import KVPool
+
+
+@dataclass
+class StagedBatch:
+    """A step's ints in a staging buffer (ModelRunner.stage), not yet on the device."""
+
+    host: torch.Tensor  # int64 view of a HostStaging buffer
+    num_tokens: int
+    width: int  # block-table columns (eager layout)
+    query_lens: list[int]
+    seq_lens: list[int]
+    logit_rows: list[int]
+    fresh: list[int]  # never-used blocks to zero before the step writes them
+    graphed: bool  # DecodeGraphs' layout, for its static buffers
+    num_placeholders: int  # input ids that come from the previous step's samples
 
 
 class Scheduled(Protocol):
@@ -62,6 +80,9 @@ class ModelRunner:
                            kv_format=kv_format)
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
+        # double-buffered: async scheduling writes step N+1's ints while step N runs
+        self.staging = HostStaging(4 * max(max_num_seqs, 1) * (1 + max_model_len // block_size),
+                                   device)
         self.graphs: DecodeGraphs | None = None
         if (max_num_seqs and not enforce_eager and self.backend.supports_padded_decode
                 and self.pool.fresh is None):
@@ -83,6 +104,15 @@ class ModelRunner:
         """Flat input ids, positions, attention metadata, and the row of each
         sampling sequence's last token in the flat batch (and of the token
         before each of its draft tokens)."""
+        return self.upload(self.stage(batch))
+
+    def stage(self, batch: Seq[Scheduled],
+              placeholder_rows: Mapping[int, int] | None = None) -> StagedBatch:
+        """The host half of `prepare`: the step's ints, written into a staging
+        buffer. Touches no device tensor, so async scheduling runs it while the
+        previous step computes. `placeholder_rows`: seq_id -> the row, in the
+        previous step's sampled ids, of the token that sequence is still waiting
+        for (its last token id is PLACEHOLDER_TOKEN_ID)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -92,53 +122,98 @@ class ModelRunner:
         query_lens: list[int] = []
         logit_rows: list[int] = []
         fresh: list[int] = []
+        dst: list[int] = []  # rows of input_ids that the previous step's samples fill
+        src: list[int] = []
         is_fresh = self.pool.fresh  # None: the backend needs no zeroed blocks
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
+            if end == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                if placeholder_rows is None or seq.seq_id not in placeholder_rows:
+                    raise RuntimeError(f"{seq!r} waits for a sampled token no step provides")
+                dst.append(len(input_ids) + n - 1)
+                src.append(placeholder_rows[seq.seq_id])
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if is_fresh is not None:
-                fresh.extend(b for b in table[start // bs:(end - 1) // bs + 1] if is_fresh[b])
+                for b in table[start // bs:(end - 1) // bs + 1]:
+                    if is_fresh[b]:  # claimed now, zeroed by `upload` before the step runs
+                        is_fresh[b] = 0
+                        fresh.append(b)
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
             if item.sample:
                 logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
                                         query_start[-1]))
-        if fresh:
-            self.pool.zero_blocks(fresh)
-        if (self.graphs is not None and len(input_ids) == len(batch) == len(logit_rows)
-                and self.graphs.bucket_for(len(batch)) is not None):
-            # decode only: every sequence runs and samples one token
-            meta = self.graphs.load(input_ids, positions, slots, seq_lens,
-                                    [item.seq.block_table for item in batch])
+        graphed = (self.graphs is not None and len(input_ids) == len(batch) == len(logit_rows)
+                   and self.graphs.bucket_for(len(batch)) is not None)
+        if graphed:  # decode only: every sequence runs and samples one token
+            assert self.graphs is not None
+            flat = self.graphs.stage_rows(input_ids, positions, slots, seq_lens,
+                                          [item.seq.block_table for item in batch])
+            width = 0
+        else:
+            width = max((len(item.seq.block_table) for item in batch), default=0)
+            tables = [x for item in batch
+                      for x in (*item.seq.block_table,
+                                *[0] * (width - len(item.seq.block_table)))]
+            flat = [*input_ids, *positions, *slots, *query_start, *seq_lens, *tables]
+        host = self.staging.acquire(len(flat) + 2 * len(dst))
+        host.copy_(torch.tensor([*flat, *dst, *src], dtype=torch.int64))
+        return StagedBatch(host, len(input_ids), width, query_lens, seq_lens, logit_rows,
+                           fresh, graphed, len(dst))
+
+    def upload(self, staged: StagedBatch, previous: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The device half of `prepare`, on the thread that runs the model: one copy of
+        the staged ints to the device; placeholder ids gathered from `previous`,
+        the previous step's sampled ids (N,) on the device, with no host round trip."""
+        if staged.fresh:
+            self.pool.zero_blocks(staged.fresh)
+        dev = self.staging.upload(staged.host)
+        p = staged.num_placeholders
+        patch = None
+        if p:
+            if previous is None:
+                raise RuntimeError("a staged batch waits for sampled tokens but no "
+                                   "previous step's samples were given")
+            dst, src = dev[-2 * p:-p], dev[-p:]
+            patch = dst, previous.index_select(0, src)
+        t, n, bs = staged.num_tokens, len(staged.seq_lens), self.block_size
+        if staged.graphed:
+            assert self.graphs is not None
+            meta = self.graphs.fill(dev, n, max(staged.seq_lens))
+            b = meta.num_seqs
+            if patch is not None:
+                self.graphs.input_ids.index_copy_(0, *patch)
             # the padded bucket's ids and positions, so that a caller running the model
             # itself over this metadata (speculative/layerskip.py) sees matching shapes
-            b = meta.num_seqs
-            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, logit_rows
-        max_blocks = max((len(item.seq.block_table) for item in batch), default=0)
-        tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
-                  for item in batch]
-        dev = self.device
+            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, \
+                staged.logit_rows
+        ids, pos, slots = dev[:t], dev[t:2 * t], dev[2 * t:3 * t]
+        o = 3 * t
+        query_start = dev[o:o + n + 1]
+        seq_lens = dev[o + n + 1:o + 2 * n + 1]
+        tables = dev[o + 2 * n + 1:o + 2 * n + 1 + n * staged.width].view(n, staged.width)
+        if patch is not None:
+            ids.index_copy_(0, *patch)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slots,
+            query_start_loc=query_start.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32),
             block_size=bs,
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
+            max_query_len=max(staged.query_lens, default=0),
+            max_seq_len=max(staged.seq_lens, default=0),
+            query_lens_list=staged.query_lens,
+            seq_lens_list=staged.seq_lens,
         )
         meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logit_rows
+        return ids, pos, meta, staged.logit_rows
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,

@@ -36,11 +36,16 @@ def _key(out):
 
 def _both(sync_llm, async_llm, prompts, params, expect_async=True):
     """Generate on both engines; the outputs must match exactly. Returns them."""
+    sync_st, async_st = sync_llm.engine.stats, async_llm.engine.stats
+    tokens = sync_st.generation_tokens
     a = sync_llm.generate(prompts, params, use_tqdm=False)
-    before = async_llm.engine.stats.num_async_steps
+    tokens = sync_st.generation_tokens - tokens
+    before, async_tokens = async_st.num_async_steps, async_st.generation_tokens
     b = async_llm.generate(prompts, params, use_tqdm=False)
-    overlapped = async_llm.engine.stats.num_async_steps - before
+    overlapped = async_st.num_async_steps - before
     assert [_key(x) for x in a] == [_key(x) for x in b]
+    # the extra token computed for a sequence that had just ended is never counted
+    assert async_st.generation_tokens - async_tokens == tokens
     assert (overlapped > 0) == expect_async, overlapped
     assert_no_leak(sync_llm.engine)
     assert_no_leak(async_llm.engine)
@@ -87,6 +92,15 @@ def test_seeded_sampling_and_n_samples_match(sync_llm, async_llm):
     outs = _both(sync_llm, async_llm, prompts, params)
     assert len(outs[1].outputs) == 3
     assert len({tuple(o.token_ids) for o in outs[1].outputs}) > 1
+
+
+def test_n_samples_ending_at_different_steps(sync_llm, async_llm):
+    """A sample that ends while its siblings run on must not grow in later outputs."""
+    tok = sync_llm.tokenizer
+    stops = [tok.encode(t, add_special_tokens=False)[0] for t in (".", ",", " and")]
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=24, stop_token_ids=stops)
+    out = _both(sync_llm, async_llm, ["Describe a walk in the forest"], params)[0]
+    assert len({len(o.token_ids) for o in out.outputs}) > 1  # they did end apart
 
 
 def test_logprobs_are_overlapped_and_match(sync_llm, async_llm):

@@ -167,7 +167,9 @@ class OverlapStepper:
             record_prompt_logprobs(logits[len(rows):], extra, eng.prompt_logprobs)
             logits = logits[:len(rows)]
         with timer("sample"), torch.inference_mode():
-            return eng.sampler.sample(logits, sampling, plan)
+            sampled = eng.sampler.sample(logits, sampling, plan)
+            sampled.start_host_copy()
+        return sampled
 
     def _host_work(self, ran: _Ran | None, batch: SchedulerOutput, sampling: list[Sequence]
                    ) -> tuple[list[RequestOutput], _Staged | None, dict[int, int]]:

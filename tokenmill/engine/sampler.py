@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.staging import HostCopy
 from tokenmill.sampling_params import SamplingParams
 
 # A draw needs a cumulative sum over the vocabulary; doing it in two levels
@@ -58,6 +59,11 @@ class SampledBatch:
     token_ids: torch.Tensor
     packed: torch.Tensor  # (N, 1 [+ 2 + 2k]) float64: ids [, chosen logprob, rank, top k]
     num_logprobs: list[int | None]
+    host_copy: HostCopy | None = None  # `start_host_copy`: queued, not yet waited for
+
+    def start_host_copy(self) -> None:
+        """Queue the copy `Sampler.fetch` reads, right behind this step's work."""
+        self.host_copy = HostCopy(self.packed)
 
 
 class Constraints(Protocol):
@@ -119,7 +125,9 @@ class Sampler:
     @staticmethod
     def fetch(sampled: SampledBatch) -> SamplerOutput:
         """The one device-to-host copy of a step."""
-        token_list, logprobs = _unpack(sampled.packed.cpu().tolist(), sampled.num_logprobs)
+        host = (sampled.host_copy.result() if sampled.host_copy is not None
+                else sampled.packed.cpu())
+        token_list, logprobs = _unpack(host.tolist(), sampled.num_logprobs)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     def _blocked_stop_ids(self, seqs: SequenceLike[Sequence]) -> list[tuple[int, list[int]]]:

@@ -69,3 +69,23 @@ class HostStaging:
         dev = view.to(self.device, non_blocking=True)
         self._events[i].record()
         return dev
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued now and read later: on CUDA into
+    pinned memory behind an event, so that the thread waiting for it waits for this
+    copy only, not for work queued on the stream after it (async scheduling's
+    helper reads step N's tokens while step N+1 is queued). On a CPU: the tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = _event(tensor.device)
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+        else:
+            self._host = tensor
+        self._event.record()
+
+    def result(self) -> torch.Tensor:
+        self._event.synchronize()
+        return self._host

@@ -160,6 +160,7 @@ def test_requests_added_and_aborted_mid_run(sync_llm, async_llm):
     assert all(len(ids) == 20 for ids in results[1].values())
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_kv_budget_matches(sync_llm):
     # 12 blocks of 16 tokens for six sequences of up to 69 tokens: they preempt
     rng = random.Random(3)

@@ -42,7 +42,6 @@ from tokenmill.structured import GrammarCache, LogitsConstraints
 logger = logging.getLogger(__name__)
 
 
-
 class RequestError(ValueError):
     """A request the engine cannot take; `param` names the offending field."""
 
@@ -210,8 +209,8 @@ class LLMEngine:
         self.overlap: OverlapStepper | None = None
         if config.async_scheduling:
             if self.speculator is not None:  # drafts need the host's accepted tokens
-                logger.info("--async-scheduling: speculative decoding runs every step "
-                            "synchronously")
+                logger.warning("--async-scheduling is off with speculative decoding: "
+                               "every step runs synchronously")
             else:
                 self.overlap = OverlapStepper(self)
         self.requests: dict[str, _Request] = {}

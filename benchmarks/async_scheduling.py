@@ -8,7 +8,7 @@ machine load. Workloads: batch B, a --prompt-len-token prompt of random ids per
 request (seed 0), --new-tokens new tokens, ignore_eos, greedy. Per run: TPOT
 (time per output token after the first, mean over requests), decode tok/s
 (B x 1000 / TPOT) and engine step time (wall time / steps). Medians of
---repeats, with the on/off ratio, and batch 1 against its floor (weight + KV
+--repeats, with the on/off tok/s ratio (off TPOT / on TPOT), and batch 1 against its floor (weight + KV
 bytes read per step / PERFORMANCE.md's quiet-machine bandwidth).
 
     .venv/bin/python benchmarks/async_scheduling.py                   # W3 sizes
@@ -51,9 +51,7 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> di
         m = out.metrics
         assert len(out.outputs[0].token_ids) == new_tokens
         tpots.append(1e3 * (m.finished_time - m.first_token_time) / (new_tokens - 1))
-    tpot_ms = statistics.mean(tpots)
-    return {"tpot_ms": tpot_ms, "tok_s": len(prompts) * 1e3 / tpot_ms,
-            "step_ms": 1e3 * wall_s / max(steps, 1)}
+    return {"tpot_ms": statistics.mean(tpots), "step_ms": 1e3 * wall_s / max(steps, 1)}
 
 
 def main() -> None:
@@ -96,10 +94,11 @@ def main() -> None:
           f"{'on/off tok/s':>12}")
     for b in args.batches:
         med = {mode: {k: statistics.median(r[k] for r in results[(b, mode)])
-                      for k in ("tpot_ms", "tok_s", "step_ms")} for mode in ("off", "on")}
+                      for k in ("tpot_ms", "step_ms")} for mode in ("off", "on")}
         for mode in ("off", "on"):
             m = med[mode]
-            ratio = f"{med['on']['tok_s'] / med['off']['tok_s']:.3f}" if mode == "on" else ""
+            m["tok_s"] = b * 1e3 / m["tpot_ms"]  # decode tok/s of the median TPOT
+            ratio = f"{med['off']['tpot_ms'] / med['on']['tpot_ms']:.3f}" if mode == "on" else ""
             print(f"{b:>5} {mode:>5} {m['tpot_ms']:>8.2f} {m['tok_s']:>8.1f} "
                   f"{m['step_ms']:>8.2f} {ratio:>12}")
         if b == 1 and floor is not None:

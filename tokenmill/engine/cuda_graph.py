@@ -68,7 +68,7 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def fill(self, staged: torch.Tensor, n: int, max_seq_len: int) -> AttentionMetadata:
-        """Copy one staged decode batch (`stage_layout`: its bucket's ids, positions,
+        """Copy one staged decode batch (`stage_rows`' layout: its bucket's ids, positions,
         slots, seq_lens, then block-table rows, padding included, already on the
         device) into the static buffers; the bucket's metadata."""
         b = self.bucket_for(n)

@@ -11,6 +11,13 @@ Decode-only steps go through `DecodeGraphs` (engine/cuda_graph.py) when the
 backend can run a padded batch: static buffers, one bucket per batch size, a
 CUDA graph per bucket on CUDA (unless enforce_eager), the same closure run
 eagerly elsewhere. Prefill and mixed steps always run eagerly.
+
+`prepare` is two halves: `stage` writes the step's ints on the host into a
+double-buffered staging buffer (engine/staging.py) and touches no device tensor;
+`upload` copies them to the device in one copy and builds the metadata. Async
+scheduling (engine/overlap.py) stages step N+1 on a helper thread while step N
+runs, and `upload` then fills the input ids of tokens still on the device from
+the previous step's sampled ids.
 """
 
 from __future__ import annotations

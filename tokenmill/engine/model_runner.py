@@ -88,8 +88,10 @@ class ModelRunner:
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
         # double-buffered: async scheduling writes step N+1's ints while step N runs
-        self.staging = HostStaging(4 * max(max_num_seqs, 1) * (1 + max_model_len // block_size),
-                                   device)
+        # sized for a full decode batch (ids, positions, slots, seq_lens, a block-table
+        # row and two placeholder indices per sequence); a larger step grows it once
+        max_blocks = -(-max_model_len // block_size)
+        self.staging = HostStaging(max(max_num_seqs, 1) * (6 + max_blocks), device)
         self.graphs: DecodeGraphs | None = None
         if (max_num_seqs and not enforce_eager and self.backend.supports_padded_decode
                 and self.pool.fresh is None):

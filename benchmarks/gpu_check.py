@@ -154,6 +154,10 @@ class Check:
         self.rows.append(Row("correctness", "engine greedy tokens vs transformers", f"{equal}/{total}",
                              "tokens", floor=f"{total}/{total}",
                              note=f"triton attention, decode graphs, {self.engine_dtype_name}"))
+        equal, total = self.engine_vs_transformers(path, async_scheduling=True)
+        self.rows.append(Row("correctness", "async scheduling greedy tokens vs transformers",
+                             f"{equal}/{total}", "tokens", floor=f"{total}/{total}",
+                             note="--async-scheduling: ids gathered on the device"))
         err = attention_error(self.device, self.plan.dtype)
         self.rows.append(Row("correctness", "triton vs torch attention (mixed batch)",
                              f"{err:.2e}", "max abs", floor="< 2e-2" if self.device.type == "cuda"
@@ -163,17 +167,21 @@ class Check:
     def engine_dtype_name(self) -> str:
         return str(self.plan.dtype).removeprefix("torch.")
 
-    def engine_vs_transformers(self, path: str) -> tuple[int, int]:
+    def engine_vs_transformers(self, path: str, async_scheduling: bool = False
+                               ) -> tuple[int, int]:
         from transformers import LlamaForCausalLM
 
         rng = random.Random(1)
         prompts = [[rng.randrange(3, TINY.vocab) for _ in range(n)] for n in (5, 9, 17, 30)]
         engine = LLMEngine(EngineConfig(model=path, dtype=self.engine_dtype_name,
                                         attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=256, cache=CacheConfig(num_kv_blocks=64)))
-        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+                                        max_model_len=256, cache=CacheConfig(num_kv_blocks=64),
+                                        async_scheduling=async_scheduling))
+        # async: the requests end at different steps, so its batch shrinks through buckets
+        new_tokens = (12, 10, 8, 6) if async_scheduling else (12,) * 4
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, greedy)
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=new_tokens[i],
+                                                         ignore_eos=True))
         got: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -182,12 +190,13 @@ class Check:
         equal = total = 0
         for i, p in enumerate(prompts):
             ref = list(p)
+            n = new_tokens[i]
             with torch.no_grad():  # greedy by hand: generate() would forbid EOS or stop at it
-                for _ in range(12):
+                for _ in range(n):
                     logits = hf(torch.tensor([ref], device=self.device)).logits[0, -1]
                     ref.append(int(logits.argmax()))
             equal += sum(a == b for a, b in zip(got[str(i)], ref[len(p):]))
-            total += 12
+            total += n
         return equal, total
 
     # ---- speed at real shapes --------------------------------------------------
@@ -231,7 +240,17 @@ class Check:
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio"))
 
-        for name, part in (("eager", eager), ("graphs", graphs), ("fp8", fp8)):
+        def overlapped() -> None:
+            engine = self.engine(path, quantization=None, eager=False, async_scheduling=True)
+            for batch in (1, max(plan.batches)):
+                s = self.decode(engine, batch, f"async scheduling batch {batch} decode ({label})")
+                if f"b{batch}" in step_s:
+                    self.rows.append(Row("speed", f"async vs sync scheduling at batch {batch}",
+                                         sig(step_s[f"b{batch}"] / s), "x",
+                                         note="step-time ratio, graphs both ways"))
+
+        for name, part in (("eager", eager), ("graphs", graphs), ("fp8", fp8),
+                           ("async", overlapped)):
             self.guarded(f"speed: {name}", part)
             self.free()
 
@@ -245,7 +264,8 @@ class Check:
             self.rows.append(Row(what.split(":")[0], f"{what} FAILED", "FAILED", "",
                                  note=f"{type(e).__name__}: {e}"[:300]))
 
-    def engine(self, path: Path, quantization: str | None, eager: bool) -> LLMEngine:
+    def engine(self, path: Path, quantization: str | None, eager: bool,
+               async_scheduling: bool = False) -> LLMEngine:
         plan = self.plan
         on_cpu = self.device.type == "cpu"
         engine = LLMEngine(EngineConfig(
@@ -253,7 +273,8 @@ class Check:
             load_format="dummy", quantization=None if on_cpu else quantization,
             enforce_eager=eager, attention_backend="triton", max_num_seqs=max(plan.batches),
             max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
-            cache=CacheConfig(num_kv_blocks=plan.num_kv_blocks, enable_prefix_caching=False)))
+            cache=CacheConfig(num_kv_blocks=plan.num_kv_blocks, enable_prefix_caching=False),
+            async_scheduling=async_scheduling))
         if on_cpu and quantization == "fp8":
             # the flag refuses a CPU; the same Fp8Linear runs its CPU emulation here
             from tokenmill.quant import quantize_model

@@ -91,3 +91,12 @@ def test_fewer_kv_heads_than_ranks_replicate_each_kv_head_over_its_query_heads(m
         assert qkv.checkpoint_slice("q", "weight") == (0, rank * head_dim, head_dim)
         assert qkv.checkpoint_slice("k", "weight") == (0, kv_head * head_dim, head_dim)
         assert qkv.checkpoint_slice("v", "weight") == (0, kv_head * head_dim, head_dim)
+
+
+@pytest.mark.parametrize("extra", [{"speculative": "ngram"}, {"async_scheduling": True}],
+                         ids=["speculative", "async-scheduling"])
+def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name(extra):
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(model="smollm2-135m", tensor_parallel_size=2, **extra)

@@ -32,11 +32,14 @@ def test_smoke_fills_every_row():
                      "engine greedy tokens vs transformers", "triton vs torch attention",
                      "batch 1 TPOT, eager", "batch 1 decode", "batch 8 decode", "batch 32 decode",
                      "batch 64 decode", "graphs vs eager", "prefill 32 tokens", "prefill 128",
-                     "fp8 batch 1 decode", "fp8 vs float32 at batch 1", "fp8 batch 64 decode"):
+                     "fp8 batch 1 decode", "fp8 vs float32 at batch 1", "fp8 batch 64 decode",
+                     "async scheduling greedy tokens", "async scheduling batch 1 decode",
+                     "async vs sync scheduling at batch 64"):
         assert any(c.startswith(expected) for c in checks), expected
     by_check = {r["check"]: r for r in rows}
     assert float(by_check["logits vs transformers (fp32, 24 tokens)"]["value"]) < 1e-3
     assert by_check["engine greedy tokens vs transformers"]["value"] == "48/48"
+    assert by_check["async scheduling greedy tokens vs transformers"]["value"] == "36/36"
     assert float(by_check["triton vs torch attention (mixed batch)"]["value"]) < 1e-4
     table = proc.stdout.strip().splitlines()[:-1]
     assert len([line for line in table if line.startswith(("machine", "correctness", "speed"))]) \

@@ -169,6 +169,24 @@ def test_abort_during_a_step_is_harmless():
     assert not sched.has_unfinished() and sched.block_manager.usage == 0.0
 
 
+def test_retire_frees_finished_sequences_running_or_preempted():
+    """Async scheduling learns a sequence ended after the next step was scheduled:
+    retire frees it wherever it is, and that step's row of it is skipped."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=1)
+    running, waiting = make_seq(range(6), request_id="a"), make_seq(range(6), request_id="b")
+    sched.add(running)
+    sched.add(waiting)
+    step(sched)
+    out = sched.schedule()  # the step that still computes `running`
+    running.finish("stop")
+    waiting.finish("stop")
+    sched.retire([running, waiting])
+    sched.finish_step(out)
+    assert not sched.has_unfinished() and running.num_computed_tokens == 6
+    sched.block_manager.check_integrity([])
+    assert sched.block_manager.usage == 0.0
+
+
 def test_siblings_of_an_n_request_share_the_computed_prompt():
     sched = make_scheduler(block_size=4)
     prompt = list(range(10))

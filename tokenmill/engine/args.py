@@ -88,6 +88,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps as built, without CUDA graphs (on a CPU: without "
                         "the padded static-buffer path the graphs replay)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and prepare step N+1 while step N computes; outputs "
+                        "arrive one step later; steps that need the host's tokens first "
+                        "(structured output, penalties, bad_words, prompt logprobs, "
+                        "speculative decoding) run synchronously")
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")
@@ -122,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         debug_kv_integrity=args.debug_kv_integrity,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -165,8 +165,10 @@ class EngineCore:
             return
         finally:
             self.step_started_at = None
-        if self.engine.stats.num_steps == steps_before:
-            time.sleep(0.005)  # nothing could be scheduled: do not spin
+        if self.engine.stats.num_steps == steps_before and not outputs:
+            # nothing could be scheduled: do not spin (--async-scheduling's last
+            # step runs no batch but brings the step before's outputs)
+            time.sleep(0.005)
             return
         deltas = [self.tracker.delta(out) for out in outputs]  # none mid-prefill
         self._send(m.StepOutputs([], deltas, self.engine.get_stats()))

@@ -50,10 +50,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(m, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(m, vocab_size, dtype=torch.float32, device=device)
-        # staging for one host-to-device copy per step: ids, positions, slots, seq_lens
-        # then the block tables, all int64
-        self._staging = torch.zeros(4 * m + m * max_blocks, dtype=torch.int64,
-                                    pin_memory=device.type == "cuda")
         self.metas = {b: self._meta(b, block_size) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -71,35 +67,36 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def load(self, input_ids: Seq[int], positions: Seq[int], slots: Seq[int],
-             seq_lens: Seq[int], tables: Seq[Seq[int]]) -> AttentionMetadata:
-        """Copy one decode batch into the static buffers (padding the rest of its
-        bucket); the bucket's metadata."""
-        n = len(input_ids)
+    def fill(self, staged: torch.Tensor, n: int, max_seq_len: int) -> AttentionMetadata:
+        """Copy one staged decode batch (`stage_rows`' layout: its bucket's ids, positions,
+        slots, seq_lens, then block-table rows, padding included, already on the
+        device) into the static buffers; the bucket's metadata."""
         b = self.bucket_for(n)
         assert b is not None, (n, self.buckets)
-        m, width = self.block_tables.shape
-        pad = b - n
-        flat = self._staging
-        head = torch.tensor([*input_ids, *[0] * pad, *positions, *[0] * pad,
-                             *slots, *[-1] * pad, *seq_lens, *[0] * pad], dtype=torch.int64)
-        flat[:4 * b] = head
-        rows = [x for t in tables for x in (*t, *[0] * (width - len(t)))]
-        flat[4 * m:4 * m + b * width] = torch.tensor(rows + [0] * (pad * width),
-                                                      dtype=torch.int64)
-        # the engine syncs once per step (the sampled ids), so the last copy out of
-        # the staging buffer is done before it is written again
-        dev = flat[:4 * m + b * width].to(self.device, non_blocking=True)
-        self.input_ids[:b].copy_(dev[:b])
-        self.positions[:b].copy_(dev[b:2 * b])
-        self.slot_mapping[:b].copy_(dev[2 * b:3 * b])
-        self.seq_lens[:b].copy_(dev[3 * b:4 * b])
-        self.block_tables[:b].copy_(dev[4 * m:].view(b, width))
+        width = self.block_tables.shape[1]
+        self.input_ids[:b].copy_(staged[:b])
+        self.positions[:b].copy_(staged[b:2 * b])
+        self.slot_mapping[:b].copy_(staged[2 * b:3 * b])
+        self.seq_lens[:b].copy_(staged[3 * b:4 * b])
+        self.block_tables[:b].copy_(staged[4 * b:4 * b + b * width].view(b, width))
         meta = self.metas[b]
         if b not in self.graphs:
             # eager: host-side bounds may follow this step (nothing bakes them in)
-            meta.max_seq_len = max(seq_lens)
+            meta.max_seq_len = max_seq_len
         return meta
+
+    def stage_rows(self, input_ids: Seq[int], positions: Seq[int], slots: Seq[int],
+                   seq_lens: Seq[int], tables: Seq[Seq[int]]) -> list[int]:
+        """One decode batch as the flat int list `fill` reads, padded to its bucket
+        (padded rows: slot -1, seq_len 0)."""
+        n = len(input_ids)
+        b = self.bucket_for(n)
+        assert b is not None, (n, self.buckets)
+        width = self.block_tables.shape[1]
+        pad = b - n
+        rows = [x for t in tables for x in (*t, *[0] * (width - len(t)))]
+        return [*input_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad,
+                *seq_lens, *[0] * pad, *rows, *[0] * (pad * width)]
 
     def run(self, meta: AttentionMetadata) -> torch.Tensor:
         """Logits (bucket, vocab) of the batch `load` put in; rows past it are padding."""

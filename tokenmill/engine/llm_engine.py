@@ -25,6 +25,8 @@ from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.overlap import OverlapStepper
+from tokenmill.engine.phase_timer import STEP_PHASES, PhaseTimer
 from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
 from tokenmill.engine.rank_model import build_rank_model
 from tokenmill.engine.sampler import Sampler
@@ -38,8 +40,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarCache, LogitsConstraints
 
 logger = logging.getLogger(__name__)
-
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
 
 
 class RequestError(ValueError):
@@ -68,6 +68,9 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
+    # --async-scheduling: steps during which the next one was scheduled (the rest
+    # ran synchronously: see engine/overlap.py for when)
+    num_async_steps: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0
     spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
@@ -189,6 +192,13 @@ class LLMEngine:
 
             self.speculator = build_speculator(config, self.runner, self.block_manager,
                                                self.max_model_len, loaded.dtype)
+        self.overlap: OverlapStepper | None = None
+        if config.async_scheduling:
+            if self.speculator is not None:  # drafts need the host's accepted tokens
+                logger.warning("--async-scheduling is off with speculative decoding: "
+                               "every step runs synchronously")
+            else:
+                self.overlap = OverlapStepper(self)
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, _Request] = {}  # constrained requests waiting for a grammar
         # seq_id of a request's first sample -> its prompt logprobs so far
@@ -356,7 +366,12 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        timer = _PhaseTimer(self.stats.time_s)
+        """One engine step: the outputs of the requests it advanced. Under async
+        scheduling (engine/overlap.py) the outputs are those of the step before,
+        learnt while this one ran."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        timer = PhaseTimer(self.stats.time_s)
         failed = self._admit_compiled() if self._compiling else []
         with timer("schedule"):
             batch = self.scheduler.schedule()
@@ -414,6 +429,14 @@ class LLMEngine:
 
     def _postprocess(self, batch, emitted: list[tuple[Sequence, list[int], list]]
                      ) -> list[RequestOutput]:
+        touched = self._append(emitted)
+        if self.speculator is not None:  # rejected drafts' KV slots go back
+            self.speculator.rollback(batch)
+        self.scheduler.finish_step(batch)
+        return self._outputs(touched)
+
+    def _append(self, emitted: list[tuple[Sequence, list[int], list]]) -> dict[str, _Request]:
+        """Append each sampled token, detokenize, check stops; the requests touched."""
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for seq, token_ids, token_logprobs in emitted:
@@ -437,9 +460,10 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
-        if self.speculator is not None:  # rejected drafts' KV slots go back
-            self.speculator.rollback(batch)
-        self.scheduler.finish_step(batch)
+        return touched
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+        """Siblings admitted, one output per touched request, finished ones dropped."""
         for req in touched.values():
             if req.pending_siblings:
                 self._add_siblings(req)
@@ -499,6 +523,8 @@ class LLMEngine:
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
             self.kv_events = None
+        if getattr(self, "overlap", None) is not None:
+            self.overlap.close()
         if getattr(self, "workers", None) is not None:
             self.workers.close()
             self.workers = None
@@ -530,19 +556,3 @@ class LLMEngine:
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=max_tokens)
-
-
-class _PhaseTimer:
-    def __init__(self, totals: dict[str, float]) -> None:
-        self.totals = totals
-        self.phase = ""
-
-    def __call__(self, phase: str) -> _PhaseTimer:
-        self.phase = phase
-        return self
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.totals[self.phase] += time.perf_counter() - self.t0

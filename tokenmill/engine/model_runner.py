@@ -9,19 +9,27 @@ sample this step. The attention backend is chosen once, here, at start-up.
 
 Under tensor parallelism rank 0 lays the step out (`layout`: plain lists) and
 broadcasts it (`driver`, tokenmill/distributed/worker_group.py) as it runs it;
-every worker rank builds the same tensors from it (`build`) and runs the same
-forward on its shard of the model (`run_step`).
+every worker rank stages and uploads the same ints (`run_step`) and runs the same
+forward on its shard of the model.
 
 Decode-only steps go through `DecodeGraphs` (engine/cuda_graph.py) when the
 backend can run a padded batch: static buffers, one bucket per batch size, a
 CUDA graph per bucket on CUDA (unless enforce_eager), the same closure run
 eagerly elsewhere. Prefill and mixed steps always run eagerly.
+
+`prepare` is two halves: `stage` writes the step's ints on the host into a
+double-buffered staging buffer (engine/staging.py) and touches no device tensor;
+`upload` copies them to the device in one copy and builds the metadata. Async
+scheduling (engine/overlap.py) stages step N+1 on a helper thread while step N
+runs, and `upload` then fills the input ids of tokens still on the device from
+the previous step's sampled ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -32,15 +40,9 @@ from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dty
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.cuda_graph import DecodeGraphs
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from tokenmill.engine.staging import HostStaging
 from tokenmill.kvcache.pool import KVPool
-
-
-class Scheduled(Protocol):
-    seq: Sequence
-    num_new_tokens: int
-    sample: bool
-    num_draft_tokens: int
 
 
 @dataclass
@@ -59,6 +61,33 @@ class StepInputs:
     # every row whose logits the forward computes (sampling rows + prompt-logprob
     # rows), set when rank 0 runs it
     forward_rows: list[int] | None = None
+    # async scheduling: rows of input_ids (dst) filled on the device from the previous
+    # step's sampled ids (src); never under tensor parallelism (rank 0 alone samples)
+    placeholder_dst: list[int] = field(default_factory=list)
+    placeholder_src: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StagedBatch:
+    """A step's ints in a staging buffer (ModelRunner.stage), not yet on the device."""
+
+    host: torch.Tensor  # int64 view of a HostStaging buffer
+    num_tokens: int
+    width: int  # block-table columns (eager layout)
+    query_lens: list[int]
+    seq_lens: list[int]
+    logit_rows: list[int]
+    fresh: list[int]  # never-used blocks to zero before the step writes them
+    graphed: bool  # DecodeGraphs' layout, for its static buffers
+    num_placeholders: int  # input ids that come from the previous step's samples
+    inputs: StepInputs  # the same step as plain lists (what tensor parallelism broadcasts)
+
+
+class Scheduled(Protocol):
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool
+    num_draft_tokens: int
 
 
 class ModelRunner:
@@ -89,6 +118,11 @@ class ModelRunner:
                            config.head_dim, kv_dtype, device, kv_format=kv_format)
         self.pool.attach(layers)
         self.kv_caches = self.pool.kv_caches
+        # double-buffered: async scheduling writes step N+1's ints while step N runs
+        # sized for a full decode batch (ids, positions, slots, seq_lens, a block-table
+        # row and two placeholder indices per sequence); a larger step grows it once
+        max_blocks = -(-max_model_len // block_size)
+        self.staging = HostStaging(max(max_num_seqs, 1) * (6 + max_blocks), device)
         self.graphs: DecodeGraphs | None = None
         if (max_num_seqs and not enforce_eager and self.backend.supports_padded_decode
                 and self.pool.fresh is None):
@@ -113,14 +147,21 @@ class ModelRunner:
         """Flat input ids, positions, attention metadata, and the row of each
         sampling sequence's last token in the flat batch (and of the token
         before each of its draft tokens)."""
-        inputs = self.layout(batch)
-        ids, pos, meta, rows = self.build(inputs)
-        if self.driver is not None:
-            self._last_step = (meta, inputs)
-        return ids, pos, meta, rows
+        return self.upload(self.stage(batch))
 
-    def layout(self, batch: Seq[Scheduled]) -> StepInputs:
-        """The step as plain lists (no tensors, no state changed)."""
+    def stage(self, batch: Seq[Scheduled],
+              placeholder_rows: Mapping[int, int] | None = None) -> StagedBatch:
+        """The host half of `prepare`: the step's ints, written into a staging
+        buffer. Touches no device tensor, so async scheduling runs it while the
+        previous step computes. `placeholder_rows`: seq_id -> the row, in the
+        previous step's sampled ids, of the token that sequence is still waiting
+        for (its last token id is PLACEHOLDER_TOKEN_ID)."""
+        return self.stage_inputs(self.layout(batch, placeholder_rows))
+
+    def layout(self, batch: Seq[Scheduled],
+               placeholder_rows: Mapping[int, int] | None = None) -> StepInputs:
+        """The step as plain lists (no tensors). The never-used blocks it writes are
+        claimed here (no longer fresh) and zeroed by `upload` before the step runs."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -130,17 +171,27 @@ class ModelRunner:
         query_lens: list[int] = []
         logit_rows: list[int] = []
         fresh: list[int] = []
+        dst: list[int] = []  # rows of input_ids that the previous step's samples fill
+        src: list[int] = []
         is_fresh = self.pool.fresh  # None: the backend needs no zeroed blocks
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
+            if end == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                if placeholder_rows is None or seq.seq_id not in placeholder_rows:
+                    raise RuntimeError(f"{seq!r} waits for a sampled token no step provides")
+                dst.append(len(input_ids) + n - 1)
+                src.append(placeholder_rows[seq.seq_id])
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if is_fresh is not None:
-                fresh.extend(b for b in table[start // bs:(end - 1) // bs + 1] if is_fresh[b])
+                for b in table[start // bs:(end - 1) // bs + 1]:
+                    if is_fresh[b]:  # claimed now, zeroed by `upload` before the step runs
+                        is_fresh[b] = 0
+                        fresh.append(b)
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
@@ -148,49 +199,91 @@ class ModelRunner:
                 logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
                                         query_start[-1]))
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, query_lens,
-                          [item.seq.block_table for item in batch], sorted(set(fresh)),
-                          logit_rows)
+                          [item.seq.block_table for item in batch], fresh, logit_rows,
+                          placeholder_dst=dst, placeholder_src=src)
 
-    def build(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor,
-                                                 AttentionMetadata, list[int]]:
-        """The step's tensors and metadata (zeroing the blocks it uses first)."""
-        if inputs.fresh_blocks:
-            self.pool.zero_blocks(inputs.fresh_blocks)
-        input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
-        seq_lens, query_lens, logit_rows = inputs.seq_lens, inputs.query_lens, inputs.logit_rows
+    def stage_inputs(self, inputs: StepInputs) -> StagedBatch:
+        """A laid-out step's ints, written into a staging buffer."""
+        input_ids, seq_lens, logit_rows = inputs.input_ids, inputs.seq_lens, inputs.logit_rows
+        tables_of = inputs.block_tables
         num_seqs = len(seq_lens)
-        if (self.graphs is not None and len(input_ids) == num_seqs == len(logit_rows)
-                and self.graphs.bucket_for(num_seqs) is not None):
-            # decode only: every sequence runs and samples one token
-            meta = self.graphs.load(input_ids, positions, slots, seq_lens, inputs.block_tables)
+        dst, src = inputs.placeholder_dst, inputs.placeholder_src
+        graphed = (self.graphs is not None and len(input_ids) == num_seqs == len(logit_rows)
+                   and self.graphs.bucket_for(num_seqs) is not None)
+        if graphed:  # decode only: every sequence runs and samples one token
+            assert self.graphs is not None
+            flat = self.graphs.stage_rows(input_ids, inputs.positions, inputs.slots, seq_lens,
+                                          tables_of)
+            width = 0
+        else:
+            width = max((len(t) for t in tables_of), default=0)
+            tables = [x for t in tables_of for x in (*t, *[0] * (width - len(t)))]
+            flat = [*input_ids, *inputs.positions, *inputs.slots, *inputs.query_start,
+                    *seq_lens, *tables]
+        host = self.staging.acquire(len(flat) + 2 * len(dst))
+        host.copy_(torch.tensor([*flat, *dst, *src], dtype=torch.int64))
+        return StagedBatch(host, len(input_ids), width, inputs.query_lens, seq_lens,
+                           logit_rows, inputs.fresh_blocks, graphed, len(dst), inputs)
+
+    def upload(self, staged: StagedBatch, previous: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The device half of `prepare`, on the thread that runs the model: one copy of
+        the staged ints to the device; placeholder ids gathered from `previous`,
+        the previous step's sampled ids (N,) on the device, with no host round trip."""
+        if staged.fresh:
+            self.pool.zero_blocks(staged.fresh)
+        dev = self.staging.upload(staged.host)
+        p = staged.num_placeholders
+        patch = None
+        if p:
+            if previous is None:
+                raise RuntimeError("a staged batch waits for sampled tokens but no "
+                                   "previous step's samples were given")
+            dst, src = dev[-2 * p:-p], dev[-p:]
+            patch = dst, previous.index_select(0, src)
+        t, n, bs = staged.num_tokens, len(staged.seq_lens), self.block_size
+        if staged.graphed:
+            assert self.graphs is not None
+            meta = self.graphs.fill(dev, n, max(staged.seq_lens))
+            self._record(meta, staged)
+            b = meta.num_seqs
+            if patch is not None:
+                self.graphs.input_ids.index_copy_(0, *patch)
             # the padded bucket's ids and positions, so that a caller running the model
             # itself over this metadata (speculative/layerskip.py) sees matching shapes
-            b = meta.num_seqs
-            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, logit_rows
-        max_blocks = max((len(t) for t in inputs.block_tables), default=0)
-        tables = [t + [0] * (max_blocks - len(t)) for t in inputs.block_tables]
-        query_start = inputs.query_start
-        bs = self.block_size
-        dev = self.device
+            return self.graphs.input_ids[:b], self.graphs.positions[:b], meta, \
+                staged.logit_rows
+        ids, pos, slots = dev[:t], dev[t:2 * t], dev[2 * t:3 * t]
+        o = 3 * t
+        query_start = dev[o:o + n + 1]
+        seq_lens = dev[o + n + 1:o + 2 * n + 1]
+        tables = dev[o + 2 * n + 1:o + 2 * n + 1 + n * staged.width].view(n, staged.width)
+        if patch is not None:
+            ids.index_copy_(0, *patch)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slots,
+            query_start_loc=query_start.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32),
             block_size=bs,
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
+            max_query_len=max(staged.query_lens, default=0),
+            max_seq_len=max(staged.seq_lens, default=0),
+            query_lens_list=staged.query_lens,
+            seq_lens_list=staged.seq_lens,
         )
         meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logit_rows
+        self._record(meta, staged)
+        return ids, pos, meta, staged.logit_rows
+
+    def _record(self, meta: AttentionMetadata, staged: StagedBatch) -> None:
+        if self.driver is not None:  # rank 0: `forward` broadcasts this step
+            if staged.num_placeholders:
+                raise RuntimeError("async scheduling cannot run under tensor parallelism")
+            self._last_step = (meta, staged.inputs)
 
     def run_step(self, inputs: StepInputs) -> None:
         """A tensor-parallel worker's step: rank 0's layout, this rank's shard."""
-        ids, pos, meta, _ = self.build(inputs)
+        ids, pos, meta, _ = self.upload(self.stage_inputs(inputs))
         self.forward(ids, pos, meta, inputs.forward_rows or [])
 
     @torch.inference_mode()

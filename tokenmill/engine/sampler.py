@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.staging import HostCopy
 from tokenmill.sampling_params import SamplingParams
 
 # A draw needs a cumulative sum over the vocabulary; doing it in two levels
@@ -37,6 +38,32 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: None, or {token id: Logprob} with the chosen token and the top-k
     logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class SamplingPlan:
+    """The host side of one step's sampling, fixed before the step runs."""
+
+    params: list[SamplingParams]
+    blocked: list[tuple[int, list[int]]]  # (row, token ids) min_tokens forbids
+    penalized: list[int]  # rows with repetition / frequency / presence penalties
+    greedy: bool  # every row is a plain argmax
+    uniforms: torch.Tensor | None  # (N,) one U[0, 1) per row; None if all rows are greedy
+
+
+@dataclass
+class SampledBatch:
+    """One step's samples where the logits are: `token_ids` (N,) int64 feeds the next
+    step's inputs on the device; `packed` is what `Sampler.fetch` copies to the host."""
+
+    token_ids: torch.Tensor
+    packed: torch.Tensor  # (N, 1 [+ 2 + 2k]) float64: ids [, chosen logprob, rank, top k]
+    num_logprobs: list[int | None]
+    host_copy: HostCopy | None = None  # `start_host_copy`: queued, not yet waited for
+
+    def start_host_copy(self) -> None:
+        """Queue the copy `Sampler.fetch` reads, right behind this step's work."""
+        self.host_copy = HostCopy(self.packed)
 
 
 class Constraints(Protocol):
@@ -63,24 +90,44 @@ class Sampler:
         self.constraints = constraints
 
     def __call__(self, logits: torch.Tensor, seqs: SequenceLike[Sequence]) -> SamplerOutput:
+        return self.fetch(self.sample(logits, seqs, self.plan(seqs)))
+
+    def plan(self, seqs: SequenceLike[Sequence]) -> SamplingPlan:
+        """What sampling these rows reads from the host: taken before the step runs,
+        so that the sequences may change (async scheduling) while it does."""
+        params = [s.sampling_params for s in seqs]
+        blocked = self._blocked_stop_ids(seqs)
+        penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
+        greedy = all(p.greedy for p in params) and not penalized and not blocked
+        uniforms = None if all(p.greedy for p in params) else self._uniforms(seqs)
+        return SamplingPlan(params, blocked, penalized, greedy, uniforms)
+
+    def sample(self, logits: torch.Tensor, seqs: SequenceLike[Sequence],
+               plan: SamplingPlan) -> SampledBatch:
+        """The chosen ids (and requested logprobs) where the logits are; no host copy.
+        Reads from `seqs` only what constraints and penalties need (async
+        scheduling runs the rows that have them synchronously)."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         logits = logits.float()  # (N, V)
-        params = [s.sampling_params for s in seqs]
-        num_logprobs = [p.logprobs for p in params]
+        num_logprobs = [p.logprobs for p in plan.params]
         raw_logprobs = None
         if any(k is not None for k in num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
         if self.constraints is not None:
             logits = self.constraints.apply(logits, seqs)
-
-        blocked = self._blocked_stop_ids(seqs)
-        penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
-        if all(p.greedy for p in params) and not penalized and not blocked:
+        if plan.greedy:
             token_ids = logits.argmax(dim=-1)  # (N,)
         else:
-            token_ids = self._sample(logits, seqs, blocked, penalized)
+            token_ids = self._sample(logits, seqs, plan)
+        return SampledBatch(token_ids, _pack(token_ids, raw_logprobs, num_logprobs),
+                            num_logprobs)
 
-        token_list, logprobs = _fetch(token_ids, raw_logprobs, num_logprobs)
+    @staticmethod
+    def fetch(sampled: SampledBatch) -> SamplerOutput:
+        """The one device-to-host copy of a step."""
+        host = (sampled.host_copy.result() if sampled.host_copy is not None
+                else sampled.packed.cpu())
+        token_list, logprobs = _unpack(host.tolist(), sampled.num_logprobs)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     def _blocked_stop_ids(self, seqs: SequenceLike[Sequence]) -> list[tuple[int, list[int]]]:
@@ -97,16 +144,11 @@ class Sampler:
                 blocked.append((row, ids))
         return blocked
 
-    def _sample(
-        self,
-        logits: torch.Tensor,  # (N, V)
-        seqs: SequenceLike[Sequence],
-        blocked: list[tuple[int, list[int]]],
-        penalized: list[int],
-    ) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: SequenceLike[Sequence],  # (N, V)
+                plan: SamplingPlan) -> torch.Tensor:
         vocab = logits.shape[1]
         device = logits.device
-        params = [s.sampling_params for s in seqs]
+        params, blocked, penalized = plan.params, plan.blocked, plan.penalized
         if blocked or penalized:
             logits = logits.clone()  # the caller's logits stay untouched
         if blocked:
@@ -134,7 +176,8 @@ class Sampler:
         if top_p_rows:
             _apply_top_p(scaled, top_p_rows, [params[i].top_p for i in top_p_rows])
 
-        sampled = _inverse_cdf_draw(torch.softmax(scaled, dim=-1), self._uniforms(seqs))
+        assert plan.uniforms is not None
+        sampled = _inverse_cdf_draw(torch.softmax(scaled, dim=-1), plan.uniforms)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
@@ -252,29 +295,37 @@ def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return (block * _CDF_BLOCK + offset)[:, 0]
 
 
-def _fetch(
+def _pack(
     token_ids: torch.Tensor,  # (N,) where the logits are
     logprobs: torch.Tensor | None,  # (N, V) log_softmax of the raw logits, or None
     num_logprobs: list[int | None],
-) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-    """The chosen ids and the requested logprobs, brought to the host in one copy:
-    everything is computed where the logits are and packed into one float64
-    tensor (token ids < 2^53 stay exact)."""
-    n = token_ids.shape[0]
+) -> torch.Tensor:
+    """The chosen ids and the requested logprobs in one float64 tensor (N, C), computed
+    where the logits are, so that one copy brings them to the host (ids < 2^53 stay
+    exact)."""
     cols = [token_ids.double()[:, None]]  # (N, 1)
-    k_max = 0
     if logprobs is not None:
         chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
         ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # (N, 1)
         cols += [chosen.double(), ranks.double()]
-        k_max = min(max(k for k in num_logprobs if k is not None), logprobs.shape[1])
+        k_max = _k_max(num_logprobs, logprobs.shape[1])
         if k_max > 0:
             top = logprobs.topk(k_max, dim=-1)  # (N, k_max) each
             cols += [top.values.double(), top.indices.double()]
-    host = torch.cat(cols, dim=1).cpu().tolist()  # the one device-to-host copy of a step
+    return torch.cat(cols, dim=1)
+
+
+def _k_max(num_logprobs: list[int | None], vocab: int) -> int:
+    return min(max((k for k in num_logprobs if k is not None), default=0), vocab)
+
+
+def _unpack(host: list[list[float]], num_logprobs: list[int | None]
+            ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """`_pack`'s rows, on the host, as token ids and logprobs entries."""
     token_list = [int(row[0]) for row in host]
-    if logprobs is None:
-        return token_list, [None] * n
+    if all(k is None for k in num_logprobs):
+        return token_list, [None] * len(host)
+    k_max = (len(host[0]) - 3) // 2 if host else 0
     out: list[dict[int, Logprob] | None] = []
     for row, k, tok in zip(host, num_logprobs, token_list):
         if k is None:
@@ -286,6 +337,16 @@ def _fetch(
             entry.setdefault(int(tid), Logprob(logprob=val, rank=i + 1))
         out.append(entry)
     return token_list, out
+
+
+def _fetch(
+    token_ids: torch.Tensor,  # (N,) where the logits are
+    logprobs: torch.Tensor | None,  # (N, V) log_softmax of the raw logits, or None
+    num_logprobs: list[int | None],
+) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """The chosen ids and the requested logprobs, brought to the host in one copy."""
+    host = _pack(token_ids, logprobs, num_logprobs).cpu().tolist()
+    return _unpack(host, num_logprobs)
 
 
 def _gather_logprobs(

@@ -102,6 +102,18 @@ class Scheduler:
                 seq.finish("abort")
         return aborted
 
+    def retire(self, seqs: list[Sequence]) -> None:
+        """Free and drop finished sequences now, running or (preempted) waiting:
+        async scheduling learns that a sequence finished after the next step,
+        which still computes it, was scheduled. Their rows of that step are then
+        skipped by `finish_step`, as an abort's are."""
+        done = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in done]
+        if any(id(s) in done for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if id(s) not in done)
+        for seq in seqs:
+            self.block_manager.free(seq)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

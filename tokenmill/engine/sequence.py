@@ -19,6 +19,9 @@ class SequenceStatus(enum.Enum):
 
 _seq_counter = itertools.count()
 
+# async scheduling: a sampled token whose id is still on the device (never a real id)
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class Sequence:
     """A prompt plus the tokens generated so far.

@@ -11,6 +11,10 @@ At larger batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
 (benchmarks/linear_kernels.py), so a quantized linear may also hold a dense
 weight (dense.py: packed for oneDNN) and use it for inputs of at least
 `dense_min_rows` rows.
+
+`Int4Linear(activations="int8")` runs instead on tokenmill/kernels/q4q8_gemv.c:
+the input quantized per block of 32 to int8 on the fly, exact integer dot
+products with the weight's codes (AVX512-VNNI), fp32 scaling (vnni.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant import vnni
 from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
 from tokenmill.quant.dense import DenseWeight
 
@@ -61,22 +67,35 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"dense_min_rows={self.dense_min_rows}")
+                f"dense_min_rows={self.dense_min_rows}"
+                + (f", activations={self.activations}" if hasattr(self, "activations") else ""))
 
 
 class Int4Linear(QuantizedLinear):
     """Group-32 asymmetric int4, w = (q - 8) * scale + zero.
-    `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x]."""
+    `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x].
+    `activations`: "bf16" (torch's kernel) or "int8" (dynamic int8 inputs, vnni.py);
+    where the int8 kernel is not built or has no exact form of the weight, "bf16"
+    (the attribute says which runs)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, input_repeats: int = 1,
                  dense_weight: torch.Tensor | None = None,
-                 dense_min_rows: int | None = None) -> None:
+                 dense_min_rows: int | None = None, activations: str = "bf16") -> None:
         # codes: (N, K * input_repeats) in 0..15; scale, zero: (N, K * input_repeats / 32)
+        if activations not in ("bf16", "int8"):
+            raise ValueError(f"activations must be 'bf16' or 'int8', not {activations!r}")
         out_features, num_codes = codes.shape
         super().__init__(num_codes // input_repeats, out_features, bias, dense_weight,
                          dense_min_rows)
         self.input_repeats = input_repeats
+        repacked = vnni.repack(codes, scale, zero, input_repeats) if activations == "int8" \
+            else None
+        self.activations = "bf16" if repacked is None else "int8"
+        if repacked is not None:
+            self.register_buffer("a8_packed", repacked[0])  # records, see q4q8_gemv.c
+            self.a8_format = repacked[1]
+            return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
@@ -87,6 +106,11 @@ class Int4Linear(QuantizedLinear):
             [scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous())  # (groups, N_pad, 2)
 
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            y = q4q8_gemv.linear(x2d, self.a8_packed, self.out_features, self.a8_format)
+            if y is None:
+                raise RuntimeError("the int8-activation kernel did not take its input")
+            return y
         if self.input_repeats > 1:
             x2d = x2d.repeat(1, self.input_repeats)  # (M, K * input_repeats)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, GROUP_SIZE,
@@ -111,7 +135,8 @@ class Int8Linear(QuantizedLinear):
 
 def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
                      dense_weight: torch.Tensor | None = None,
-                     dense_min_rows: int | None = None) -> Int4Linear:
+                     dense_min_rows: int | None = None, activations: str = "bf16"
+                     ) -> Int4Linear:
     """An Int4Linear from the GGUF blocks of one or several (fused) checkpoint tensors.
 
     shards: the loader's `QuantizedWeight`s (.qtype, .blocks uint8 (rows, bytes_per_row),
@@ -128,7 +153,8 @@ def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
         parts = [p if p[3] == 2 else _q8_form(*p[:3]) for p in parts]
     codes, scale, zero = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
                           for i in range(3))
-    return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows)
+    return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows,
+                      activations)
 
 
 def _q8_form(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor

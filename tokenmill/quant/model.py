@@ -5,6 +5,8 @@ lm_head. Methods:
   none  keep float weights (and drop the GGUF blocks the loader kept)
   gguf  run the GGUF blocks the loader kept (`module.gguf_quantized`) natively:
         Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
+  gguf-a8  the same weights times int8 activations quantized on the fly per block
+        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic)
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
   fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.quant import vnni
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -37,7 +40,7 @@ from tokenmill.quant.codes import (
 from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
-METHODS = ("none", "gguf", "int4", "int8", "fp8")
+METHODS = ("none", "gguf", "gguf-a8", "int4", "int8", "fp8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
 # AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
@@ -96,6 +99,9 @@ def resolve_method(requested: str | None, model: nn.Module,
         if requested not in METHODS:
             raise ValueError(f"unknown quantization {requested!r}; use one of "
                              f"{', '.join(METHODS)}")
+        if requested == "gguf-a8" and not vnni.available():
+            raise ValueError("--quantization gguf-a8: its native kernel "
+                             "(tokenmill/kernels/q4q8_gemv.c) could not be built here")
         if requested == "fp8":
             weight = next(model.parameters())
             reason = fp8_unavailable_reason(weight.device)
@@ -124,12 +130,13 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
     dense = weight if keep_dense else None
     new: QuantizedLinear
-    if method == "gguf":
+    if method in ("gguf", "gguf-a8"):
         shards = _gguf_shards(module)
         if shards is None:
             summary.kept_float[name] = "no Q4_0/Q4_1/Q8_0 blocks from the loader"
             return
-        new = gguf_int4_linear(shards, bias, dense, dense_min_rows)
+        new = gguf_int4_linear(shards, bias, dense, dense_min_rows,
+                               "int8" if method == "gguf-a8" else "bf16")
     elif weight.shape[1] % GROUP_SIZE and method == "int4":
         summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"
         return

@@ -1,0 +1,126 @@
+"""The int8-activation kernel (tokenmill/kernels/q4q8_gemv.c, `--quantization gguf-a8`)
+against float64 references, on the shapes of SmolLM2-135M's linears and ragged rows.
+
+Tolerances, per output element y = sum_k w_k x_k (w the dequantized GGUF weight):
+- kernel vs the same quantized activations xq * dx: products and block sums are exact
+  integers; what is left is fp32 scaling and the sum over <= 48 blocks, so
+  |y - ref| <= 1e-5 (|x_deq| . |w|), plus the bf16 output rounding u |y| (u = 2^-8).
+- vs the bf16 input itself: activation quantization moves each x_k by at most dx/2
+  (round to nearest), so additionally |dy| <= sum_k dx_k / 2 |w_k|.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant import Int4Linear, resolve_method, vnni
+from tokenmill.quant.codes import dequantize_int4, int4_codes_from_gguf
+from tokenmill.quant.linear import _q8_form
+
+pytestmark = pytest.mark.skipif(not q4q8_gemv.available(), reason="q4q8_gemv not built")
+
+U_BF16 = 2.0 ** -8
+# (rows N, inputs K): fused qkv, o_proj, gate_up, down, and an LM head cut to 4096 rows
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576)]
+RAGGED_ROWS = [1, 2, 3, 7]
+
+
+def _weights(qtype, n, k, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    blocks = torch.from_numpy(gguf.quants.quantize(w, qtype))
+    codes, scale, zero, repeats = int4_codes_from_gguf(blocks, qtype, (n, k))
+    return codes, scale, zero, repeats, dequantize_int4(codes, scale, zero, repeats).double()
+
+
+def _dequantized_input(x):
+    q, d, _ = q4q8_gemv.quantize(x)
+    m, k = x.shape
+    return (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k), d
+
+
+@pytest.mark.parametrize("rows", RAGGED_ROWS)
+def test_activation_quantization_is_round_to_nearest_per_block(rows):
+    x = (3 * torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))).bfloat16()
+    q, d, total = q4q8_gemv.quantize(x)
+    blocks = x.float().reshape(rows, -1, 32)
+    # d = max|x| / 127 to the last bit (-ffast-math may multiply by 1/127 instead)
+    torch.testing.assert_close(d, blocks.abs().amax(-1) / 127, rtol=2.5e-7, atol=0)
+    expected = (blocks / d[..., None]).round().clamp(-127, 127)
+    # x * (1 / d) vs x / d may differ in the last bit, which moves a tie: never more than 1
+    diff = (q.float().reshape(rows, -1, 32) - expected).abs()
+    assert diff.max() <= 1 and diff.mean() < 1e-3
+    assert torch.equal(total, q.reshape(rows, -1, 32).sum(-1, dtype=torch.int32))
+    zeros = q4q8_gemv.quantize(torch.zeros(1, 64, dtype=torch.bfloat16))
+    assert zeros is not None and not zeros[0].any() and not zeros[1].any()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + [(100, 64)], ids=str)
+def test_kernel_matches_the_dequantized_weight_on_the_same_int8_inputs(qtype, n, k):
+    codes, scale, zero, repeats, w = _weights(qtype, n, k)
+    packed, fmt = vnni.repack(codes, scale, zero, repeats)
+    assert fmt == (q4q8_gemv.FORMAT_Q8 if qtype == Q.Q8_0 else q4q8_gemv.FORMAT_Q4)
+    for rows in RAGGED_ROWS:
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        xd, _ = _dequantized_input(x)
+        ref = xd @ w.T
+        bound = 1e-5 * (xd.abs() @ w.abs().T) + 1e-30
+        y32 = q4q8_gemv.linear(x, packed, n, fmt, torch.float32)
+        assert y32 is not None and y32.shape == (rows, n)
+        assert ((y32.double() - ref).abs() <= bound).all()
+        y16 = q4q8_gemv.linear(x, packed, n, fmt)
+        assert y16.dtype == torch.bfloat16
+        assert ((y16.double() - ref).abs() <= bound + U_BF16 * ref.abs()).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", RAGGED_ROWS)
+def test_int4_linear_with_int8_activations_is_within_the_quantization_bound(qtype, rows):
+    n, k = 960, 576
+    codes, scale, zero, repeats, w = _weights(qtype, n, k, seed=2)
+    linear = Int4Linear(codes, scale, zero, input_repeats=repeats, activations="int8")
+    assert linear.activations == "int8" and not hasattr(linear, "packed")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    y = linear(x)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    exact = x.double() @ w.T
+    _, d = _dequantized_input(x)
+    half_step = (d.double() / 2).repeat_interleave(32, dim=1)  # (rows, K)
+    bound = (half_step @ w.abs().T) * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T) \
+        + U_BF16 * y.double().abs()
+    assert ((y.double() - exact).abs() <= bound).all()
+    # and the result is what the bf16-activation kernel gives, to a few per mille
+    bf16 = Int4Linear(codes, scale, zero, input_repeats=repeats)(x)
+    assert float((y.double() - bf16.double()).norm() / bf16.double().norm()) < 0.02
+
+
+def test_weights_with_no_exact_int8_form_keep_the_bf16_kernel():
+    # Q4_1 rows in the Q8_0 form (fused with Q8_0 shards) have an offset per block
+    codes, scale, zero, _, _ = _weights(Q.Q4_1, 32, 64)
+    fused = _q8_form(codes, scale, zero)
+    assert vnni.repack(*fused) is None
+    linear = Int4Linear(*fused[:3], input_repeats=2, activations="int8")
+    assert linear.activations == "bf16"
+    with pytest.raises(ValueError, match="activations"):
+        Int4Linear(codes, scale, zero, activations="int4")
+
+
+def test_kernel_refuses_inputs_it_does_not_take():
+    codes, scale, zero, repeats, _ = _weights(Q.Q4_1, 32, 64)
+    packed, fmt = vnni.repack(codes, scale, zero, repeats)
+    x = torch.randn(2, 64)
+    assert q4q8_gemv.linear(x, packed, 32, fmt) is None  # fp32 input
+    assert q4q8_gemv.linear(x.bfloat16().t().contiguous().t(), packed, 32, fmt) is None
+    assert q4q8_gemv.linear(x.bfloat16(), packed, 48, fmt) is None  # wrong weight size
+    assert q4q8_gemv.linear(x.bfloat16(), packed, 32, fmt, torch.float16) is None
+
+
+def test_gguf_a8_needs_its_kernel(monkeypatch):
+    model = torch.nn.Linear(64, 32)
+    monkeypatch.setattr(vnni, "available", lambda: False)
+    with pytest.raises(ValueError, match="gguf-a8"):
+        resolve_method("gguf-a8", model)

@@ -1,0 +1,66 @@
+"""Low-bit GGUF weights times dynamically quantized int8 activations (q4q8_gemv.c).
+
+`linear` returns None when the kernel is not built or does not take the tensors;
+the caller then keeps its bf16-activation path. `has_vnni` says whether the build
+runs AVX512-VNNI (otherwise a plain C loop with the same arithmetic, far slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenmill.kernels.build import Library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_lib = Library("q4q8_gemv", {
+    "tm_q4q8_has_vnni": ([], _I64),
+    "tm_q8_quantize_bf16": ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64], _I64),
+})
+
+FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
+ROWS = 16  # output rows per repacked group
+RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544}  # per group of 16 rows and block of 32
+
+
+def available() -> bool:
+    return _lib.get("tm_q4q8_linear") is not None
+
+
+def has_vnni() -> bool:
+    fn = _lib.get("tm_q4q8_has_vnni")
+    return fn is not None and bool(fn())
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """x (M, K) bf16 -> (q int8 (M, K), d fp32 (M, K / 32), sum int32 (M, K / 32)),
+    the activations exactly as `linear` quantizes them; None if not built."""
+    fn = _lib.get("tm_q8_quantize_bf16")
+    if fn is None:
+        return None
+    x = x.to(torch.bfloat16).contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    d, s = (torch.empty((m, k // 32)) for _ in range(2))
+    total = torch.empty((m, k // 32), dtype=torch.int32)
+    fn(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
+    return q, d, total
+
+
+def linear(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """x2d (M, K) bf16 contiguous times a weight repacked by tokenmill.quant.vnni
+    -> (M, out_features) in out_dtype (bf16 or fp32); None if not taken."""
+    fn = _lib.get("tm_q4q8_linear")
+    m, k = x2d.shape
+    if (fn is None or x2d.dtype != torch.bfloat16 or not x2d.is_contiguous()
+            or x2d.device.type != "cpu" or k % 32
+            or out_dtype not in (torch.bfloat16, torch.float32)
+            or packed.numel() != -(-out_features // ROWS) * (k // 32) * RECORD_BYTES[fmt]):
+        return None
+    y = torch.empty((m, out_features), dtype=out_dtype)
+    rc = fn(x2d.data_ptr(), m, k, packed.data_ptr(), out_features, fmt, y.data_ptr(),
+            out_dtype == torch.float32, torch.get_num_threads())
+    return y if rc == 0 else None

@@ -1,5 +1,6 @@
-"""The int8-activation kernel (tokenmill/kernels/q4q8_gemv.c, `--quantization gguf-a8`)
-against float64 references, on the shapes of SmolLM2-135M's linears and ragged rows.
+"""The int8/int16-activation kernel (tokenmill/kernels/q4q8_gemv.c, `--quantization
+gguf-a8` / `gguf-a16`) against float64 references, on the shapes of SmolLM2-135M's
+linears and ragged rows.
 
 Tolerances, per output element y = sum_k w_k x_k (w the dequantized GGUF weight):
 - kernel vs the same quantized activations xq * dx: products and block sums are exact
@@ -36,66 +37,74 @@ def _weights(qtype, n, k, seed=0):
     return codes, scale, zero, repeats, dequantize_int4(codes, scale, zero, repeats).double()
 
 
-def _dequantized_input(x):
-    q, d, _ = q4q8_gemv.quantize(x)
+def _dequantized_input(x, bits):
+    q, d, _ = q4q8_gemv.quantize(x, bits)
     m, k = x.shape
     return (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k), d
 
 
+@pytest.mark.parametrize(("bits", "vmax"), [(8, 127), (16, 32512)])
 @pytest.mark.parametrize("rows", RAGGED_ROWS)
-def test_activation_quantization_is_round_to_nearest_per_block(rows):
+def test_activation_quantization_is_round_to_nearest_per_block(rows, bits, vmax):
     x = (3 * torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))).bfloat16()
-    q, d, total = q4q8_gemv.quantize(x)
+    q, d, total = q4q8_gemv.quantize(x, bits)
     blocks = x.float().reshape(rows, -1, 32)
-    # d = max|x| / 127 to the last bit (-ffast-math may multiply by 1/127 instead)
-    torch.testing.assert_close(d, blocks.abs().amax(-1) / 127, rtol=2.5e-7, atol=0)
-    expected = (blocks / d[..., None]).round().clamp(-127, 127)
+    # d = max|x| / vmax to the last bit (-ffast-math may multiply by 1 / vmax instead)
+    torch.testing.assert_close(d, blocks.abs().amax(-1) / vmax, rtol=2.5e-7, atol=0)
+    expected = (blocks / d[..., None]).round().clamp(-vmax, vmax)
     # x * (1 / d) vs x / d may differ in the last bit, which moves a tie: never more than 1
     diff = (q.float().reshape(rows, -1, 32) - expected).abs()
     assert diff.max() <= 1 and diff.mean() < 1e-3
     assert torch.equal(total, q.reshape(rows, -1, 32).sum(-1, dtype=torch.int32))
-    zeros = q4q8_gemv.quantize(torch.zeros(1, 64, dtype=torch.bfloat16))
+    zeros = q4q8_gemv.quantize(torch.zeros(1, 64, dtype=torch.bfloat16), bits)
     assert zeros is not None and not zeros[0].any() and not zeros[1].any()
 
 
+@pytest.mark.parametrize("bits", q4q8_gemv.BITS)
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + [(100, 64)], ids=str)
-def test_kernel_matches_the_dequantized_weight_on_the_same_int8_inputs(qtype, n, k):
+def test_kernel_matches_the_dequantized_weight_on_the_same_quantized_inputs(qtype, n, k,
+                                                                           bits):
     codes, scale, zero, repeats, w = _weights(qtype, n, k)
     packed, fmt = vnni.repack(codes, scale, zero, repeats)
     assert fmt == (q4q8_gemv.FORMAT_Q8 if qtype == Q.Q8_0 else q4q8_gemv.FORMAT_Q4)
     for rows in RAGGED_ROWS:
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        xd, _ = _dequantized_input(x)
+        xd, _ = _dequantized_input(x, bits)
         ref = xd @ w.T
         bound = 1e-5 * (xd.abs() @ w.abs().T) + 1e-30
-        y32 = q4q8_gemv.linear(x, packed, n, fmt, torch.float32)
+        y32 = q4q8_gemv.linear(x, packed, n, fmt, torch.float32, bits)
         assert y32 is not None and y32.shape == (rows, n)
         assert ((y32.double() - ref).abs() <= bound).all()
-        y16 = q4q8_gemv.linear(x, packed, n, fmt)
+        y16 = q4q8_gemv.linear(x, packed, n, fmt, bits=bits)
         assert y16.dtype == torch.bfloat16
         assert ((y16.double() - ref).abs() <= bound + U_BF16 * ref.abs()).all()
 
 
+@pytest.mark.parametrize(("activations", "bits"), [("int8", 8), ("int16", 16)])
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", RAGGED_ROWS)
-def test_int4_linear_with_int8_activations_is_within_the_quantization_bound(qtype, rows):
+def test_int4_linear_with_quantized_activations_is_within_the_bound(qtype, rows, activations,
+                                                                    bits):
     n, k = 960, 576
     codes, scale, zero, repeats, w = _weights(qtype, n, k, seed=2)
-    linear = Int4Linear(codes, scale, zero, input_repeats=repeats, activations="int8")
-    assert linear.activations == "int8" and not hasattr(linear, "packed")
+    linear = Int4Linear(codes, scale, zero, input_repeats=repeats, activations=activations)
+    assert linear.activations == activations and not hasattr(linear, "packed")
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).bfloat16()
     y = linear(x)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     exact = x.double() @ w.T
-    _, d = _dequantized_input(x)
+    _, d = _dequantized_input(x, bits)
     half_step = (d.double() / 2).repeat_interleave(32, dim=1)  # (rows, K)
     bound = (half_step @ w.abs().T) * 1.001 + 1e-5 * (x.double().abs() @ w.abs().T) \
         + U_BF16 * y.double().abs()
     assert ((y.double() - exact).abs() <= bound).all()
-    # and the result is what the bf16-activation kernel gives, to a few per mille
+    # and the result is what the bf16-activation kernel gives: to a few per mille with
+    # int8 inputs, to bf16's output rounding with int16
     bf16 = Int4Linear(codes, scale, zero, input_repeats=repeats)(x)
-    assert float((y.double() - bf16.double()).norm() / bf16.double().norm()) < 0.02
+    rel = float((y.double() - bf16.double()).norm() / bf16.double().norm())
+    assert rel < (0.02 if bits == 8 else 4e-3)
+    assert torch.equal(linear(x.reshape(rows, 1, k)), y.reshape(rows, 1, n))  # 3-D input
 
 
 def test_weights_with_no_exact_int8_form_keep_the_bf16_kernel():

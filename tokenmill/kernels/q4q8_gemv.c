@@ -2,7 +2,10 @@
  * rows of a decode step (what llama.cpp's vec_dot_q4_1_q8_1 / q8_0_q8_0 do).
  *
  * Activations: each row of x (M, K) bf16 is quantized per block of 32 inputs,
- *   xq = round(x / dx), dx = max|x| / 127 (fp32), kept with the block's sum of xq.
+ *   v = round(x / dx), dx = max|x| / vmax (fp32), kept with the block's sum of v:
+ *   8 bits (vmax 127, llama.cpp's Q8 activations) or 16 bits (vmax 32512, stored as
+ *   two int8 planes v = 256 qh + ql, each plane a vpdpbusd pass: twice the integer
+ *   work for an activation error 256x smaller, below bf16's own rounding).
  * Weights, repacked at load (tokenmill/quant/vnni.py) in groups of 16 output rows,
  * one record per (group, block of 32 inputs), records of a group contiguous:
  *   Q4 (Q4_0, Q4_1, int4): w = d * q + m, q in 0..15, record of 320 bytes:
@@ -14,7 +17,7 @@
  *     d[16]: fp16
  * A block's dot product is an exact int32 sum of products (vpdpbusd: unsigned
  * weight bytes times signed activation bytes, 16 rows per instruction), scaled
- * in fp32:  Q4: d dx sum(q xq) + m dx sum(xq);  Q8: d dx (sum((q+128) xq) - 128 sum(xq)).
+ * in fp32:  Q4: d dx sum(q v) + m dx sum(v);  Q8: d dx (sum((q+128) v) - 128 sum(v)).
  * Sums over blocks are fp32 in block order, per row.
  *
  * Without AVX512-VNNI the same arithmetic runs as plain C (exact integer sums, the
@@ -61,11 +64,15 @@ static inline float half_to_f32(uint16_t h) {
     return c.f;
 }
 
-/* Each row of x (M, K) bf16 -> q (M, K) int8, d and s (M, K/32) fp32 with s = d * sum,
- * sum (M, K/32) int32. */
-void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int8_t *q, float *d,
-                         float *s, int32_t *sum) {
+/* Each row of x (M, K) bf16 -> per block of 32: x = dx * v, v an integer, |v| <= vmax:
+ *   bits 8:  vmax 127, v = q (one int8 plane q);
+ *   bits 16: vmax 32512 = 127 * 256, v = 256 qh + ql with qh in -127..127 and ql in
+ *            -128..127 (planes q = qh and q + M * K = ql), so each plane is int8.
+ * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). */
+void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, int8_t *q,
+                         float *d, float *s, int32_t *sum) {
     const int64_t nb = K / QK;
+    const float vmax = bits == 16 ? 32512.0f : 127.0f;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint16_t *xb = x + m * K + b * QK;
@@ -75,14 +82,21 @@ void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int8_t *q, flo
                 const float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
             }
-            const float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            int8_t *qb = q + m * K + b * QK;
+            const float dd = amax / vmax, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int8_t *qh = q + m * K + b * QK, *ql = qh + M * K;
             int32_t total = 0;
             for (int i = 0; i < QK; i++) {
                 float r = nearbyintf(v[i] * id);
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                qb[i] = (int8_t)r;
-                total += qb[i];
+                r = r > vmax ? vmax : (r < -vmax ? -vmax : r);
+                const int32_t vi = (int32_t)r;
+                total += vi;
+                if (bits == 16) {
+                    const int32_t lo = ((vi + 128) & 255) - 128;
+                    qh[i] = (int8_t)((vi - lo) / 256);
+                    ql[i] = (int8_t)lo;
+                } else {
+                    qh[i] = (int8_t)vi;
+                }
             }
             d[m * nb + b] = dd;
             sum[m * nb + b] = total;
@@ -98,11 +112,33 @@ static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every
     return _mm512_set1_epi32(v);
 }
 
+/* The int32 dot products of 16 rows with one activation block: Q4 records. With two
+ * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. */
+static inline __attribute__((always_inline)) __m512i q4_dots(
+    const __m512i *lo, const __m512i *hi, const int8_t *xb, const int8_t *xl, int planes) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], bcast4(xb + 4 * c));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], bcast4(xb + 16 + 4 * c));
+    }
+    __m512i dot = _mm512_add_epi32(s0, s1);
+    if (planes == 2) {
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            t0 = _mm512_dpbusd_epi32(t0, lo[c], bcast4(xl + 4 * c));
+            t1 = _mm512_dpbusd_epi32(t1, hi[c], bcast4(xl + 16 + 4 * c));
+        }
+        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+    }
+    return dot;
+}
+
 /* out[i][r] = row r of the group . activation row i, for i < mr (a constant at each
  * call site, so the loops over i unroll and acc stays in registers). */
 static inline __attribute__((always_inline)) void q4_group(
-    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, const float *d,
-    const float *s, int mr, float *out) {
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    (void)sum;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -118,12 +154,7 @@ static inline __attribute__((always_inline)) void q4_group(
         const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                s0 = _mm512_dpbusd_epi32(s0, lo[c], bcast4(xb + 4 * c));
-                s1 = _mm512_dpbusd_epi32(s1, hi[c], bcast4(xb + 16 + 4 * c));
-            }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            const __m512 dot = _mm512_cvtepi32_ps(q4_dots(lo, hi, xb, xb + plane, planes));
             acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])),
                                      acc[i]);
             acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(s[i * nb + b]), acc[i]);
@@ -132,9 +163,12 @@ static inline __attribute__((always_inline)) void q4_group(
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
 }
 
+/* Q8 records: sum((w + 128) v) - 128 sum(v) = sum(w v); with two planes the first term
+ * is 256 * sum((w + 128) qh) + sum((w + 128) ql), each < 32 * 255 * 128. */
 static inline __attribute__((always_inline)) void q8_group(
-    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, const float *d,
-    const int32_t *sum, int mr, float *out) {
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    (void)s;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -144,21 +178,37 @@ static inline __attribute__((always_inline)) void q8_group(
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
-            __m512i s0 = _mm512_set1_epi32(-128 * sum[i * nb + b]), s1 = _mm512_setzero_si512();
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
             for (int c = 0; c < 8; c += 2) {
                 s0 = _mm512_dpbusd_epi32(s0, w[c], bcast4(xb + 4 * c));
                 s1 = _mm512_dpbusd_epi32(s1, w[c + 1], bcast4(xb + 4 * c + 4));
             }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])),
-                                     acc[i]);
+            __m512i dot = _mm512_add_epi32(s0, s1);
+            if (planes == 2) {
+                const int8_t *xl = xb + plane;
+                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c += 2) {
+                    t0 = _mm512_dpbusd_epi32(t0, w[c], bcast4(xl + 4 * c));
+                    t1 = _mm512_dpbusd_epi32(t1, w[c + 1], bcast4(xl + 4 * c + 4));
+                }
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+            }
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum[i * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])), acc[i]);
         }
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
 }
 #else
+static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {
+    return planes == 2 ? 256 * xb[k] + xb[plane + k] : xb[k];
+}
+
 static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
-                            const float *d, const float *s, int mr, float *out) {
+                            int64_t plane, const float *d, const float *s, const int32_t *sum,
+                            int mr, int planes, float *out) {
+    (void)sum;
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
@@ -169,7 +219,8 @@ static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
                 for (int c = 0; c < 4; c++)
                     for (int j = 0; j < 4; j++) {
                         const uint8_t byte = rec[64 * c + 4 * r + j];
-                        dot += (byte & 15) * xb[4 * c + j] + (byte >> 4) * xb[16 + 4 * c + j];
+                        dot += (byte & 15) * act_value(xb, plane, planes, 4 * c + j)
+                             + (byte >> 4) * act_value(xb, plane, planes, 16 + 4 * c + j);
                     }
                 uint16_t hd, hm;
                 memcpy(&hd, rec + 256 + 2 * r, 2);
@@ -183,7 +234,9 @@ static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
 }
 
 static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
-                            const float *d, const int32_t *sum, int mr, float *out) {
+                            int64_t plane, const float *d, const float *s, const int32_t *sum,
+                            int mr, int planes, float *out) {
+    (void)s;
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
@@ -192,7 +245,8 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
                 const int8_t *xb = q + i * K + b * QK;
                 int32_t dot = -128 * sum[i * nb + b];
                 for (int c = 0; c < 8; c++)
-                    for (int j = 0; j < 4; j++) dot += rec[64 * c + 4 * r + j] * xb[4 * c + j];
+                    for (int j = 0; j < 4; j++)
+                        dot += rec[64 * c + 4 * r + j] * act_value(xb, plane, planes, 4 * c + j);
                 uint16_t hd;
                 memcpy(&hd, rec + 512 + 2 * r, 2);
                 acc = fmaf((float)dot, half_to_f32(hd) * d[i * nb + b], acc);
@@ -203,23 +257,35 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
 }
 #endif
 
+#define TM_GROUP(fn, mr, planes) \
+    fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, out)
+#define TM_ROWS(fn, planes)                                          \
+    switch (mr) {                                                    \
+    case 1: TM_GROUP(fn, 1, planes); break;                          \
+    case 2: TM_GROUP(fn, 2, planes); break;                          \
+    case 3: TM_GROUP(fn, 3, planes); break;                          \
+    default: TM_GROUP(fn, 4, planes); break;                         \
+    }
+
 /* y (M, N) = x (M, K) bf16 times the repacked weight (N rows, K inputs; `format` Q4 or
- * Q8), quantizing x as tm_q8_quantize_bf16 does. y is bf16 (rounded to nearest even),
- * or fp32 when y_f32. Groups of 16 rows are split across OpenMP threads. Returns 0,
- * or -1 when K is not a multiple of 32 or the scratch cannot be allocated. */
+ * Q8), quantizing x as tm_q8_quantize_bf16 does with `bits` 8 or 16. y is bf16 (rounded
+ * to nearest even), or fp32 when y_f32. Groups of 16 rows are split across OpenMP
+ * threads. Returns 0, or -1 when K is not a multiple of 32, bits is neither 8 nor 16, or
+ * the scratch cannot be allocated. */
 int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                       int64_t format, void *y, int64_t y_f32, int64_t num_threads) {
-    if (K % QK || M < 0 || N < 0) return -1;
-    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
+                       int64_t format, int64_t bits, void *y, int64_t y_f32,
+                       int64_t num_threads) {
+    if (K % QK || M < 0 || N < 0 || (bits != 8 && bits != 16)) return -1;
+    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS, plane = M * K;
     const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
-    const size_t qbytes = ((size_t)(M * K) + 63) & ~(size_t)63;
+    const size_t qbytes = ((size_t)(2 * M * K) + 63) & ~(size_t)63;
     const size_t bytes = (qbytes + (size_t)(M * nb) * 12 + 63) & ~(size_t)63;
     char *scratch = aligned_alloc(64, bytes ? bytes : 64);
     if (!scratch) return -1;
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(scratch + qbytes), *s = d + M * nb;
     int32_t *sum = (int32_t *)(s + M * nb);
-    tm_q8_quantize_bf16(x, M, K, q, d, s, sum);
+    tm_q8_quantize_bf16(x, M, K, bits, q, d, s, sum);
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (groups >= PARALLEL_GROUPS && num_threads > 1)
     for (int64_t g = 0; g < groups; g++) {
@@ -231,19 +297,9 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
             const int32_t *summ = sum + m0 * nb;
             float out[MR * ROWS];
             if (format == FMT_Q8) {
-                switch (mr) {
-                case 1: q8_group(wg, nb, K, qm, dm, summ, 1, out); break;
-                case 2: q8_group(wg, nb, K, qm, dm, summ, 2, out); break;
-                case 3: q8_group(wg, nb, K, qm, dm, summ, 3, out); break;
-                default: q8_group(wg, nb, K, qm, dm, summ, 4, out); break;
-                }
+                if (bits == 16) { TM_ROWS(q8_group, 2) } else { TM_ROWS(q8_group, 1) }
             } else {
-                switch (mr) {
-                case 1: q4_group(wg, nb, K, qm, dm, sm, 1, out); break;
-                case 2: q4_group(wg, nb, K, qm, dm, sm, 2, out); break;
-                case 3: q4_group(wg, nb, K, qm, dm, sm, 3, out); break;
-                default: q4_group(wg, nb, K, qm, dm, sm, 4, out); break;
-                }
+                if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
             }
             const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
             for (int64_t i = 0; i < mr; i++) {

@@ -12,9 +12,10 @@ At larger batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
 weight (dense.py: packed for oneDNN) and use it for inputs of at least
 `dense_min_rows` rows.
 
-`Int4Linear(activations="int8")` runs instead on tokenmill/kernels/q4q8_gemv.c:
-the input quantized per block of 32 to int8 on the fly, exact integer dot
-products with the weight's codes (AVX512-VNNI), fp32 scaling (vnni.py).
+`Int4Linear(activations="int8" or "int16")` runs instead on
+tokenmill/kernels/q4q8_gemv.c: the input quantized per block of 32 to int8 (or
+int16, as two int8 planes) on the fly, exact integer dot products with the
+weight's codes (AVX512-VNNI), fp32 scaling (vnni.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tokenmill.quant.dense import DenseWeight
 
 KERNEL_DTYPE = torch.bfloat16
 _N_MULTIPLE = 16  # the int4 pack op needs out_features divisible by 16
+ACTIVATIONS = {"bf16": 16, "int8": 8, "int16": 16}  # Int4Linear's input precisions -> bits
 
 
 class QuantizedLinear(nn.Module):
@@ -74,27 +76,31 @@ class QuantizedLinear(nn.Module):
 class Int4Linear(QuantizedLinear):
     """Group-32 asymmetric int4, w = (q - 8) * scale + zero.
     `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x].
-    `activations`: "bf16" (torch's kernel) or "int8" (dynamic int8 inputs, vnni.py);
-    where the int8 kernel is not built or has no exact form of the weight, "bf16"
-    (the attribute says which runs)."""
+    `activations`: "bf16" (torch's kernel), "int8" or "int16" (dynamically quantized
+    inputs, vnni.py); where that kernel is not built or has no exact form of the
+    weight, "bf16" (the attribute says which runs)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, input_repeats: int = 1,
                  dense_weight: torch.Tensor | None = None,
                  dense_min_rows: int | None = None, activations: str = "bf16") -> None:
         # codes: (N, K * input_repeats) in 0..15; scale, zero: (N, K * input_repeats / 32)
-        if activations not in ("bf16", "int8"):
-            raise ValueError(f"activations must be 'bf16' or 'int8', not {activations!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, "
+                             f"not {activations!r}")
         out_features, num_codes = codes.shape
         super().__init__(num_codes // input_repeats, out_features, bias, dense_weight,
                          dense_min_rows)
         self.input_repeats = input_repeats
-        repacked = vnni.repack(codes, scale, zero, input_repeats) if activations == "int8" \
+        repacked = vnni.repack(codes, scale, zero, input_repeats) if activations != "bf16" \
             else None
-        self.activations = "bf16" if repacked is None else "int8"
+        self.activations = "bf16" if repacked is None else activations
         if repacked is not None:
             self.register_buffer("a8_packed", repacked[0])  # records, see q4q8_gemv.c
             self.a8_format = repacked[1]
+            self.a8_bits = ACTIVATIONS[activations]
+            self._a8 = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
+                                      self.a8_bits)
             return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
@@ -105,9 +111,20 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack(
             [scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous())  # (groups, N_pad, 2)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the decode step's case in as few Python ops as possible: at batch 1 the
+        # wrapper's ops cost as much as the kernel (BENCHMARKS.md "Batch-1 kernels")
+        if (self.activations != "bf16" and self._a8 is not None and x.dtype is KERNEL_DTYPE
+                and x.dim() == 2 and x.shape[1] == self.in_features and self.bias is None
+                and x.is_contiguous()
+                and (self.dense_min_rows is None or x.shape[0] < self.dense_min_rows)):
+            return self._a8(x, self.a8_packed)
+        return super().forward(x)
+
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.activations == "int8":
-            y = q4q8_gemv.linear(x2d, self.a8_packed, self.out_features, self.a8_format)
+        if self.activations != "bf16":
+            y = q4q8_gemv.linear(x2d, self.a8_packed, self.out_features, self.a8_format,
+                                 bits=self.a8_bits)
             if y is None:
                 raise RuntimeError("the int8-activation kernel did not take its input")
             return y

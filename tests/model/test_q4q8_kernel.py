@@ -133,3 +133,18 @@ def test_gguf_a8_needs_its_kernel(monkeypatch):
     monkeypatch.setattr(vnni, "available", lambda: False)
     with pytest.raises(ValueError, match="gguf-a8"):
         resolve_method("gguf-a8", model)
+
+
+def test_threads_split_rows_without_changing_a_bit():
+    codes, scale, zero, repeats, _ = _weights(Q.Q4_1, 3072, 576)
+    packed, fmt = vnni.repack(codes, scale, zero, repeats)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q4q8_gemv.linear(x, packed, 3072, fmt, bits=16)
+        torch.set_num_threads(2)
+        two = q4q8_gemv.linear(x, packed, 3072, fmt, bits=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -96,11 +96,11 @@ class Int4Linear(QuantizedLinear):
             else None
         self.activations = "bf16" if repacked is None else activations
         if repacked is not None:
-            self.register_buffer("a8_packed", repacked[0])  # records, see q4q8_gemv.c
-            self.a8_format = repacked[1]
-            self.a8_bits = ACTIVATIONS[activations]
-            self._a8 = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
-                                      self.a8_bits)
+            self.register_buffer("vnni_packed", repacked[0])  # records, see q4q8_gemv.c
+            self.vnni_format = repacked[1]
+            self.vnni_bits = ACTIVATIONS[activations]
+            self._vnni = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
+                                      self.vnni_bits)
             return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
@@ -114,19 +114,19 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the decode step's case in as few Python ops as possible: at batch 1 the
         # wrapper's ops cost as much as the kernel (BENCHMARKS.md "Batch-1 kernels")
-        if (self.activations != "bf16" and self._a8 is not None and x.dtype is KERNEL_DTYPE
+        if (self.activations != "bf16" and self._vnni is not None and x.dtype is KERNEL_DTYPE
                 and x.dim() == 2 and x.shape[1] == self.in_features and self.bias is None
                 and x.is_contiguous()
                 and (self.dense_min_rows is None or x.shape[0] < self.dense_min_rows)):
-            return self._a8(x, self.a8_packed)
+            return self._vnni(x, self.vnni_packed)
         return super().forward(x)
 
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.activations != "bf16":
-            y = q4q8_gemv.linear(x2d, self.a8_packed, self.out_features, self.a8_format,
-                                 bits=self.a8_bits)
+            y = q4q8_gemv.linear(x2d, self.vnni_packed, self.out_features, self.vnni_format,
+                                 bits=self.vnni_bits)
             if y is None:
-                raise RuntimeError("the int8-activation kernel did not take its input")
+                raise RuntimeError("the quantized-activation kernel (q4q8_gemv) did not take its input")
             return y
         if self.input_repeats > 1:
             x2d = x2d.repeat(1, self.input_repeats)  # (M, K * input_repeats)

@@ -148,3 +148,35 @@ def test_threads_split_rows_without_changing_a_bit():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_the_plain_c_fallback_gives_the_vnni_builds_bits():
+    """Built without AVX-512 (-march=x86-64-v3), the kernel runs its plain-C loops: the
+    same integer sums and fp32 order, so the same fp32 outputs as the build in use."""
+    import ctypes
+    import shutil
+    from pathlib import Path
+
+    from tokenmill.kernels import build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(q4q8_gemv.__file__).with_name("q4q8_gemv.c")
+    path = build._build(compiler, source, (
+        ["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp", "-fPIC"],
+        ["-shared", "-fopenmp", "-lm"]))
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
+    assert lib.tm_q4q8_has_vnni() == 0
+    fn = lib.tm_q4q8_linear
+    fn.argtypes, fn.restype = q4q8_gemv._lib.signatures["tm_q4q8_linear"]
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
+        packed, fmt = vnni.repack(codes, scale, zero, repeats)
+        for bits in q4q8_gemv.BITS:
+            x = torch.randn(3, 96, generator=torch.Generator().manual_seed(bits)).bfloat16()
+            y = torch.empty(3, 100)
+            assert fn(x.data_ptr(), 3, 96, packed.data_ptr(), 100, fmt, bits, y.data_ptr(), 1,
+                      1) == 0
+            assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32, bits))

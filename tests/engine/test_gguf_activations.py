@@ -12,6 +12,7 @@ from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear
+from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.sampling_params import SamplingParams
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "opticks_book1.txt"
@@ -46,6 +47,8 @@ def test_every_linear_runs_the_quantized_activation_kernel(engines, method, acti
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Int4Linear)]
     assert len(linears) == 30 * 4 + 1  # qkv, o, gate_up, down per layer and the LM head
     assert all(m.activations == activations for m in linears)
+    # silu * up runs inside each down projection's call
+    assert sum(isinstance(m, FusedSiluMLP) for m in engine.runner.model.modules()) == 30
     assert engines["fp32"].quantization == "none"  # the exact reference stays exact
     assert "Paris" in _greedy(engine, "The capital of France is", 4)
 

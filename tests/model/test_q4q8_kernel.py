@@ -180,3 +180,21 @@ def test_the_plain_c_fallback_gives_the_vnni_builds_bits():
             assert fn(x.data_ptr(), 3, 96, packed.data_ptr(), 100, fmt, bits, y.data_ptr(), 1,
                       1) == 0
             assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32, bits))
+
+
+@pytest.mark.parametrize("rows", RAGGED_ROWS + [8])
+def test_silu_mul_forward_is_the_down_projection_of_silu_times_up(rows):
+    from tokenmill.kernels import layer_ops
+
+    codes, scale, zero, repeats, _ = _weights(Q.Q4_1, 576, 1536)  # down_proj's shape
+    dense = dequantize_int4(codes, scale, zero).bfloat16()
+    down = Int4Linear(codes, scale, zero, input_repeats=repeats, activations="int16",
+                      dense_weight=dense, dense_min_rows=8)
+    gate_up = (2 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows))
+               ).bfloat16()
+    act = layer_ops.silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+    # one native call below 8 rows, the dense weight from 8: the same values either way
+    assert torch.equal(down.silu_mul_forward(gate_up), down(act))

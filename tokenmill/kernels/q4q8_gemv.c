@@ -316,3 +316,26 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     free(scratch);
     return 0;
 }
+
+/* The MLP's down projection on its gate_up (M, 2K) = [gate | up] bf16: the input
+ * bf16(silu(gate)) * up rounded to bf16, as tm_silu_mul_bf16 (layer_ops.c) computes it,
+ * then tm_q4q8_linear, in one call. */
+int64_t tm_q4q8_silu_linear(const uint16_t *gate_up, int64_t M, int64_t K, const uint8_t *w,
+                            int64_t N, int64_t format, int64_t bits, void *y, int64_t y_f32,
+                            int64_t num_threads) {
+    uint16_t *act = malloc((size_t)(M * K) * sizeof(uint16_t) + 2);
+    if (!act) return -1;
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *g = gate_up + r * 2 * K, *u = g + K;
+        uint16_t *o = act + r * K;
+#pragma omp simd
+        for (int64_t i = 0; i < K; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            const float silu = round_bf16(gv / (1.0f + expf(-gv)));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+    const int64_t rc = tm_q4q8_linear(act, M, K, w, N, format, bits, y, y_f32, num_threads);
+    free(act);
+    return rc;
+}

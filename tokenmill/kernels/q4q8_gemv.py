@@ -19,6 +19,8 @@ _lib = Library("q4q8_gemv", {
     "tm_q4q8_has_vnni": ([], _I64),
     "tm_q8_quantize_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR], None),
     "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
+    "tm_q4q8_silu_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
+                            _I64),
 })
 
 FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
@@ -54,13 +56,15 @@ def quantize(x: torch.Tensor, bits: int = 8
     return v, d, total
 
 
-def bind(in_features: int, out_features: int, fmt: int, bits: int = 8
+def bind(in_features: int, out_features: int, fmt: int, bits: int = 8, silu_mul: bool = False
          ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """`linear` for one weight shape with its checks done once, for the decode loop:
     call(x2d, packed) -> (M, out_features) bf16, where the caller guarantees x2d (M,
-    in_features) bf16 contiguous on the CPU and packed the weight's records. None if
-    not built."""
-    fn = _lib.get("tm_q4q8_linear")
+    in_features) bf16 contiguous on the CPU and packed the weight's records. With
+    silu_mul, x2d is (M, 2 * in_features) = [gate | up] and the input is
+    silu(gate) * up, computed as layer_ops.silu_mul does, in the same call. None if not
+    built."""
+    fn = _lib.get("tm_q4q8_silu_linear" if silu_mul else "tm_q4q8_linear")
     if fn is None or in_features % 32 or bits not in BITS:
         return None
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import q4q8_gemv
+from tokenmill.kernels import layer_ops, q4q8_gemv
 from tokenmill.quant import vnni
 from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
 from tokenmill.quant.dense import DenseWeight
@@ -101,6 +101,8 @@ class Int4Linear(QuantizedLinear):
             self.vnni_bits = ACTIVATIONS[activations]
             self._vnni = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
                                       self.vnni_bits)
+            self._vnni_silu = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
+                                           self.vnni_bits, silu_mul=True)
             return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
@@ -120,6 +122,21 @@ class Int4Linear(QuantizedLinear):
                 and (self.dense_min_rows is None or x.shape[0] < self.dense_min_rows)):
             return self._vnni(x, self.vnni_packed)
         return super().forward(x)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up (..., 2 * in_features) = [gate | up]: in one
+        native call on the decode step's rows (an MLP's down projection)."""
+        if (self.activations != "bf16" and self._vnni_silu is not None
+                and gate_up.dtype is KERNEL_DTYPE and gate_up.dim() == 2
+                and gate_up.shape[1] == 2 * self.in_features and self.bias is None
+                and gate_up.is_contiguous()
+                and (self.dense_min_rows is None or gate_up.shape[0] < self.dense_min_rows)):
+            return self._vnni_silu(gate_up, self.vnni_packed)
+        act = layer_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self(act)
 
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.activations != "bf16":

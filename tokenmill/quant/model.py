@@ -10,7 +10,9 @@ lm_head. Methods:
   gguf-a16  the same with int16 activations (two int8 planes, twice the integer
         work, an activation error below bf16's rounding): the default on CPUs with
         AVX512-VNNI, having passed the accuracy gate that gguf-a8 fails
-        (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)")
+        (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)").
+        With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
+        inside the down projection's native call
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
   fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
@@ -42,6 +44,7 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
+from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
 METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "int4", "int8", "fp8")
@@ -83,6 +86,7 @@ def quantize_model(model: nn.Module, method: str,
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary)
+        _fuse_silu_into_down(model)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     # plain dense weights that are still model parameters (a tied embedding) cost
@@ -93,6 +97,19 @@ def quantize_model(model: nn.Module, method: str,
         if isinstance(m, QuantizedLinear) and m.dense is not None
         and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
     return summary
+
+
+def _fuse_silu_into_down(model: nn.Module) -> None:
+    """Each Llama MLP whose down projection runs the quantized-activation kernel
+    becomes a FusedSiluMLP (fused_mlp.py): silu * up inside that kernel's call."""
+    from tokenmill.models.llama import LlamaMLP
+
+    for name, module in list(model.named_modules()):
+        if (isinstance(module, LlamaMLP) and isinstance(module.down_proj, Int4Linear)
+                and module.down_proj.activations != "bf16"):
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent).register_module(
+                leaf, FusedSiluMLP(module.gate_up_proj, module.down_proj))
 
 
 def resolve_method(requested: str | None, model: nn.Module,

@@ -15,7 +15,7 @@ QUIET_READ_GB_S = 47.0
 QUIET_BF16_TFLOP_S = 0.435
 
 # engine weight format -> roofline --dtype (the GGUF path runs Q4_1 blocks natively)
-ROOFLINE_DTYPE = {"gguf": "q4_1", "int4": "int4", "int8": "int8"}
+ROOFLINE_DTYPE = {"gguf": "q4_1", "gguf-a8": "q4_1", "gguf-a16": "q4_1", "int4": "int4", "int8": "int8"}
 
 
 def roofline_dtype(quantization: str | None, torch_dtype: str) -> str:

@@ -45,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "fp8"],
+    g.add_argument("--quantization", default=None,
+                   choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")

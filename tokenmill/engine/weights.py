@@ -2,8 +2,9 @@
 
 Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
 fastest correct path for the machine: on a CPU with native bf16 (AVX512-BF16 or
-AMX) a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively on torch's int4 kernel for
-1-7 rows, with bf16 weights kept (packed for oneDNN) for 8 rows and up, where
+AMX) a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively for 1-7 rows (times int16
+activations quantized on the fly with AVX512-VNNI, `gguf-a16`; else torch's int4
+kernel on bf16 activations, `gguf`), with bf16 weights kept (packed for oneDNN) for 8 rows and up, where
 a bf16 matmul wins; elsewhere float weights. An explicit `dtype="float32"`
 keeps the exact dequantized fp32 reference path.
 """

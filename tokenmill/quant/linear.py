@@ -11,6 +11,11 @@ At larger batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
 (benchmarks/linear_kernels.py), so a quantized linear may also hold a dense
 weight (dense.py: packed for oneDNN) and use it for inputs of at least
 `dense_min_rows` rows.
+
+`Int4Linear(activations="int8" or "int16")` runs instead on
+tokenmill/kernels/q4q8_gemv.c: the input quantized per block of 32 to int8 (or
+int16, as two int8 planes) on the fly, exact integer dot products with the
+weight's codes (AVX512-VNNI), fp32 scaling (vnni.py).
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import layer_ops, q4q8_gemv
+from tokenmill.quant import vnni
 from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
 from tokenmill.quant.dense import DenseWeight
 
 KERNEL_DTYPE = torch.bfloat16
 _N_MULTIPLE = 16  # the int4 pack op needs out_features divisible by 16
+ACTIVATIONS = {"bf16": 16, "int8": 8, "int16": 16}  # Int4Linear's input precisions -> bits
 
 
 class QuantizedLinear(nn.Module):
@@ -61,22 +69,41 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"dense_min_rows={self.dense_min_rows}")
+                f"dense_min_rows={self.dense_min_rows}"
+                + (f", activations={self.activations}" if hasattr(self, "activations") else ""))
 
 
 class Int4Linear(QuantizedLinear):
     """Group-32 asymmetric int4, w = (q - 8) * scale + zero.
-    `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x]."""
+    `input_repeats` = 2 is the Q8_0 form: K * 2 codes against the input [x | x].
+    `activations`: "bf16" (torch's kernel), "int8" or "int16" (dynamically quantized
+    inputs, vnni.py); where that kernel is not built or has no exact form of the
+    weight, "bf16" (the attribute says which runs)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, input_repeats: int = 1,
                  dense_weight: torch.Tensor | None = None,
-                 dense_min_rows: int | None = None) -> None:
+                 dense_min_rows: int | None = None, activations: str = "bf16") -> None:
         # codes: (N, K * input_repeats) in 0..15; scale, zero: (N, K * input_repeats / 32)
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, "
+                             f"not {activations!r}")
         out_features, num_codes = codes.shape
         super().__init__(num_codes // input_repeats, out_features, bias, dense_weight,
                          dense_min_rows)
         self.input_repeats = input_repeats
+        repacked = vnni.repack(codes, scale, zero, input_repeats) if activations != "bf16" \
+            else None
+        self.activations = "bf16" if repacked is None else activations
+        if repacked is not None:
+            self.register_buffer("vnni_packed", repacked[0])  # records, see q4q8_gemv.c
+            self.vnni_format = repacked[1]
+            self.vnni_bits = ACTIVATIONS[activations]
+            self._vnni = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
+                                      self.vnni_bits)
+            self._vnni_silu = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
+                                           self.vnni_bits, silu_mul=True)
+            return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
@@ -86,7 +113,38 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack(
             [scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous())  # (groups, N_pad, 2)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the decode step's case in as few Python ops as possible: at batch 1 the
+        # wrapper's ops cost as much as the kernel (BENCHMARKS.md "Batch-1 kernels")
+        if (self.activations != "bf16" and self._vnni is not None and x.dtype is KERNEL_DTYPE
+                and x.dim() == 2 and x.shape[1] == self.in_features and self.bias is None
+                and x.is_contiguous()
+                and (self.dense_min_rows is None or x.shape[0] < self.dense_min_rows)):
+            return self._vnni(x, self.vnni_packed)
+        return super().forward(x)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up (..., 2 * in_features) = [gate | up]: in one
+        native call on the decode step's rows (an MLP's down projection)."""
+        if (self.activations != "bf16" and self._vnni_silu is not None
+                and gate_up.dtype is KERNEL_DTYPE and gate_up.dim() == 2
+                and gate_up.shape[1] == 2 * self.in_features and self.bias is None
+                and gate_up.is_contiguous()
+                and (self.dense_min_rows is None or gate_up.shape[0] < self.dense_min_rows)):
+            return self._vnni_silu(gate_up, self.vnni_packed)
+        act = layer_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self(act)
+
     def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.activations != "bf16":
+            y = q4q8_gemv.linear(x2d, self.vnni_packed, self.out_features, self.vnni_format,
+                                 bits=self.vnni_bits)
+            if y is None:
+                raise RuntimeError("the quantized-activation kernel (q4q8_gemv) did not take its input")
+            return y
         if self.input_repeats > 1:
             x2d = x2d.repeat(1, self.input_repeats)  # (M, K * input_repeats)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, GROUP_SIZE,
@@ -111,7 +169,8 @@ class Int8Linear(QuantizedLinear):
 
 def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
                      dense_weight: torch.Tensor | None = None,
-                     dense_min_rows: int | None = None) -> Int4Linear:
+                     dense_min_rows: int | None = None, activations: str = "bf16"
+                     ) -> Int4Linear:
     """An Int4Linear from the GGUF blocks of one or several (fused) checkpoint tensors.
 
     shards: the loader's `QuantizedWeight`s (.qtype, .blocks uint8 (rows, bytes_per_row),
@@ -128,7 +187,8 @@ def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
         parts = [p if p[3] == 2 else _q8_form(*p[:3]) for p in parts]
     codes, scale, zero = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
                           for i in range(3))
-    return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows)
+    return Int4Linear(codes, scale, zero, bias, repeats, dense_weight, dense_min_rows,
+                      activations)
 
 
 def _q8_form(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor

@@ -5,6 +5,14 @@ lm_head. Methods:
   none  keep float weights (and drop the GGUF blocks the loader kept)
   gguf  run the GGUF blocks the loader kept (`module.gguf_quantized`) natively:
         Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
+  gguf-a8  the same weights times int8 activations quantized on the fly per block
+        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic)
+  gguf-a16  the same with int16 activations (two int8 planes, twice the integer
+        work, an activation error below bf16's rounding): the default on CPUs with
+        AVX512-VNNI, having passed the accuracy gate that gguf-a8 fails
+        (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)").
+        With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
+        inside the down projection's native call
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
   fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
@@ -28,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.quant import vnni
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -35,9 +44,11 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
+from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
-METHODS = ("none", "gguf", "int4", "int8", "fp8")
+METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "int4", "int8", "fp8")
+GGUF_ACTIVATIONS = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
 # AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
@@ -75,6 +86,7 @@ def quantize_model(model: nn.Module, method: str,
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary)
+        _fuse_silu_into_down(model)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     # plain dense weights that are still model parameters (a tied embedding) cost
@@ -87,15 +99,32 @@ def quantize_model(model: nn.Module, method: str,
     return summary
 
 
+def _fuse_silu_into_down(model: nn.Module) -> None:
+    """Each Llama MLP whose down projection runs the quantized-activation kernel
+    becomes a FusedSiluMLP (fused_mlp.py): silu * up inside that kernel's call."""
+    from tokenmill.models.llama import LlamaMLP
+
+    for name, module in list(model.named_modules()):
+        if (isinstance(module, LlamaMLP) and isinstance(module.down_proj, Int4Linear)
+                and module.down_proj.activations != "bf16"):
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent).register_module(
+                leaf, FusedSiluMLP(module.gate_up_proj, module.down_proj))
+
+
 def resolve_method(requested: str | None, model: nn.Module,
                    dtype: str | torch.dtype = "auto") -> str:
-    """The method to use: the user's, else 'gguf' when the loader kept natively runnable
-    GGUF blocks on CPU, unless dtype float32 was asked for explicitly (the exact
-    dequantized reference path); float checkpoints stay float."""
+    """The method to use: the user's, else 'gguf-a16' (with AVX512-VNNI; 'gguf' without)
+    when the loader kept natively runnable GGUF blocks on CPU, unless dtype float32 was
+    asked for explicitly (the exact dequantized reference path); float checkpoints stay
+    float."""
     if requested is not None:
         if requested not in METHODS:
             raise ValueError(f"unknown quantization {requested!r}; use one of "
                              f"{', '.join(METHODS)}")
+        if requested in ("gguf-a8", "gguf-a16") and not vnni.available():
+            raise ValueError(f"--quantization {requested}: its native kernel "
+                             "(tokenmill/kernels/q4q8_gemv.c) could not be built here")
         if requested == "fp8":
             weight = next(model.parameters())
             reason = fp8_unavailable_reason(weight.device)
@@ -110,7 +139,7 @@ def resolve_method(requested: str | None, model: nn.Module,
     for name, module in model.named_modules():
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
                 and _gguf_shards(module) is not None):
-            return "gguf"
+            return "gguf-a16" if vnni.fast() else "gguf"
     return "none"
 
 
@@ -124,12 +153,12 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
     dense = weight if keep_dense else None
     new: QuantizedLinear
-    if method == "gguf":
+    if method in GGUF_ACTIVATIONS:
         shards = _gguf_shards(module)
         if shards is None:
             summary.kept_float[name] = "no Q4_0/Q4_1/Q8_0 blocks from the loader"
             return
-        new = gguf_int4_linear(shards, bias, dense, dense_min_rows)
+        new = gguf_int4_linear(shards, bias, dense, dense_min_rows, GGUF_ACTIVATIONS[method])
     elif weight.shape[1] % GROUP_SIZE and method == "int4":
         summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"
         return

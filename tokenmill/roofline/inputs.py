@@ -25,7 +25,7 @@ def load_model(spec: str) -> ResolvedModel:
 
 
 def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
-    if not dtype or dtype.lower() in ("auto", "gguf", "none") or (
+    if not dtype or dtype.lower() in ("auto", "gguf", "gguf-a8", "gguf-a16", "none") or (
             model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
         return model.default_bits
     try:

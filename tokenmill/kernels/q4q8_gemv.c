@@ -1,0 +1,341 @@
+/* Low-bit GGUF weights times dynamically quantized int8 activations, for the few
+ * rows of a decode step (what llama.cpp's vec_dot_q4_1_q8_1 / q8_0_q8_0 do).
+ *
+ * Activations: each row of x (M, K) bf16 is quantized per block of 32 inputs,
+ *   v = round(x / dx), dx = max|x| / vmax (fp32), kept with the block's sum of v:
+ *   8 bits (vmax 127, llama.cpp's Q8 activations) or 16 bits (vmax 32512, stored as
+ *   two int8 planes v = 256 qh + ql, each plane a vpdpbusd pass: twice the integer
+ *   work for an activation error 256x smaller, below bf16's own rounding).
+ * Weights, repacked at load (tokenmill/quant/vnni.py) in groups of 16 output rows,
+ * one record per (group, block of 32 inputs), records of a group contiguous:
+ *   Q4 (Q4_0, Q4_1, int4): w = d * q + m, q in 0..15, record of 320 bytes:
+ *     qs[4][16][4]: chunk c, row r, byte j holds q[4c + j] (low nibble) and
+ *                   q[16 + 4c + j] (high nibble) of that row's block (GGUF's order)
+ *     d[16], m[16]: fp16
+ *   Q8 (Q8_0):      w = d * q, q int8, record of 544 bytes:
+ *     qs[8][16][4]: chunk c, row r, byte j holds q[4c + j] + 128 (as uint8)
+ *     d[16]: fp16
+ * A block's dot product is an exact int32 sum of products (vpdpbusd: unsigned
+ * weight bytes times signed activation bytes, 16 rows per instruction), scaled
+ * in fp32:  Q4: d dx sum(q v) + m dx sum(v);  Q8: d dx (sum((q+128) v) - 128 sum(v)).
+ * Sums over blocks are fp32 in block order, per row.
+ *
+ * Without AVX512-VNNI the same arithmetic runs as plain C (exact integer sums, the
+ * same fp32 order within a block), so results match to fp32 rounding.
+ * Built at first use by tokenmill/kernels/build.py; see q4q8_gemv.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TM_VNNI 1
+#else
+#define TM_VNNI 0
+#endif
+
+#include "bf16.h"
+
+#define QK 32                       /* inputs per block */
+#define ROWS 16                     /* output rows per group */
+#define Q4_RECORD (ROWS * 16 + ROWS * 4) /* 320 bytes */
+#define Q8_RECORD (ROWS * 32 + ROWS * 2) /* 544 bytes */
+#define MR 4                        /* activation rows per pass over a group's weights */
+#define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
+
+enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+
+int64_t tm_q4q8_has_vnni(void) { return TM_VNNI; }
+
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
+                   man = h & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (exp == 0) { /* zero or subnormal */
+        c.f = (float)man * 5.9604644775390625e-8f; /* 2^-24 */
+        c.u |= sign;
+    } else if (exp == 31) {
+        c.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        c.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return c.f;
+}
+
+/* Each row of x (M, K) bf16 -> per block of 32: x = dx * v, v an integer, |v| <= vmax:
+ *   bits 8:  vmax 127, v = q (one int8 plane q);
+ *   bits 16: vmax 32512 = 127 * 256, v = 256 qh + ql with qh in -127..127 and ql in
+ *            -128..127 (planes q = qh and q + M * K = ql), so each plane is int8.
+ * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). */
+void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, int8_t *q,
+                         float *d, float *s, int32_t *sum) {
+    const int64_t nb = K / QK;
+    const float vmax = bits == 16 ? 32512.0f : 127.0f;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *xb = x + m * K + b * QK;
+            float v[QK], amax = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                v[i] = bf16_to_f32(xb[i]);
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float dd = amax / vmax, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int8_t *qh = q + m * K + b * QK, *ql = qh + M * K;
+            int32_t total = 0;
+            for (int i = 0; i < QK; i++) {
+                float r = nearbyintf(v[i] * id);
+                r = r > vmax ? vmax : (r < -vmax ? -vmax : r);
+                const int32_t vi = (int32_t)r;
+                total += vi;
+                if (bits == 16) {
+                    const int32_t lo = ((vi + 128) & 255) - 128;
+                    qh[i] = (int8_t)((vi - lo) / 256);
+                    ql[i] = (int8_t)lo;
+                } else {
+                    qh[i] = (int8_t)vi;
+                }
+            }
+            d[m * nb + b] = dd;
+            sum[m * nb + b] = total;
+            s[m * nb + b] = dd * (float)total;
+        }
+    }
+}
+
+#if TM_VNNI
+static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The int32 dot products of 16 rows with one activation block: Q4 records. With two
+ * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. */
+static inline __attribute__((always_inline)) __m512i q4_dots(
+    const __m512i *lo, const __m512i *hi, const int8_t *xb, const int8_t *xl, int planes) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], bcast4(xb + 4 * c));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], bcast4(xb + 16 + 4 * c));
+    }
+    __m512i dot = _mm512_add_epi32(s0, s1);
+    if (planes == 2) {
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            t0 = _mm512_dpbusd_epi32(t0, lo[c], bcast4(xl + 4 * c));
+            t1 = _mm512_dpbusd_epi32(t1, hi[c], bcast4(xl + 16 + 4 * c));
+        }
+        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+    }
+    return dot;
+}
+
+/* out[i][r] = row r of the group . activation row i, for i < mr (a constant at each
+ * call site, so the loops over i unroll and acc stays in registers). */
+static inline __attribute__((always_inline)) void q4_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    (void)sum;
+    __m512 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q4_RECORD;
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(rec + 64 * c));
+            lo[c] = _mm512_and_si512(w, low);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        }
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+        const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        for (int i = 0; i < mr; i++) {
+            const int8_t *xb = q + i * K + b * QK;
+            const __m512 dot = _mm512_cvtepi32_ps(q4_dots(lo, hi, xb, xb + plane, planes));
+            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(s[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
+}
+
+/* Q8 records: sum((w + 128) v) - 128 sum(v) = sum(w v); with two planes the first term
+ * is 256 * sum((w + 128) qh) + sum((w + 128) ql), each < 32 * 255 * 128. */
+static inline __attribute__((always_inline)) void q8_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    (void)s;
+    __m512 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q8_RECORD;
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(rec + 64 * c));
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
+        for (int i = 0; i < mr; i++) {
+            const int8_t *xb = q + i * K + b * QK;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[c], bcast4(xb + 4 * c));
+                s1 = _mm512_dpbusd_epi32(s1, w[c + 1], bcast4(xb + 4 * c + 4));
+            }
+            __m512i dot = _mm512_add_epi32(s0, s1);
+            if (planes == 2) {
+                const int8_t *xl = xb + plane;
+                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c += 2) {
+                    t0 = _mm512_dpbusd_epi32(t0, w[c], bcast4(xl + 4 * c));
+                    t1 = _mm512_dpbusd_epi32(t1, w[c + 1], bcast4(xl + 4 * c + 4));
+                }
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+            }
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum[i * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
+}
+#else
+static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {
+    return planes == 2 ? 256 * xb[k] + xb[plane + k] : xb[k];
+}
+
+static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
+                            int64_t plane, const float *d, const float *s, const int32_t *sum,
+                            int mr, int planes, float *out) {
+    (void)sum;
+    for (int i = 0; i < mr; i++) {
+        for (int r = 0; r < ROWS; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *rec = wg + b * Q4_RECORD;
+                const int8_t *xb = q + i * K + b * QK;
+                int32_t dot = 0;
+                for (int c = 0; c < 4; c++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t byte = rec[64 * c + 4 * r + j];
+                        dot += (byte & 15) * act_value(xb, plane, planes, 4 * c + j)
+                             + (byte >> 4) * act_value(xb, plane, planes, 16 + 4 * c + j);
+                    }
+                uint16_t hd, hm;
+                memcpy(&hd, rec + 256 + 2 * r, 2);
+                memcpy(&hm, rec + 288 + 2 * r, 2);
+                acc = fmaf((float)dot, half_to_f32(hd) * d[i * nb + b], acc);
+                acc = fmaf(half_to_f32(hm), s[i * nb + b], acc);
+            }
+            out[i * ROWS + r] = acc;
+        }
+    }
+}
+
+static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
+                            int64_t plane, const float *d, const float *s, const int32_t *sum,
+                            int mr, int planes, float *out) {
+    (void)s;
+    for (int i = 0; i < mr; i++) {
+        for (int r = 0; r < ROWS; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *rec = wg + b * Q8_RECORD;
+                const int8_t *xb = q + i * K + b * QK;
+                int32_t dot = -128 * sum[i * nb + b];
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 4; j++)
+                        dot += rec[64 * c + 4 * r + j] * act_value(xb, plane, planes, 4 * c + j);
+                uint16_t hd;
+                memcpy(&hd, rec + 512 + 2 * r, 2);
+                acc = fmaf((float)dot, half_to_f32(hd) * d[i * nb + b], acc);
+            }
+            out[i * ROWS + r] = acc;
+        }
+    }
+}
+#endif
+
+#define TM_GROUP(fn, mr, planes) \
+    fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, out)
+#define TM_ROWS(fn, planes)                                          \
+    switch (mr) {                                                    \
+    case 1: TM_GROUP(fn, 1, planes); break;                          \
+    case 2: TM_GROUP(fn, 2, planes); break;                          \
+    case 3: TM_GROUP(fn, 3, planes); break;                          \
+    default: TM_GROUP(fn, 4, planes); break;                         \
+    }
+
+/* y (M, N) = x (M, K) bf16 times the repacked weight (N rows, K inputs; `format` Q4 or
+ * Q8), quantizing x as tm_q8_quantize_bf16 does with `bits` 8 or 16. y is bf16 (rounded
+ * to nearest even), or fp32 when y_f32. Groups of 16 rows are split across OpenMP
+ * threads. Returns 0, or -1 when K is not a multiple of 32, bits is neither 8 nor 16, or
+ * the scratch cannot be allocated. */
+int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                       int64_t format, int64_t bits, void *y, int64_t y_f32,
+                       int64_t num_threads) {
+    if (K % QK || M < 0 || N < 0 || (bits != 8 && bits != 16)) return -1;
+    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS, plane = M * K;
+    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    const size_t qbytes = ((size_t)(2 * M * K) + 63) & ~(size_t)63;
+    const size_t bytes = (qbytes + (size_t)(M * nb) * 12 + 63) & ~(size_t)63;
+    char *scratch = aligned_alloc(64, bytes ? bytes : 64);
+    if (!scratch) return -1;
+    int8_t *q = (int8_t *)scratch;
+    float *d = (float *)(scratch + qbytes), *s = d + M * nb;
+    int32_t *sum = (int32_t *)(s + M * nb);
+    tm_q8_quantize_bf16(x, M, K, bits, q, d, s, sum);
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (groups >= PARALLEL_GROUPS && num_threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * nb * record;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t mr = M - m0 < MR ? M - m0 : MR;
+            const int8_t *qm = q + m0 * K;
+            const float *dm = d + m0 * nb, *sm = s + m0 * nb;
+            const int32_t *summ = sum + m0 * nb;
+            float out[MR * ROWS];
+            if (format == FMT_Q8) {
+                if (bits == 16) { TM_ROWS(q8_group, 2) } else { TM_ROWS(q8_group, 1) }
+            } else {
+                if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
+            }
+            const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
+            for (int64_t i = 0; i < mr; i++) {
+                const int64_t at = (m0 + i) * N + g * ROWS;
+                if (y_f32) {
+                    memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
+                } else {
+                    uint16_t *yr = (uint16_t *)y + at;
+                    for (int64_t r = 0; r < rows; r++) yr[r] = f32_to_bf16(out[i * ROWS + r]);
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* The MLP's down projection on its gate_up (M, 2K) = [gate | up] bf16: the input
+ * bf16(silu(gate)) * up rounded to bf16, as tm_silu_mul_bf16 (layer_ops.c) computes it,
+ * then tm_q4q8_linear, in one call. */
+int64_t tm_q4q8_silu_linear(const uint16_t *gate_up, int64_t M, int64_t K, const uint8_t *w,
+                            int64_t N, int64_t format, int64_t bits, void *y, int64_t y_f32,
+                            int64_t num_threads) {
+    uint16_t *act = malloc((size_t)(M * K) * sizeof(uint16_t) + 2);
+    if (!act) return -1;
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *g = gate_up + r * 2 * K, *u = g + K;
+        uint16_t *o = act + r * K;
+#pragma omp simd
+        for (int64_t i = 0; i < K; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            const float silu = round_bf16(gv / (1.0f + expf(-gv)));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+    }
+    const int64_t rc = tm_q4q8_linear(act, M, K, w, N, format, bits, y, y_f32, num_threads);
+    free(act);
+    return rc;
+}

@@ -1,0 +1,96 @@
+"""Low-bit GGUF weights times dynamically quantized int8 activations (q4q8_gemv.c).
+
+`linear` returns None when the kernel is not built or does not take the tensors;
+the caller then keeps its bf16-activation path. `has_vnni` says whether the build
+runs AVX512-VNNI (otherwise a plain C loop with the same arithmetic, far slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.kernels.build import Library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_lib = Library("q4q8_gemv", {
+    "tm_q4q8_has_vnni": ([], _I64),
+    "tm_q8_quantize_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
+    "tm_q4q8_silu_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
+                            _I64),
+})
+
+FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
+ROWS = 16  # output rows per repacked group
+RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544}  # per group of 16 rows and block of 32
+BITS = (8, 16)  # activation precisions, see q4q8_gemv.c
+
+
+def available() -> bool:
+    return _lib.get("tm_q4q8_linear") is not None
+
+
+def has_vnni() -> bool:
+    fn = _lib.get("tm_q4q8_has_vnni")
+    return fn is not None and bool(fn())
+
+
+def quantize(x: torch.Tensor, bits: int = 8
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """x (M, K) bf16 -> (v int32 (M, K), d fp32 (M, K / 32), sum int32 (M, K / 32)) with
+    x ~ v * d per block of 32, the activations exactly as `linear` quantizes them with
+    `bits` (8: |v| <= 127, 16: |v| <= 32512); None if not built."""
+    fn = _lib.get("tm_q8_quantize_bf16")
+    if fn is None or bits not in BITS:
+        return None
+    x = x.to(torch.bfloat16).contiguous()
+    m, k = x.shape
+    q = torch.zeros((2, m, k), dtype=torch.int8)  # the planes qh, ql
+    d, s = (torch.empty((m, k // 32)) for _ in range(2))
+    total = torch.empty((m, k // 32), dtype=torch.int32)
+    fn(x.data_ptr(), m, k, bits, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
+    v = q[0].int() * 256 + q[1].int() if bits == 16 else q[0].int()
+    return v, d, total
+
+
+def bind(in_features: int, out_features: int, fmt: int, bits: int = 8, silu_mul: bool = False
+         ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`linear` for one weight shape with its checks done once, for the decode loop:
+    call(x2d, packed) -> (M, out_features) bf16, where the caller guarantees x2d (M,
+    in_features) bf16 contiguous on the CPU and packed the weight's records. With
+    silu_mul, x2d is (M, 2 * in_features) = [gate | up] and the input is
+    silu(gate) * up, computed as layer_ops.silu_mul does, in the same call. None if not
+    built."""
+    fn = _lib.get("tm_q4q8_silu_linear" if silu_mul else "tm_q4q8_linear")
+    if fn is None or in_features % 32 or bits not in BITS:
+        return None
+
+    def call(x2d: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        rows = x2d.shape[0]
+        y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+        if fn(x2d.data_ptr(), rows, in_features, packed.data_ptr(), out_features, fmt, bits,
+              y.data_ptr(), 0, torch.get_num_threads()):
+            raise MemoryError("q4q8_gemv: no scratch for the quantized activations")
+        return y
+    return call
+
+
+def linear(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,
+           out_dtype: torch.dtype = torch.bfloat16, bits: int = 8) -> torch.Tensor | None:
+    """x2d (M, K) bf16 contiguous, quantized to `bits` per block of 32, times a weight
+    repacked by tokenmill.quant.vnni -> (M, out_features) in out_dtype (bf16 or fp32);
+    None if not taken."""
+    fn = _lib.get("tm_q4q8_linear")
+    m, k = x2d.shape
+    if (fn is None or x2d.dtype != torch.bfloat16 or not x2d.is_contiguous()
+            or x2d.device.type != "cpu" or k % 32
+            or out_dtype not in (torch.bfloat16, torch.float32) or bits not in BITS
+            or packed.numel() != -(-out_features // ROWS) * (k // 32) * RECORD_BYTES[fmt]):
+        return None
+    y = torch.empty((m, out_features), dtype=out_dtype)
+    rc = fn(x2d.data_ptr(), m, k, packed.data_ptr(), out_features, fmt, bits, y.data_ptr(),
+            out_dtype == torch.float32, torch.get_num_threads())
+    return y if rc == 0 else None

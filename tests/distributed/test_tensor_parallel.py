@@ -130,6 +130,21 @@ def test_three_ranks_of_smollm2_give_one_rank_s_tokens(smollm2_reference):
         llm.engine.close()
 
 
+def test_three_ranks_on_the_default_quantized_path_give_one_rank_s_tokens():
+    # the default weights (GGUF blocks run natively, gguf-a16 where VNNI is) shard too,
+    # and the fused SiLU MLP all-reduces its row-parallel down projection like LlamaMLP
+    engine = {"num_kv_blocks": 64, "max_num_seqs": 4}
+    outs = []
+    for tp in (1, 3):
+        llm = LLM("smollm2-135m", tensor_parallel_size=tp, **engine)
+        try:
+            outs.append([o.outputs[0].token_ids
+                         for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        finally:
+            llm.engine.close()
+    assert outs[1] == outs[0]
+
+
 def test_two_nodes_on_loopback_give_the_same_tokens(tiny, tiny_one_rank):
     port = free_port()
     worker = subprocess.Popen(

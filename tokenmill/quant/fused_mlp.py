@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.quant.linear import Int4Linear
 
 
@@ -22,4 +23,6 @@ class FusedSiluMLP(nn.Module):
         self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
+        # as LlamaMLP: under tensor parallelism down_proj is row-parallel, its output
+        # this rank's partial sum
+        return get_tp().all_reduce(self.down_proj.silu_mul_forward(self.gate_up_proj(x)))

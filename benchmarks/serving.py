@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,9 +75,10 @@ def warm_up(base_url: str) -> None:
 def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
     try:
         warm_up(server.base_url)
-        out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{name.split()[0]}.json"
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{slug}.json"
         if args.output:
-            out_path = Path(args.output).with_suffix(f".{name.split()[0]}.json")
+            out_path = Path(args.output).with_suffix(f".{slug}.json")
         summaries = run_bench(server.base_url, levels, args.num_requests, args.output_len,
                               out_path)
     finally:

@@ -100,7 +100,7 @@ def run_served(name: str, server, args) -> dict:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     finally:
         server.stop()
-    s = json.loads(out_path.read_text())["runs"][0]["summary"]
+    s = json.loads(out_path.read_text())["summary"]  # one run: no --sweep
     print(f"  {name}: {s['duration_s']:.1f} s, {s['output_throughput_tok_s']:.1f} output "
           f"tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms / p99 {s['ttft_ms']['p99']:.0f} ms, "
           f"failed {s['num_failed']}", flush=True)

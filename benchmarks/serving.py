@@ -162,7 +162,9 @@ def main() -> None:
                                                                    *args.serve_args),
                                         args, levels)
     for threads in vllm_threads if vllm is not None else []:
-        name = f"vLLM ({threads} cores)" if threads == "both" else "vLLM (default)"
+        name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
+        if threads not in ("both", "default"):
+            raise SystemExit(f"--vllm-threads: {threads!r} is not 'both' or 'default'")
         try:
             server = start_vllm_server(vllm, threads=threads)
         except RuntimeError as e:

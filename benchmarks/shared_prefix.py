@@ -181,9 +181,9 @@ def main() -> None:
         share = ours / s["duration_s"]
         ttft = s["ttft_ms"]["p50"] / served["tokenmill serve"]["ttft_ms"]["p50"]
         goal, label = (2 / 3, "2/3") if name.startswith("vLLM") else (1 / 5, "1/5")
-        print(f"tokenmill vs {name}: {s['duration_s']:.1f} s -> tokenmill takes {share:.2f} of "
-              f"its time, TTFT p50 {ttft:.2f}x better (target <= {label} of its total time: "
-              f"{'met' if share <= goal else 'missed'})")
+        print(f"tokenmill vs {name}: {s['duration_s']:.1f} s; tokenmill's total time is "
+              f"{share:.2f}x its, TTFT p50 {ttft:.2f}x better (target total time <= {label} "
+              f"of its: {'met' if share <= goal else 'missed'})")
 
 
 if __name__ == "__main__":

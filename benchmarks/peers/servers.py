@@ -125,7 +125,8 @@ def start_vllm_server(vllm, threads: str = "both", prefix_caching: bool | None =
     if prefix_caching is not None:
         cmd.append("--enable-prefix-caching" if prefix_caching
                    else "--no-enable-prefix-caching")
-    return _start(f"vLLM ({threads} cores)", cmd, vllm_env(threads), ready_timeout_s)
+    name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
+    return _start(name, cmd, vllm_env(threads), ready_timeout_s)
 
 
 def start_llama_server(llama, gguf: Path, np: int = 16, ctx: int = 16384, threads: int = 2,

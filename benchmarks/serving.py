@@ -147,6 +147,8 @@ def main() -> None:
     peers = selected_peers(args, PEERS)
     levels = [int(x) for x in args.concurrency.split(",")]
     vllm_threads = [t.strip() for t in args.vllm_threads.split(",") if t.strip()]
+    if bad := [t for t in vllm_threads if t not in ("both", "default")]:
+        raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
     print(f"W2 online serving · {machine()}")
     vllm = llama = None
     if "vllm" in peers:
@@ -163,8 +165,6 @@ def main() -> None:
                                         args, levels)
     for threads in vllm_threads if vllm is not None else []:
         name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
-        if threads not in ("both", "default"):
-            raise SystemExit(f"--vllm-threads: {threads!r} is not 'both' or 'default'")
         try:
             server = start_vllm_server(vllm, threads=threads)
         except RuntimeError as e:

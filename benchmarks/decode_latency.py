@@ -1,15 +1,18 @@
-"""W3 single-stream decode (PERFORMANCE.md): tokenmill vs transformers, one run.
+"""W3 single-stream decode (PERFORMANCE.md): tokenmill vs llama.cpp and transformers, one run.
 
 Batch 1, a 128-token prompt (random token ids, seed 0), 128 new tokens,
 ignore_eos, temperature 0. Metric: TPOT (time per output token after the
 first) and decode tok/s = 1000 / TPOT, medians of --repeats runs. In the same
 run: tokenmill's default (bf16 compute + native GGUF int4), tokenmill bf16
-without quantization, transformers bf16 batch 1. Each is held against its own
-floor (weight + KV bytes read per step / memory bandwidth) and against
-llama.cpp's `llama-bench` tg128 recorded in PERFORMANCE.md (171 tok/s; llama.cpp
-is not installed here, so that peer is not re-run).
+without quantization, llama.cpp's `llama-bench -p 0 -n 128` (tg128, the same
+Q4_1 GGUF, 2 threads; built by benchmarks/peers/build_llama_cpp.sh) and
+transformers bf16 batch 1. Each is held against its own floor (weight + KV
+bytes read per step / memory bandwidth). A peer that cannot be set up is
+skipped with the reason.
 
     .venv/bin/python benchmarks/decode_latency.py
+    .venv/bin/python benchmarks/decode_latency.py --peers llama   # one peer
+    .venv/bin/python benchmarks/decode_latency.py --skip-peers    # tokenmill only
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import load_transformers, machine, median_spread
+from common import embedded_gguf, load_transformers, machine, median_spread
 from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
+from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
-LLAMA_CPP_TG128_TOK_S = 171.0  # PERFORMANCE.md, llama-bench on this machine, Q4_1
-TRANSFORMERS_BF16_RECORDED_TOK_S = 46.0
+PEERS = ("llama", "transformers")
+TARGET_VS_LLAMA = 1.2  # PERFORMANCE.md: >= 1.2x llama-bench tg128 in the same run
 
 
 def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwargs
@@ -74,11 +78,12 @@ def run_transformers(prompt: list[int], new_tokens: int, repeats: int, dtype: st
     return tpots, ttfts
 
 
-def report(name: str, tpots: list[float], ttfts: list[float], floor_ms: float | None) -> float:
+def report(name: str, tpots: list[float], ttfts: list[float] | None, floor_ms: float | None
+           ) -> float:
     tpot = statistics.median(tpots)
-    line = (f"{name:<34} TPOT {median_spread(tpots)} ms, {1e3 / tpot:.1f} tok/s, "
-            f"TTFT {statistics.median(ttfts):.0f} ms; vs llama.cpp tg128 "
-            f"{1e3 / tpot / LLAMA_CPP_TG128_TOK_S:.2f}x")
+    line = f"{name:<34} TPOT {median_spread(tpots)} ms, {1e3 / tpot:.1f} tok/s"
+    if ttfts:
+        line += f", TTFT {statistics.median(ttfts):.0f} ms"
     if floor_ms is not None:
         line += f"; {tpot / floor_ms:.2f}x its floor ({floor_ms:.2f} ms)"
     print(line)
@@ -92,33 +97,48 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bandwidth", type=float, default=QUIET_READ_GB_S,
                     help="GB/s for the floor (default: PERFORMANCE.md's quiet-machine read)")
-    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--llama-repetitions", type=int, default=5,
+                    help="llama-bench -r (its own median-free mean and stddev)")
+    add_peer_args(ap, PEERS)
     args = ap.parse_args()
+    peers = selected_peers(args, PEERS)
     print(f"W3 batch-1 decode · {machine()}")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"medians of {args.repeats}; floors at {args.bandwidth:g} GB/s")
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt_len)]
+    llama = None
+    if "llama" in peers:
+        llama, why = ensure_llama_cpp()
+        if llama is None:
+            skip("llama.cpp", why)
 
     def floor(weights: str) -> float:
         return decode_floor_ms(weights, args.prompt_len, args.new_tokens, args.bandwidth)
 
     tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats)
     default_tpot = report(f"tokenmill default ({weights})", tpots, ttfts, floor(weights))
+    default_floor = floor(weights)
     tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats,
                                          dtype="bfloat16", quantization="none")
     report("tokenmill bf16, no quantization", tpots, ttfts, floor(weights))
-    if not args.skip_peers:
+    tm_tok_s = 1e3 / default_tpot
+    if llama is not None:
+        # tg N: N tokens generated after an empty prompt, 2 threads, its mean of -r runs
+        tg = run_llama_bench(llama, embedded_gguf(), 0, args.new_tokens,
+                             repetitions=args.llama_repetitions)
+        samples = [1e3 / x for x in tg["samples_tok_s"]] or [1e3 / tg["tok_s"]]
+        report(f"llama.cpp tg{args.new_tokens} (q4_1)", samples, None, floor("q4_1"))
+        print(f"  llama-bench: {tg['tok_s']:.1f} ± {tg['stddev_tok_s']:.1f} tok/s")
+        ok = tm_tok_s >= TARGET_VS_LLAMA * tg["tok_s"] and default_tpot <= 2 * default_floor
+        print(f"tokenmill default vs llama.cpp tg{args.new_tokens} (same run): "
+              f"{tm_tok_s / tg['tok_s']:.2f}x; target >= {TARGET_VS_LLAMA}x and TPOT <= 2x "
+              f"its floor ({default_tpot / default_floor:.2f}x): {'met' if ok else 'missed'}")
+    if "transformers" in peers:
         tpots, ttfts = run_transformers(prompt, args.new_tokens, args.repeats, "bfloat16")
         hf_tpot = report("transformers bf16", tpots, ttfts, floor("bf16"))
-        print(f"tokenmill default vs transformers bf16 (same run): {hf_tpot / default_tpot:.1f}x "
-              f"(transformers recorded at {TRANSFORMERS_BF16_RECORDED_TOK_S:g} tok/s on a "
-              f"quiet machine; {1e3 / hf_tpot:.1f} now)")
-    print(f"llama.cpp tg128 is PERFORMANCE.md's recorded {LLAMA_CPP_TG128_TOK_S:g} tok/s "
-          f"(llama.cpp is not installed here; not re-run)")
-    print(f"target: >= {LLAMA_CPP_TG128_TOK_S:g} tok/s and TPOT <= 2x floor -> "
-          f"{1e3 / default_tpot:.1f} tok/s, "
-          f"{'met' if 1e3 / default_tpot >= LLAMA_CPP_TG128_TOK_S else 'missed'}")
+        print(f"tokenmill default vs transformers bf16 (same run): "
+              f"{hf_tpot / default_tpot:.1f}x")
 
 
 if __name__ == "__main__":

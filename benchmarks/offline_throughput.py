@@ -1,12 +1,17 @@
-"""W1 offline throughput (PERFORMANCE.md): tokenmill vs transformers, one run.
+"""W1 offline throughput (PERFORMANCE.md): tokenmill vs vLLM CPU and transformers, one run.
 
 256 requests, prompt lengths uniform in [32, 512], output lengths uniform in
 [64, 256], random token ids (seed 0), ignore_eos, temperature 0. Metric: output
-tokens/s over the whole run. Peers: transformers `generate` one request at a
-time (on a subset), and static batches of 16 (padded; only each request's own
-tokens count). Same model and dtype.
+tokens/s over the whole run. Peers, in the same run: vLLM's CPU backend
+offline (`vllm.LLM` on the same requests, both cores, bf16 checkpoint of the
+same GGUF; set up by benchmarks/peers/setup_vllm_cpu.sh, start-up 90-110 s),
+transformers `generate` one request at a time (on a subset), and static
+batches of 16 (padded; only each request's own tokens count). Same model and
+dtype. A peer that cannot be set up is skipped with the reason.
 
     .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16
+    .venv/bin/python benchmarks/offline_throughput.py --peers vllm      # one peer
+    .venv/bin/python benchmarks/offline_throughput.py --skip-peers      # tokenmill only
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import Stopwatch, load_transformers, machine
+from peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
+
+PEERS = ("vllm", "transformers")
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -92,23 +100,41 @@ def main() -> None:
                     help="subset size for the static-batch-16 peer")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--skip-peers", action="store_true")
+    add_peer_args(ap, PEERS)
     args = ap.parse_args()
+    peers = selected_peers(args, PEERS)
     print(f"W1 offline throughput · {machine()} · dtype {args.dtype}")
     reqs = workload(args.num_requests, 0, 49152)
+    vllm = None
+    if "vllm" in peers:  # set up first: a failure should not come after the long runs
+        vllm, why = ensure_vllm()
+        if vllm is None:
+            skip("vLLM", why)
     tm = run_tokenmill(reqs, args)
     print(f"tokenmill ({args.num_requests} requests): {tm:.1f} output tok/s")
-    if args.skip_peers:
-        return
-    model = load_transformers(args.dtype)
-    one = run_hf_one_at_a_time(model, reqs[:args.one_at_a_time_requests])
-    print(f"transformers one-at-a-time ({args.one_at_a_time_requests} requests): "
-          f"{one:.1f} output tok/s")
-    static = run_hf_static_batches(model, reqs[:args.static_batch_requests], 16)
-    print(f"transformers static batch 16 ({args.static_batch_requests} requests): "
-          f"{static:.1f} output tok/s")
-    print(f"ratio vs one-at-a-time: {tm / one:.1f}x (target >= 20x)")
-    print(f"ratio vs static batch 16: {tm / static:.1f}x (target >= 4x)")
+    lines = []
+    if vllm is not None:
+        if args.dtype != "bfloat16":
+            print("[peers] note: vLLM runs its bf16 checkpoint whatever --dtype says")
+        v = run_vllm_offline(vllm, reqs, threads="both")
+        print(f"vLLM CPU offline, both cores ({args.num_requests} requests): "
+              f"{v['tok_s']:.1f} output tok/s ({v['output_tokens']} tokens in "
+              f"{v['elapsed_s']:.1f} s; start-up {v['startup_s']:.0f} s)")
+        lines.append(f"ratio vs vLLM CPU (both cores): {tm / v['tok_s']:.2f}x (target >= 2x: "
+                     f"{'met' if tm >= 2 * v['tok_s'] else 'missed'})")
+    if "transformers" in peers:
+        model = load_transformers(args.dtype)
+        one = run_hf_one_at_a_time(model, reqs[:args.one_at_a_time_requests])
+        print(f"transformers one-at-a-time ({args.one_at_a_time_requests} requests): "
+              f"{one:.1f} output tok/s")
+        static = run_hf_static_batches(model, reqs[:args.static_batch_requests], 16)
+        print(f"transformers static batch 16 ({args.static_batch_requests} requests): "
+              f"{static:.1f} output tok/s")
+        lines.append(f"ratio vs transformers one-at-a-time: {tm / one:.1f}x (target >= 20x: "
+                     f"{'met' if tm >= 20 * one else 'missed'})")
+        lines.append(f"ratio vs transformers static batch 16: {tm / static:.1f}x")
+    for line in lines:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""W4 prefill (PERFORMANCE.md): one 512-token prompt, TTFT, tokenmill vs transformers.
+"""W4 prefill (PERFORMANCE.md): one 512-token prompt, TTFT, tokenmill vs transformers and llama.cpp.
 
 One prompt of 512 random token ids (seed 0), one output token. Metric: TTFT
 (request in -> first token out), median of --repeats runs. In the same run:
-tokenmill's default, tokenmill bf16 without quantization, transformers bf16 and
-fp32 (`generate` with max_new_tokens=1). The floor is the prefill's FLOPs over
-the bf16 matmul rate (PERFORMANCE.md: 435 GFLOP/s on small shapes, 920 on large
-ones). llama.cpp's pp512 (≈ 1,090 ms) is the recorded figure; llama.cpp is not
-installed here.
+tokenmill's default, tokenmill bf16 without quantization, transformers bf16
+and fp32 (`generate` with max_new_tokens=1), and llama.cpp's `llama-bench -p
+512 -n 0` (pp512 on the same Q4_1 GGUF, 2 threads; built by
+benchmarks/peers/build_llama_cpp.sh; its TTFT is 512 / pp512 tok/s). The
+floor is the prefill's FLOPs over the bf16 matmul rate (PERFORMANCE.md: 435
+GFLOP/s on small shapes, 920 on large ones). A peer that cannot be set up is
+skipped with the reason.
 
     .venv/bin/python benchmarks/prefill.py
+    .venv/bin/python benchmarks/prefill.py --peers llama   # one peer
+    .venv/bin/python benchmarks/prefill.py --skip-peers    # tokenmill only
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import load_transformers, machine, median_spread
+from common import embedded_gguf, load_transformers, machine, median_spread
 from floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
+from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
-LLAMA_CPP_PP512_MS = 1090.0  # PERFORMANCE.md: pp512 470 tok/s on this machine
-TRANSFORMERS_BF16_RECORDED_MS = 292.0
+PEERS = ("llama", "transformers")
 
 
 def run_tokenmill(prompt: list[int], repeats: int, **engine_kwargs) -> list[float]:
@@ -64,9 +68,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flops", type=float, default=QUIET_BF16_TFLOP_S,
                     help="bf16 TFLOP/s for the floor (default: PERFORMANCE.md's small-shape rate)")
-    ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-fp32", action="store_true", help="skip the transformers fp32 peer")
+    ap.add_argument("--llama-repetitions", type=int, default=5, help="llama-bench -r")
+    add_peer_args(ap, PEERS)
     args = ap.parse_args()
+    peers = selected_peers(args, PEERS)
     print(f"W4 prefill · {machine()}")
     floor_ms = prefill_floor_ms(args.prompt_len, args.flops)
     print(f"one {args.prompt_len}-token prompt, TTFT medians of {args.repeats}; floor "
@@ -74,28 +80,39 @@ def main() -> None:
           f"({prefill_floor_ms(args.prompt_len, 0.92):.0f} ms at the large-shape 920)")
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt_len)]
+    llama = None
+    if "llama" in peers:
+        llama, why = ensure_llama_cpp()
+        if llama is None:
+            skip("llama.cpp", why)
     results: dict[str, list[float]] = {}
     results["tokenmill default"] = run_tokenmill(prompt, args.repeats)
     results["tokenmill bf16, no quantization"] = run_tokenmill(
         prompt, args.repeats, dtype="bfloat16", quantization="none")
-    if not args.skip_peers:
+    if "transformers" in peers:
         results["transformers bf16"] = run_transformers(prompt, args.repeats, "bfloat16")
         if not args.skip_fp32:
             results["transformers fp32"] = run_transformers(prompt, args.repeats, "float32")
+    if llama is not None:
+        pp = run_llama_bench(llama, embedded_gguf(), args.prompt_len, 0,
+                             repetitions=args.llama_repetitions)
+        samples = pp["samples_tok_s"] or [pp["tok_s"]]
+        results[f"llama.cpp pp{args.prompt_len} (q4_1)"] = [
+            1e3 * args.prompt_len / x for x in samples]
     tm = statistics.median(results["tokenmill default"])
     for name, ttfts in results.items():
         ttft = statistics.median(ttfts)
         print(f"{name:<34} TTFT {median_spread(ttfts)} ms; {args.prompt_len / ttft * 1e3:.0f} "
               f"tok/s; {ttft / floor_ms:.2f}x floor; tokenmill default is "
               f"{ttft / tm:.2f}x faster")
-    print(f"llama.cpp pp512 is PERFORMANCE.md's recorded {LLAMA_CPP_PP512_MS:g} ms (not "
-          f"re-run: llama.cpp is not installed here); tokenmill default is "
-          f"{LLAMA_CPP_PP512_MS / tm:.2f}x faster than it")
     if "transformers bf16" in results:
         hf = statistics.median(results["transformers bf16"])
-        print(f"target: TTFT <= transformers bf16 in the same run ({hf:.0f} ms; recorded "
-              f"{TRANSFORMERS_BF16_RECORDED_MS:g} ms on a quiet machine) -> {tm:.0f} ms, "
-              f"{'met' if tm <= hf else 'missed'} (ratio {hf / tm:.2f}x)")
+        print(f"target: TTFT <= 1/2 of transformers bf16 (same run, {hf:.0f} ms) -> "
+              f"{tm:.0f} ms, ratio {hf / tm:.2f}x: {'met' if tm <= hf / 2 else 'missed'}")
+    if llama is not None:
+        ll = statistics.median(results[f"llama.cpp pp{args.prompt_len} (q4_1)"])
+        print(f"target: faster than llama.cpp pp{args.prompt_len} (same run, {ll:.0f} ms) -> "
+              f"{tm:.0f} ms, ratio {ll / tm:.2f}x: {'met' if tm < ll else 'missed'}")
 
 
 if __name__ == "__main__":

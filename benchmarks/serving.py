@@ -1,21 +1,31 @@
-"""W2 online serving (PERFORMANCE.md): `tokenmill serve` under `tokenmill bench`.
+"""W2 online serving (PERFORMANCE.md): tokenmill, vLLM CPU and llama-server under one client.
 
-Starts `tokenmill serve smollm2-135m` (defaults: the embedded GGUF, the engine's own
-fastest path) on 127.0.0.1 and runs `tokenmill bench` over it: 64 streaming
-/v1/completions requests per concurrency level (1, 4, 16, 32), each level on the
-next 64 prompts of ../shared/data/w2_prompts_128.json (exactly 128 tokens each,
-all different), max_tokens 128 with ignore_eos. Prints TTFT p50/p99, TPOT mean and
-output tok/s per level beside llama-server's figures. llama.cpp is not installed
-here and cannot be built, so those are the numbers PERFORMANCE.md records as
-measured on this machine (`llama-server -t 2 -np 16`, `-np 32` at 32), not re-run.
+Starts each server in turn on 127.0.0.1 and runs the same client over each,
+`tokenmill bench`: 64 streaming /v1/completions requests per concurrency level
+(1, 4, 16, 32), each level on the next 64 prompts of
+../shared/data/w2_prompts_128.json (exactly 128 tokens each, all different),
+max_tokens 128 with ignore_eos. Servers, in the same run: `tokenmill serve
+smollm2-135m` (defaults: the embedded GGUF, the engine's own fastest path);
+vLLM's CPU backend on the bf16 checkpoint of the same GGUF with both cores
+(`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`, its best
+figure here) and with its default (one core reserved for its front end) —
+set up by benchmarks/peers/setup_vllm_cpu.sh, 90-110 s start-up each; and
+`llama-server -t 2 -np 16 -c 16384 --no-webui` on the GGUF itself (built by
+benchmarks/peers/build_llama_cpp.sh). Prints TTFT p50/p99, TPOT mean and
+output tok/s per level and server, the ratios, and the targets at
+concurrency 16. A peer that cannot be set up is skipped with the reason.
 
     .venv/bin/python benchmarks/serving.py
+    .venv/bin/python benchmarks/serving.py --peers vllm --vllm-threads both
+    .venv/bin/python benchmarks/serving.py --skip-peers        # tokenmill only
+    .venv/bin/python benchmarks/serving.py -- --max-num-seqs 32  # extra serve flags
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,15 +36,20 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import machine
+from common import embedded_gguf, machine
+from peers import (
+    add_peer_args,
+    ensure_llama_cpp,
+    ensure_vllm,
+    selected_peers,
+    skip,
+    start_llama_server,
+    start_vllm_server,
+)
 from serving import start_server
 
 W2_PROMPTS = HERE.parent.parent / "shared" / "data" / "w2_prompts_128.json"
-
-# PERFORMANCE.md, llama-server on this machine: concurrency -> (out tok/s, TTFT p50 ms,
-# TTFT p99 ms, TPOT mean ms); None where it records no figure
-LLAMA_SERVER = {1: (123.0, 262.0, None, 6.1), 4: (150.0, 1050.0, None, None),
-                16: (189.0, 4300.0, None, 51.0), 32: (202.0, 4300.0, 8200.0, 112.0)}
+PEERS = ("vllm", "llama")
 
 
 def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: int,
@@ -43,17 +58,76 @@ def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: i
            "--dataset", "jsonl", "--dataset-path", str(W2_PROMPTS),
            "--output-len", str(output_len), "--num-requests", str(num_requests),
            "--sweep", "concurrency=" + ",".join(map(str, levels)),
-           "--output", str(out_path), "--no-progress"]
+           "--tokenizer", "smollm2-135m", "--output", str(out_path), "--no-progress"]
     print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out_path.read_text())
     return [r["summary"] for r in result["runs"]]
 
 
-def ratio(ours: float, theirs: float | None, higher_is_better: bool) -> str:
-    if theirs is None:
-        return "    —"
-    return f"{(ours / theirs if higher_is_better else theirs / ours):5.2f}x"
+def warm_up(base_url: str) -> None:
+    """One request outside the measured prompts, so that each level's prompts stay fresh."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
+        "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8})
+    r.raise_for_status()
+
+
+def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
+    try:
+        warm_up(server.base_url)
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{slug}.json"
+        if args.output:
+            out_path = Path(args.output).with_suffix(f".{slug}.json")
+        summaries = run_bench(server.base_url, levels, args.num_requests, args.output_len,
+                              out_path)
+    finally:
+        server.stop()
+    print(f"  {name}: bench JSON {out_path}", flush=True)
+    return summaries
+
+
+def print_table(results: dict[str, list[dict]], levels: list[int]) -> None:
+    print(f"{'server':<24} {'conc':>4} | {'out tok/s':>9} | {'TTFT p50':>9} {'TTFT p99':>9} | "
+          f"{'TPOT mean':>9} | failed")
+    for c_i, c in enumerate(levels):
+        for name, summaries in results.items():
+            s = summaries[c_i]
+            print(f"{name:<24} {c:>4} | {s['output_throughput_tok_s']:9.1f} | "
+                  f"{s['ttft_ms']['p50']:7.0f}ms {s['ttft_ms']['p99']:7.0f}ms | "
+                  f"{s['tpot_ms']['mean']:7.1f}ms | {s['num_failed']}")
+
+
+def print_targets(results: dict[str, list[dict]], levels: list[int]) -> None:
+    """Ratios at every level (> 1 = tokenmill better), targets at concurrency 16."""
+    ours = results["tokenmill"]
+    for name, summaries in results.items():
+        if name == "tokenmill":
+            continue
+        for c_i, c in enumerate(levels):
+            o, t = ours[c_i], summaries[c_i]
+            print(f"tokenmill vs {name} at c={c}: output tok/s "
+                  f"{o['output_throughput_tok_s'] / t['output_throughput_tok_s']:.2f}x, "
+                  f"TTFT p50 {t['ttft_ms']['p50'] / o['ttft_ms']['p50']:.2f}x, TPOT "
+                  f"{t['tpot_ms']['mean'] / o['tpot_ms']['mean']:.2f}x")
+    if 16 not in levels:
+        return
+    c_i = levels.index(16)
+    o = ours[c_i]
+    tok_s, ttft50 = o["output_throughput_tok_s"], o["ttft_ms"]["p50"]
+    vllm = results.get("vLLM (both cores)")
+    if vllm:
+        v = vllm[c_i]
+        ok = (tok_s >= 2 * v["output_throughput_tok_s"]
+              and ttft50 <= v["ttft_ms"]["p50"] / 2)
+        print(f"target at c=16: >= 2x vLLM CPU (both cores) output tok/s and TTFT p50 <= 1/2 "
+              f"of its -> {tok_s / v['output_throughput_tok_s']:.2f}x, "
+              f"{v['ttft_ms']['p50'] / ttft50:.2f}x: {'met' if ok else 'missed'}")
+    llama = next((v for k, v in results.items() if k.startswith("llama-server")), None)
+    if llama:
+        ratio_ = tok_s / llama[c_i]["output_throughput_tok_s"]
+        print(f"target at c=16: >= 4x llama-server output tok/s -> {ratio_:.2f}x: "
+              f"{'met' if ratio_ >= 4 else 'missed'}")
 
 
 def main() -> None:
@@ -61,43 +135,51 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=64, help="requests per level")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--output", default=None, help="keep the bench JSON here")
+    ap.add_argument("--output", default=None,
+                    help="keep the bench JSONs as OUTPUT.<server>.json")
+    ap.add_argument("--vllm-threads", default="both,default",
+                    help="vLLM runs: 'both' cores and/or its 'default' (default: both,default)")
+    ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
+    ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
+    add_peer_args(ap, PEERS)
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
     args = ap.parse_args()
+    peers = selected_peers(args, PEERS)
     levels = [int(x) for x in args.concurrency.split(",")]
+    vllm_threads = [t.strip() for t in args.vllm_threads.split(",") if t.strip()]
+    if bad := [t for t in vllm_threads if t not in ("both", "default")]:
+        raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
     print(f"W2 online serving · {machine()}")
-    server = start_server("smollm2-135m", *args.serve_args)
-    try:
-        # warm-up outside the measured prompts, so that each level's prompts stay fresh
-        httpx.post(f"{server.base_url}/v1/completions", timeout=300, json={
-            "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8})
-        out_path = Path(args.output or tempfile.mktemp(suffix=".json", prefix="w2-"))
-        summaries = run_bench(server.base_url, levels, args.num_requests, args.output_len,
-                              out_path)
-    finally:
-        server.stop()
-    print(f"bench JSON: {out_path}")
-    print("llama-server columns are PERFORMANCE.md's recorded figures (measured on this "
-          "machine, not re-run here: llama.cpp is not installed); ratio > 1 = tokenmill better")
-    print(f"{'conc':>4} | {'out tok/s':>9} {'llama':>6} {'ratio':>6} | {'TTFT p50':>9} "
-          f"{'llama':>6} {'ratio':>6} | {'TTFT p99':>9} {'llama':>6} | {'TPOT':>7} "
-          f"{'llama':>6} {'ratio':>6} | failed")
-    for c, s in zip(levels, summaries):
-        tok_s, ttft50, ttft99, tpot = (s["output_throughput_tok_s"], s["ttft_ms"]["p50"],
-                                       s["ttft_ms"]["p99"], s["tpot_ms"]["mean"])
-        peer = LLAMA_SERVER.get(c, (None, None, None, None))
-        fmt = lambda v: "—" if v is None else f"{v:.0f}"
-        print(f"{c:>4} | {tok_s:9.1f} {fmt(peer[0]):>6} {ratio(tok_s, peer[0], True):>6} | "
-              f"{ttft50:7.0f}ms {fmt(peer[1]):>6} {ratio(ttft50, peer[1], False):>6} | "
-              f"{ttft99:7.0f}ms {fmt(peer[2]):>6} | {tpot:5.1f}ms {fmt(peer[3]):>6} "
-              f"{ratio(tpot, peer[3], False):>6} | {s['num_failed']}")
-    if 16 in levels:
-        s = summaries[levels.index(16)]
-        tok_s, ttft50 = s["output_throughput_tok_s"], s["ttft_ms"]["p50"]
-        ok = tok_s >= 3 * LLAMA_SERVER[16][0] and ttft50 <= LLAMA_SERVER[16][1] / 3
-        print(f"target at concurrency 16: >= {3 * LLAMA_SERVER[16][0]:.0f} output tok/s and "
-              f"TTFT p50 <= {LLAMA_SERVER[16][1] / 3:.0f} ms -> {tok_s:.0f} tok/s, "
-              f"{ttft50:.0f} ms: {'met' if ok else 'missed'}")
+    vllm = llama = None
+    if "vllm" in peers:
+        vllm, why = ensure_vllm()
+        if vllm is None:
+            skip("vLLM", why)
+    if "llama" in peers:
+        llama, why = ensure_llama_cpp()
+        if llama is None:
+            skip("llama.cpp", why)
+    results: dict[str, list[dict]] = {}
+    results["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
+                                                                   *args.serve_args),
+                                        args, levels)
+    for threads in vllm_threads if vllm is not None else []:
+        name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
+        try:
+            server = start_vllm_server(vllm, threads=threads)
+        except RuntimeError as e:
+            skip(name, e)
+            continue
+        results[name] = bench_server(name, server, args, levels)
+    if llama is not None:
+        name = f"llama-server -np {args.llama_np}"
+        server = start_llama_server(llama, embedded_gguf(), np=args.llama_np,
+                                    ctx=args.llama_ctx)
+        results[name] = bench_server(name, server, args, levels)
+    print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
+          "tokenmill better")
+    print_table(results, levels)
+    print_targets(results, levels)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,53 @@
-"""W5 shared prefix (PERFORMANCE.md): prefix caching on vs off, in one run.
+"""W5 shared prefix (PERFORMANCE.md): prefix caching on vs off, and the peers, in one run.
 
 64 requests sharing one 1,024-token system prompt, each with a distinct 64-token
 suffix (exact token counts under the SmolLM2 tokenizer, seed 0), 64 output
-tokens, ignore_eos, temperature 0, 16 in flight — the load llama-server was
-measured under. The in-process engine is driven by `tokenmill bench`'s offline
-target (same workload, schedule and metrics as the HTTP client, minus HTTP).
-Metrics: TTFT p50/p99 and total time, caching on vs off; the ratio, and the
-ratio to llama-server's recorded 74 s with its prompt cache (llama.cpp is not
-installed here, so that figure is PERFORMANCE.md's, not re-run).
+tokens, ignore_eos, temperature 0, 16 in flight. The in-process engine is
+driven by `tokenmill bench`'s offline target (same workload, schedule and
+metrics as the HTTP client, minus HTTP), caching on and off. The servers, in
+the same run and under the same client (`tokenmill bench --dataset prefix`,
+the same requests): `tokenmill serve`, vLLM's CPU backend with both cores and
+`--enable-prefix-caching` (benchmarks/peers/setup_vllm_cpu.sh; 90-110 s
+start-up), and `llama-server -t 2 -np 16 -c 32768` with its prompt cache
+(benchmarks/peers/build_llama_cpp.sh; 2,048 tokens of context per slot).
+Metrics: TTFT p50/p99 and total time; the caching ratio, and tokenmill's
+total time against each peer's. A peer that cannot be set up is skipped with
+the reason.
 
     .venv/bin/python benchmarks/shared_prefix.py
+    .venv/bin/python benchmarks/shared_prefix.py --peers vllm   # one peer
+    .venv/bin/python benchmarks/shared_prefix.py --skip-peers   # caching on vs off only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+import httpx
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine, median_spread
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import embedded_gguf, machine, median_spread
+from peers import (
+    add_peer_args,
+    ensure_llama_cpp,
+    ensure_vllm,
+    selected_peers,
+    skip,
+    start_llama_server,
+    start_vllm_server,
+)
+from serving import start_server
 
-LLAMA_SERVER_CACHED_S = 74.0  # PERFORMANCE.md: -np 16 -c 32768, concurrency 16, prompt cache
-LLAMA_SERVER_UNCACHED_S = 187.0
+PEERS = ("vllm", "llama")
 
 
 def run(caching: bool, args) -> dict:
@@ -60,6 +83,57 @@ def run(caching: bool, args) -> dict:
     return s
 
 
+def run_served(name: str, server, args) -> dict:
+    """The same workload through `tokenmill bench --base-url`, the one HTTP client."""
+    try:
+        httpx.post(f"{server.base_url}/v1/completions", timeout=600, json={
+            "model": "smollm2-135m", "prompt": "Hello there, how are you?",
+            "max_tokens": 4}).raise_for_status()  # warm-up, unrelated to the prefix
+        out_path = Path(tempfile.mkdtemp(prefix="w5-")) / "bench.json"
+        cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", server.base_url,
+               "--dataset", "prefix", "--num-prefixes", "1",
+               "--prefix-len", str(args.prefix_len), "--input-len", str(args.suffix_len),
+               "--output-len", str(args.output_len), "--num-requests", str(args.num_requests),
+               "--concurrency", str(args.concurrency), "--seed", "0",
+               "--tokenizer", "smollm2-135m", "--output", str(out_path), "--no-progress"]
+        print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    finally:
+        server.stop()
+    s = json.loads(out_path.read_text())["summary"]  # one run: no --sweep
+    print(f"  {name}: {s['duration_s']:.1f} s, {s['output_throughput_tok_s']:.1f} output "
+          f"tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms / p99 {s['ttft_ms']['p99']:.0f} ms, "
+          f"failed {s['num_failed']}", flush=True)
+    return s
+
+
+def run_servers(peers: set[str], args) -> dict[str, dict]:
+    vllm = llama = None
+    if "vllm" in peers:
+        vllm, why = ensure_vllm()
+        if vllm is None:
+            skip("vLLM", why)
+    if "llama" in peers:
+        llama, why = ensure_llama_cpp()
+        if llama is None:
+            skip("llama.cpp", why)
+    served: dict[str, dict] = {}
+    served["tokenmill serve"] = run_served("tokenmill serve", start_server(
+        "smollm2-135m", "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens)), args)
+    if vllm is not None:
+        try:
+            server = start_vllm_server(vllm, threads="both", prefix_caching=True)
+            served["vLLM (both cores, prefix caching)"] = run_served("vLLM", server, args)
+        except RuntimeError as e:
+            skip("vLLM", e)
+    if llama is not None:
+        server = start_llama_server(llama, embedded_gguf(), np=args.llama_np, ctx=args.llama_ctx)
+        served[f"llama-server -np {args.llama_np} (prompt cache)"] = run_served(
+            "llama-server", server, args)
+    return served
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=64)
@@ -70,7 +144,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
+    ap.add_argument("--llama-ctx", type=int, default=32768,
+                    help="llama-server -c (split over the slots: 2,048 tokens each)")
+    add_peer_args(ap, PEERS)
     args = ap.parse_args()
+    peers = selected_peers(args, PEERS)
     print(f"W5 shared prefix · {machine()}")
     print(f"{args.num_requests} requests, {args.prefix_len}-token shared prefix + "
           f"{args.suffix_len}-token suffixes, {args.output_len} output tokens, concurrency "
@@ -91,12 +170,20 @@ def main() -> None:
           f"{'met' if speedup >= 3 else 'missed'})")
     print(f"TTFT p50: caching on {median_spread(on_ttft)} ms, off {median_spread(off_ttft)} "
           f"ms -> {statistics.median(off_ttft) / statistics.median(on_ttft):.2f}x")
-    vs_llama = LLAMA_SERVER_CACHED_S / statistics.median(on_s)
-    print(f"llama-server (PERFORMANCE.md's recorded figures, not re-run: llama.cpp is not "
-          f"installed here): {LLAMA_SERVER_CACHED_S:g} s with its prompt cache, "
-          f"{LLAMA_SERVER_UNCACHED_S:g} s without; tokenmill with caching is {vs_llama:.2f}x "
-          f"faster (target total <= {LLAMA_SERVER_CACHED_S / 3:.0f} s, i.e. >= 3x: "
-          f"{'met' if vs_llama >= 3 else 'missed'})")
+    if not peers:
+        return
+    served = run_servers(peers, args)
+    ours = served["tokenmill serve"]["duration_s"]
+    print(f"served, one client (tokenmill bench); tokenmill serve {ours:.1f} s total")
+    for name, s in served.items():
+        if name == "tokenmill serve":
+            continue
+        share = ours / s["duration_s"]
+        ttft = s["ttft_ms"]["p50"] / served["tokenmill serve"]["ttft_ms"]["p50"]
+        goal, label = (2 / 3, "2/3") if name.startswith("vLLM") else (1 / 5, "1/5")
+        print(f"tokenmill vs {name}: {s['duration_s']:.1f} s; tokenmill's total time is "
+              f"{share:.2f}x its, TTFT p50 {ttft:.2f}x better (target total time <= {label} "
+              f"of its: {'met' if share <= goal else 'missed'})")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
   transport, for the calls agent frameworks make (create, stream, tools, parse).
 - lm-eval (installed here): its own `_create_payload` for generate_until and
   loglikelihood, local-completions and local-chat-completions.
-- `vllm bench serve`: built as its source builds them (named per body),
-  explicit nulls kept.
 - langchain-openai, instructor, guidellm: captured off the wire by
-  capture_client_requests_frameworks.py (run with a venv that has them); this
-  script keeps their entries as they are in the file.
+  capture_client_requests_frameworks.py (run with a venv that has them);
+  `vllm bench serve` by capture_vllm_bench_requests.py (run with vLLM's own venv);
+  vllm-router's forwarded bodies by capture_router_requests.py. This script keeps
+  their entries as they are in the file.
 
 Run: PYTHONPATH=. python tests/data/capture_client_requests.py
 """
@@ -90,32 +90,13 @@ def lm_eval_bodies() -> list[dict]:
             {"client": "lm-eval chat", "path": "/v1/chat/completions", "body": chat}]
 
 
-def built_from_sources() -> list[dict]:
-    return [
-        # vllm bench serve: openai-completions and openai-chat request functions
-        {"client": "vllm bench serve completions", "path": "/v1/completions", "body": {
-            "model": MODEL, "prompt": "Hello there", "temperature": 0.0,
-            "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}},
-        {"client": "vllm bench serve completions (older)", "path": "/v1/completions", "body": {
-            "model": MODEL, "prompt": "Hello there", "temperature": 0.0, "best_of": 1,
-            "max_tokens": 4, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}}},
-        {"client": "vllm bench serve chat", "path": "/v1/chat/completions", "body": {
-            "model": MODEL, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Hello"}]}],
-            "temperature": 0.0, "max_completion_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}},
-    ]
-
-
 def main() -> None:
-    captured, built = openai_sdk_bodies() + lm_eval_bodies(), built_from_sources()
-    ours = {b["client"].split(" ")[0] for b in captured + built}
+    captured = openai_sdk_bodies() + lm_eval_bodies()
+    ours = {b["client"].split(" ")[0] for b in captured}
     old = json.loads(OUT.read_text()) if OUT.exists() else []
-    # the frameworks script's entries are kept, between the captured and the built
+    # the other scripts' entries (frameworks, vllm bench serve, vllm-router) are kept
     others = [e for e in old if e["client"].split(" ")[0] not in ours]
-    bodies = captured + others + built
+    bodies = captured + others
     OUT.write_text(json.dumps(bodies, indent=1) + "\n")
     print(f"wrote {len(bodies)} bodies to {OUT}")
 

@@ -1,6 +1,7 @@
 """What real clients send must not be refused: tests/data/client_requests.json
-(made by tests/data/capture_client_requests*.py) replayed, and unknown fields
-refused by name.
+(made by tests/data/capture_*requests*.py: the openai SDK and lm-eval, the
+frameworks, `vllm bench serve`, vllm-router) replayed, and unknown fields refused by
+name.
 
 A body with tools and no tool_choice asks for "auto", which tokenmill (as vLLM)
 serves only with --enable-auto-tool-choice --tool-call-parser: such bodies
@@ -18,7 +19,8 @@ from tokenmill.server.errors import validation_error
 
 BODIES = json.loads((Path(__file__).parents[1] / "data" / "client_requests.json").read_text())
 IDS = [f"{i}-{b['client']}" for i, b in enumerate(BODIES)]
-MODELS = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions": p.ChatCompletionRequest}
+MODELS = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions": p.ChatCompletionRequest,
+          "/tokenize": p.TokenizeRequest}
 AUTO_TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 

@@ -1,0 +1,67 @@
+"""Peers without a server: llama-bench, and vLLM's offline `LLM` in its own venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from peers.servers import vllm_env
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: int = 2,
+                    repetitions: int = 5, timeout_s: float = 1800.0) -> dict:
+    """`llama-bench -p P -n N -t 2 -r R -o json`: one test (pp P when N is 0, tg N
+    when P is 0). Returns {"tok_s", "stddev_tok_s", "samples_tok_s", "command"}."""
+    cmd = [str(llama.bench), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen_len),
+           "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    print(f"[peers] $ {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    tests = json.loads(proc.stdout)
+    if len(tests) != 1:
+        raise RuntimeError(f"llama-bench printed {len(tests)} tests, expected one")
+    t = tests[0]
+    return {"tok_s": float(t["avg_ts"]), "stddev_tok_s": float(t["stddev_ts"]),
+            "samples_tok_s": [float(x) for x in t.get("samples_ts", [])],
+            "command": " ".join(cmd)}
+
+
+def run_vllm_offline(vllm, requests: list[tuple[list[int], int]], threads: str = "both",
+                     timeout_s: float = 3600.0) -> dict:
+    """vLLM's `LLM.generate` over (prompt_token_ids, max_tokens) requests, greedy,
+    ignore_eos, in a subprocess of vLLM's venv (vllm_offline_driver.py). Returns
+    {"output_tokens", "elapsed_s", "startup_s", "tok_s"}; the subprocess and the
+    engine process it spawns end with it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-w1-",
+                                     delete=False) as f:
+        json.dump([[list(p), m] for p, m in requests], f)
+    cmd = [str(vllm.python), str(HERE / "vllm_offline_driver.py"), str(vllm.model_dir), f.name]
+    print(f"[peers] vLLM offline ({threads} cores): {len(requests)} requests "
+          f"(start-up 90-110 s on a quiet machine)", flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=vllm_env(threads), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise RuntimeError(f"vLLM offline did not finish in {timeout_s:.0f} s") from None
+    finally:
+        os.unlink(f.name)
+        try:  # its engine process, should it outlive the driver
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    lines = [x for x in out.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM offline exited with {proc.returncode}:\n{err[-3000:]}")
+    result = json.loads(lines[-1])
+    result["tok_s"] = result["output_tokens"] / result["elapsed_s"]
+    return result

@@ -146,7 +146,8 @@ class LLMEngine:
         self.model_name = self.source.name
         loaded, self.quantization = load_engine_model(self.source, config.dtype,
                                                       config.quantization, device,
-                                                      config.load_format)
+                                                      config.load_format,
+                                                      config.batched_linears)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)

@@ -12,7 +12,7 @@
  * Packed weight layout: for each block of 16 output channels and each group of 4
  * input features, 64 bytes [16 channels][4 features], so one 512-bit load feeds
  * one vpdpbusd for 16 channels. N is padded to 16 with zero rows; K % 16 == 0.
- * Register tile: up to 8 rows x 48 channels (24 accumulators). Threads split the
+ * Register tile: up to 8 rows x 32 channels (16 accumulators: with more, gcc spills them). Threads split the
  * output channels; each thread reads its weight panels once and keeps a panel in
  * cache across all row tiles.
  *
@@ -34,7 +34,7 @@
 #endif
 
 #define MR 8  /* rows per register tile */
-#define NBLK 3 /* 16-channel blocks per register tile */
+#define NBLK 2 /* 16-channel blocks per register tile */
 
 int tm_int8_gemm_available(void) { return TM_HAVE_VNNI; }
 
@@ -110,13 +110,13 @@ static inline __attribute__((always_inline)) void tile(
     __m512i acc[MR][NBLK];
 #pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
-#pragma GCC unroll 3
+#pragma GCC unroll 2
         for (int j = 0; j < nb; j++) acc[i][j] = _mm512_setzero_si512();
     const int8_t *w0 = packed + b0 * k4 * 64;
     const uint8_t *xr = xu + m0 * K;
     for (int64_t g = 0; g < k4; g++) {
         __m512i w[NBLK];
-#pragma GCC unroll 3
+#pragma GCC unroll 2
         for (int j = 0; j < nb; j++)
             w[j] = _mm512_loadu_si512((const void *)(w0 + (j * k4 + g) * 64));
 #pragma GCC unroll 8
@@ -124,11 +124,11 @@ static inline __attribute__((always_inline)) void tile(
             int32_t a4;
             memcpy(&a4, xr + i * K + g * 4, 4);
             const __m512i a = _mm512_set1_epi32(a4);
-#pragma GCC unroll 3
+#pragma GCC unroll 2
             for (int j = 0; j < nb; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, w[j]);
         }
     }
-#pragma GCC unroll 3
+#pragma GCC unroll 2
     for (int j = 0; j < nb; j++) {
         const int64_t n0 = (b0 + j) * 16;
         const __m512i ws = _mm512_loadu_si512((const void *)(wsum + n0));
@@ -146,10 +146,56 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* The full tile, 8 rows x 32 channels, with named accumulators (as an array, gcc
+ * copies and spills them). `prefetch`: the next tile's weights (read while this one
+ * computes: the first row tile streams the panel from memory), or NULL. */
+static void tile8x2(const uint8_t *xu, const float *sx, const int32_t *zx, int64_t K,
+                    const int8_t *packed, const int32_t *wsum, const float *sw, int64_t N,
+                    uint16_t *y, int64_t m0, int64_t b0, const int8_t *prefetch) {
+    const int64_t k4 = K / 4;
+    const int8_t *wp = packed + b0 * k4 * 64;
+    const uint8_t *xr = xu + m0 * K;
+    const __m512i z = _mm512_setzero_si512();
+    __m512i c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512i c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    for (int64_t g = 0; g < k4; g++) {
+        if (prefetch) {
+            _mm_prefetch((const char *)(prefetch + g * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(prefetch + g * 128 + 64), _MM_HINT_T0);
+        }
+        const __m512i w0 = _mm512_loadu_si512((const void *)(wp + g * 64));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(wp + (k4 + g) * 64));
+        __m512i a;
+        int32_t a4;
+#define TM_ROW(i)                                                       \
+    memcpy(&a4, xr + (i) * K + g * 4, 4);                               \
+    a = _mm512_set1_epi32(a4);                                          \
+    c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, w0);                      \
+    c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, w1);
+        TM_ROW(0) TM_ROW(1) TM_ROW(2) TM_ROW(3) TM_ROW(4) TM_ROW(5) TM_ROW(6) TM_ROW(7)
+#undef TM_ROW
+    }
+    const __m512i ws0 = _mm512_loadu_si512((const void *)(wsum + b0 * 16));
+    const __m512i ws1 = _mm512_loadu_si512((const void *)(wsum + b0 * 16 + 16));
+    const __m512 sw0 = _mm512_loadu_ps(sw + b0 * 16), sw1 = _mm512_loadu_ps(sw + b0 * 16 + 16);
+#define TM_OUT(i, j)                                                                       \
+    {                                                                                      \
+        const __m512i c = _mm512_sub_epi32(                                                \
+            c##i##j, _mm512_mullo_epi32(ws##j, _mm512_set1_epi32(zx[m0 + (i)])));          \
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), sw##j),        \
+                                       _mm512_set1_ps(sx[m0 + (i)]));                      \
+        _mm256_storeu_si256((__m256i *)(y + (m0 + (i)) * N + (b0 + (j)) * 16),             \
+                            f32_to_bf16_v(v));                                             \
+    }
+    TM_OUT(0, 0) TM_OUT(0, 1) TM_OUT(1, 0) TM_OUT(1, 1) TM_OUT(2, 0) TM_OUT(2, 1)
+    TM_OUT(3, 0) TM_OUT(3, 1) TM_OUT(4, 0) TM_OUT(4, 1) TM_OUT(5, 0) TM_OUT(5, 1)
+    TM_OUT(6, 0) TM_OUT(6, 1) TM_OUT(7, 0) TM_OUT(7, 1)
+#undef TM_OUT
+}
+
 #define TILE_CASE(R)                                                                     \
     case R:                                                                              \
-        if (nb == 3) tile(R, 3, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);          \
-        else if (nb == 2) tile(R, 2, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);     \
+        if (nb == 2) tile(R, 2, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);          \
         else tile(R, 1, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);                  \
         break;
 
@@ -181,9 +227,16 @@ int tm_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t b0 = t * NBLK;
             const int nb = (int)(blocks - b0 < NBLK ? blocks - b0 : NBLK);
+            /* the next tile's panel lies right after this one; none after the last */
+            const int8_t *next = t + 1 < tiles ? packed + (b0 + nb) * (K / 4) * 64 : 0;
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-                tile_any(mr, nb, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);
+                /* full tiles whose 32 channels are all real (N % 16 may leave a tail) */
+                if (mr == MR && nb == NBLK && (b0 + NBLK) * 16 <= N)
+                    tile8x2(xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0,
+                            m0 == 0 && next && t + 1 < tiles ? next : 0);
+                else
+                    tile_any(mr, nb, xu, sx, zx, K, packed, wsum, sw, N, y, m0, b0);
             }
         }
     }

@@ -10,6 +10,7 @@ with outlier channels, whose range coarsens every other value of the row)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -44,22 +45,28 @@ def _within_one_bf16_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     assert ((got - want).abs() <= ulp).all(), (got - want).abs().max()
 
 
+@functools.cache
+def _weight(shape: str):
+    k, n = SHAPES[shape]
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+              ).bfloat16()
+    return weight, w8a8.Int8DynamicWeight(weight), *w8a8.quantize_weight(weight)
+
+
 @pytest.mark.parametrize("rows", [16, 17, 32, 64])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_kernel_matches_the_reference_on_the_real_shapes(shape, rows):
     k, n = SHAPES[shape]
-    g = torch.Generator().manual_seed(n + k)
-    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    weight, lin, codes, scale = _weight(shape)
     x = _activations(rows, k, seed=rows)
-    lin = w8a8.Int8DynamicWeight(weight)
-    codes, scale = w8a8.quantize_weight(weight)
     y = lin(x)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    _within_one_bf16_rounding(y, w8a8.reference(x, codes, scale))
+    cols = torch.arange(0, n, max(1, n // 3072))  # every column but the LM head's (fp64)
+    _within_one_bf16_rounding(y[:, cols], w8a8.reference(x, codes[cols], scale[cols]))
     assert (y[1] == 0).all()  # a zero row stays zero
-    exact = x.float() @ weight.float().t()
+    exact = x.float() @ weight[cols].float().t()
     # the 8-bit roundings, the activations' dominating: their range spans the outliers
-    assert float((y.float() - exact).norm() / exact.norm()) < 0.04
+    assert float((y[:, cols].float() - exact).norm() / exact.norm()) < 0.04
 
 
 @pytest.mark.parametrize(("k", "n", "rows"), [(64, 40, 9), (32, 16, 1), (1536, 17, 3)])

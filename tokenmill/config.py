@@ -183,6 +183,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None: the fastest correct default for the weights
+    # the low-bit linears' weight for 8+ rows: auto | bf16 | w8a8 (tokenmill/quant/model.py)
+    batched_linears: str = "auto"
     load_format: str = "auto"  # auto | dummy (random weights, the checkpoint's shapes)
     max_model_len: int | None = None  # None: the model's context, capped by the KV cache
     max_num_seqs: int = 64

@@ -58,7 +58,8 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
     torch.manual_seed(config.seed)
     tp = get_tp()
     loaded, quantization = load_engine_model(source, config.dtype, config.quantization,
-                                             device, config.load_format)
+                                             device, config.load_format,
+                                             config.batched_linears)
     model_max = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or model_max, model_max)
     context_note = ""

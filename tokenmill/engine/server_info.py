@@ -24,6 +24,8 @@ def server_info(llm: Any) -> dict[str, Any]:
         "model": getattr(llm, "model_name", config.model),
         "dtype": str(getattr(llm, "dtype", config.dtype)).removeprefix("torch."),
         "quantization": getattr(llm, "quantization", config.quantization),
+        "batched_linears": getattr(config, "batched_linears", "auto"),
+        "async_scheduling": getattr(config, "async_scheduling", False),
         "device": str(getattr(getattr(llm, "runner", None), "device", config.device)),
         "max_model_len": getattr(llm, "max_model_len", config.max_model_len),
         "max_num_seqs": config.max_num_seqs,

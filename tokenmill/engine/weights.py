@@ -18,6 +18,7 @@ import torch
 from tokenmill.cpuinfo import cpu_flags
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.quant import quantize_model, resolve_method
+from tokenmill.quant.model import resolve_batched_linears
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,15 @@ def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> 
 
 
 def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
-                      device: torch.device, load_format: str = "auto"
-                      ) -> tuple[LoadedModel, str]:
+                      device: torch.device, load_format: str = "auto",
+                      batched_linears: str = "auto") -> tuple[LoadedModel, str]:
     """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
     loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
                         load_format=load_format)
     method = resolve_method(quantization, loaded.model, dtype)
-    summary = quantize_model(loaded.model, method)
-    logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB dense kept for "
+    large = resolve_batched_linears(batched_linears, method, loaded.dtype)
+    summary = quantize_model(loaded.model, method, batched_linears=large)
+    logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
                 "large batches", method, loaded.dtype, len(summary.quantized),
-                summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20)
+                summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20, large)
     return loaded, method

@@ -41,14 +41,16 @@ class QuantizedLinear(nn.Module):
     """y = x W^T (+ b) with a low-bit W; subclasses implement `_lowbit(x2d)`."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
-                 dense_weight: torch.Tensor | None, dense_min_rows: int | None) -> None:
+                 dense_weight: torch.Tensor | Any | None, dense_min_rows: int | None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else bias.detach()
         # a plain attribute, not a buffer: oneDNN's packed copy, or a plain tensor that
-        # may be the tied embedding's own (see dense.py)
-        self.dense = None if dense_weight is None else DenseWeight(dense_weight)
+        # may be the tied embedding's own (see dense.py); or a weight prepared by the
+        # caller with DenseWeight's interface (int8_dynamic.Int8DynamicWeight)
+        self.dense = (None if dense_weight is None else DenseWeight(dense_weight)
+                      if isinstance(dense_weight, torch.Tensor) else dense_weight)
         self.dense_min_rows = dense_min_rows if dense_weight is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,10 @@ for SmolLM2-135M, its LM head included: the packed copy is not the tied
 embedding's tensor). With `dense_min_rows=None`, or a float32 model (fp32
 matmuls lose to the bf16 low-bit kernels at every batch measured), the float
 weights are freed.
+
+`batched_linears` picks that large-batch weight: "bf16" (the packed bf16 copy) or
+"w8a8" (int8 per channel x dynamic int8 activations on AVX512-VNNI,
+int8_dynamic.py; half the bytes, changed numerics, gated by benchmarks/accuracy.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from tokenmill.quant.codes import (
 )
 from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
+from tokenmill.quant.int8_dynamic import K_MULTIPLE as W8A8_K_MULTIPLE
+from tokenmill.quant.int8_dynamic import Int8DynamicWeight
+from tokenmill.quant.int8_dynamic import available as w8a8_available
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
 METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "int4", "int8", "fp8")
@@ -56,6 +63,8 @@ TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # (23.8 vs 28.9 ms). Whole engine decode steps at 200 tokens of context: 4 rows
 # int4 29.3 vs packed 33.6 ms, 6 rows 36.4 vs 37.8, 8 rows a tie (41.0 vs 41.6).
 DENSE_MIN_ROWS = 8
+BATCHED_LINEARS = ("bf16", "w8a8")  # the large-batch weight (module docstring)
+DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -69,10 +78,14 @@ class QuantizationSummary:
 
 
 def quantize_model(model: nn.Module, method: str,
-                   dense_min_rows: int | None = DENSE_MIN_ROWS) -> QuantizationSummary:
+                   dense_min_rows: int | None = DENSE_MIN_ROWS,
+                   batched_linears: str = "bf16") -> QuantizationSummary:
     """Replace the model's target linears in place; see the module docstring."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; use one of {', '.join(METHODS)}")
+    if batched_linears not in BATCHED_LINEARS:
+        raise ValueError(f"unknown batched linears {batched_linears!r}; use one of "
+                         f"{', '.join(BATCHED_LINEARS)}")
     summary = QuantizationSummary(method)
     if method != "none":
         for name, module in list(model.named_modules()):
@@ -85,7 +98,8 @@ def quantize_model(model: nn.Module, method: str,
                 summary.lowbit_bytes += fp8.lowbit_bytes()
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
-                _quantize_one(model, name, module, method, dense_min_rows, summary)
+                _quantize_one(model, name, module, method, dense_min_rows, summary,
+                              batched_linears)
         _fuse_silu_into_down(model)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
@@ -143,15 +157,39 @@ def resolve_method(requested: str | None, model: nn.Module,
     return "none"
 
 
+def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> str:
+    """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8): auto is
+    DEFAULT_BATCHED_LINEARS where it runs, else bf16. An explicit w8a8 that cannot run
+    here is an error naming the flag."""
+    choices = ("auto", *BATCHED_LINEARS)
+    if requested not in choices:
+        raise ValueError(f"--batched-linears {requested!r}: use one of {', '.join(choices)}")
+    runs_here = dtype == torch.bfloat16 and method in ("gguf", "int4", "int8")
+    if requested == "w8a8" and not runs_here:
+        raise ValueError("--batched-linears w8a8 replaces the bf16 large-batch weights of "
+                         "low-bit linears: it needs a bfloat16 model with --quantization "
+                         f"gguf, int4 or int8 (here {dtype}, {method})")
+    if requested == "w8a8" and not w8a8_available():
+        raise ValueError("--batched-linears w8a8 needs the native int8 kernel: a C "
+                         "compiler and a CPU with AVX512-VNNI")
+    if requested == "auto":
+        return ("w8a8" if DEFAULT_BATCHED_LINEARS == "w8a8" and runs_here
+                and w8a8_available() else "bf16")
+    return requested
+
+
 def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
-                  dense_min_rows: int | None, summary: QuantizationSummary) -> None:
+                  dense_min_rows: int | None, summary: QuantizationSummary,
+                  batched_linears: str = "bf16") -> None:
     weight: torch.Tensor = module.weight
     bias: torch.Tensor | None = getattr(module, "bias", None)
     if weight.device.type != "cpu":
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
     keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
-    dense = weight if keep_dense else None
+    dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
+    if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
+        dense = Int8DynamicWeight(weight)
     new: QuantizedLinear
     if method in GGUF_ACTIVATIONS:
         shards = _gguf_shards(module)

@@ -164,11 +164,11 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> 
     choices = ("auto", *BATCHED_LINEARS)
     if requested not in choices:
         raise ValueError(f"--batched-linears {requested!r}: use one of {', '.join(choices)}")
-    runs_here = dtype == torch.bfloat16 and method in ("gguf", "int4", "int8")
+    runs_here = dtype == torch.bfloat16 and method in (*GGUF_ACTIVATIONS, "int4", "int8")
     if requested == "w8a8" and not runs_here:
         raise ValueError("--batched-linears w8a8 replaces the bf16 large-batch weights of "
                          "low-bit linears: it needs a bfloat16 model with --quantization "
-                         f"gguf, int4 or int8 (here {dtype}, {method})")
+                         f"gguf, gguf-a8, gguf-a16, int4 or int8 (here {dtype}, {method})")
     if requested == "w8a8" and not w8a8_available():
         raise ValueError("--batched-linears w8a8 needs the native int8 kernel: a C "
                          "compiler and a CPU with AVX512-VNNI")

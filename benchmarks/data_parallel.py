@@ -136,8 +136,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware", "round_robin"])
     ap.add_argument("--skip-w2", action="store_true")
-    ap.add_argument("--num-prefixes", type=int, nargs="+", default=[4, 16],
-                    help="distinct 1,024-token prefixes, one part-1 run per value")
+    ap.add_argument("--num-prefixes", type=int, nargs="*", default=[4, 16],
+                    help="distinct 1,024-token prefixes, one part-1 run per value "
+                         "(none: skip part 1)")
     args = ap.parse_args()
     if ROUTER is None:
         sys.exit("vllm-router is not installed: pip install vllm-router==0.1.17")

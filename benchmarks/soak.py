@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import math
 import random
@@ -51,14 +52,29 @@ def tree_usage(pid: int) -> dict[str, float]:
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
     rss = fds = threads = 0
+    per_process = {}
     for proc in procs:
         try:
-            rss += proc.memory_info().rss
+            one = proc.memory_info().rss
             fds += proc.num_fds()
             threads += proc.num_threads()
         except psutil.NoSuchProcess:
             continue
-    return {"rss_mib": rss / 2**20, "fds": fds, "threads": threads, "processes": len(procs)}
+        rss += one
+        per_process[f"{proc.pid} {_role(proc)}"] = round(one / 2**20)
+    return {"rss_mib": rss / 2**20, "fds": fds, "threads": threads, "processes": len(procs),
+            "rss_mib_by_process": per_process}
+
+
+def _role(proc: psutil.Process) -> str:
+    """front end / engine core / a worker, from the command line."""
+    with contextlib.suppress(psutil.Error):
+        cmd = " ".join(proc.cmdline())
+        for needle, role in (("core_process", "engine core"), ("distributed.worker", "worker"),
+                             ("serve", "front end")):
+            if needle in cmd:
+                return role
+    return "other"
 
 
 def prompt_of(rng: random.Random) -> tuple[str, int]:
@@ -246,6 +262,9 @@ def main() -> int:
                   f"{u['fds']:3d}  {u['threads']:7d}  {u['processes']:9d}")
     a = result["usage_after"]
     print(f"after the load: RSS {a['rss_mib']:.0f} MiB, {a['fds']} fds, {a['threads']} threads")
+    print("RSS by process (MiB), first sample -> last under load: " + ", ".join(
+        f"{name}: {usage[0]['rss_mib_by_process'].get(name, 0)} -> {mib}"
+        for name, mib in usage[-1]["rss_mib_by_process"].items()))
     print(f"KV usage after the load: {result['kv_cache_usage_after']}, "
           f"running: {result['running_after']}")
     problems = verdict(result)

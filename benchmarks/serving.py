@@ -39,8 +39,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from common import embedded_gguf, machine
 from peers import (
     add_peer_args,
-    ensure_llama_cpp,
-    ensure_vllm,
+    ensure_servers,
     selected_peers,
     skip,
     start_llama_server,
@@ -150,15 +149,7 @@ def main() -> None:
     if bad := [t for t in vllm_threads if t not in ("both", "default")]:
         raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
     print(f"W2 online serving · {machine()}")
-    vllm = llama = None
-    if "vllm" in peers:
-        vllm, why = ensure_vllm()
-        if vllm is None:
-            skip("vLLM", why)
-    if "llama" in peers:
-        llama, why = ensure_llama_cpp()
-        if llama is None:
-            skip("llama.cpp", why)
+    vllm, llama = ensure_servers(peers)
     results: dict[str, list[dict]] = {}
     results["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
                                                                    *args.serve_args),

@@ -38,8 +38,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from common import embedded_gguf, machine, median_spread
 from peers import (
     add_peer_args,
-    ensure_llama_cpp,
-    ensure_vllm,
+    ensure_servers,
     selected_peers,
     skip,
     start_llama_server,
@@ -108,15 +107,7 @@ def run_served(name: str, server, args) -> dict:
 
 
 def run_servers(peers: set[str], args) -> dict[str, dict]:
-    vllm = llama = None
-    if "vllm" in peers:
-        vllm, why = ensure_vllm()
-        if vllm is None:
-            skip("vLLM", why)
-    if "llama" in peers:
-        llama, why = ensure_llama_cpp()
-        if llama is None:
-            skip("llama.cpp", why)
+    vllm, llama = ensure_servers(peers)
     served: dict[str, dict] = {}
     served["tokenmill serve"] = run_served("tokenmill serve", start_server(
         "smollm2-135m", "--max-num-seqs", str(args.max_num_seqs),

@@ -121,3 +121,18 @@ def selected_peers(args: argparse.Namespace, default: tuple[str, ...]) -> set[st
 
 def skip(peer: str, why: str | None) -> None:
     print(f"[peers] {peer} SKIPPED: {why}", flush=True)
+
+
+def ensure_servers(peers: set[str]) -> tuple[Vllm | None, LlamaCpp | None]:
+    """vLLM and llama.cpp set up for the selected peers; each that cannot be (or was
+    not selected) is None, with the reason printed."""
+    vllm = llama = None
+    if "vllm" in peers:
+        vllm, why = ensure_vllm()
+        if vllm is None:
+            skip("vLLM", why)
+    if "llama" in peers:
+        llama, why = ensure_llama_cpp()
+        if llama is None:
+            skip("llama.cpp", why)
+    return vllm, llama

@@ -83,6 +83,22 @@ class HermesParser(ToolParser):
         return Scan(text[:text.find(self.OPEN)], calls)
 
 
+def _calls_start(text: str, tag: str, opener: str, final: bool) -> int | Scan:
+    """Where a reply made only of calls begins: the index of `opener` after whitespace
+    and an optional `tag`; else the Scan to return (plain text, or nothing yet while a
+    streamed prefix could still become the tag)."""
+    i = skip_ws(text, 0)
+    if text.startswith(tag, i):
+        i = skip_ws(text, i + len(tag))
+    elif not final and tag.startswith(text[i:]):
+        return Scan("")  # undecided: a tag, a call or text may follow
+    if i >= len(text):
+        return Scan(text if final else "")
+    if text[i] != opener:
+        return Scan(text)
+    return i
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
@@ -90,16 +106,10 @@ class Llama3JsonParser(ToolParser):
                    'by "; ", each {"name": <function name>, "parameters": <arguments object>}.')
 
     def scan(self, text: str, final: bool) -> Scan:
-        i = skip_ws(text, 0)
-        if text.startswith(self.TAG, i):
-            i = skip_ws(text, i + len(self.TAG))
-        elif not final and self.TAG.startswith(text[i:]):
-            return Scan("")  # undecided: a tag, a call or text may follow
-        if i >= len(text):
-            return Scan(text if final else "")
-        if text[i] != "{":
-            return Scan(text)
-        return Scan("", _json_calls(text, i, ";"))
+        start = _calls_start(text, self.TAG, "{", final)
+        if isinstance(start, Scan):
+            return start
+        return Scan("", _json_calls(text, start, ";"))
 
 
 class MistralParser(ToolParser):
@@ -166,17 +176,11 @@ class PythonicParser(ToolParser):
                    'arguments, for example: [get_weather(city="Paris"), get_time()]')
 
     def scan(self, text: str, final: bool) -> Scan:
-        i = skip_ws(text, 0)
-        if text.startswith(self.TAG, i):
-            i = skip_ws(text, i + len(self.TAG))
-        elif not final and self.TAG.startswith(text[i:]):
-            return Scan("")  # undecided: a tag, a call or text may follow
-        if i >= len(text):
-            return Scan(text if final else "")
-        if text[i] != "[":
-            return Scan(text)
+        start = _calls_start(text, self.TAG, "[", final)
+        if isinstance(start, Scan):
+            return start
         calls = []
-        i += 1
+        i = start + 1
         while True:
             i = skip_ws(text, i, ",")
             m = _NAME.match(text, i)

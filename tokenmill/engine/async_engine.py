@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.distributed.errors import TensorParallelError
+from tokenmill.engine.admission import Admission
 from tokenmill.engine.request_stream import (  # noqa: F401 - the server imports them here
     DEFAULT_MAX_STREAM_BACKLOG,
     Aborted,
@@ -56,7 +57,7 @@ class _Inbox:
     abort_everything: bool = False
 
 
-class AsyncEngine:
+class AsyncEngine(Admission):
     """Runs `engine.step()` in a loop (`run`) while requests come and go.
 
     max_waiting: how many requests may wait for a running slot before new ones
@@ -94,16 +95,6 @@ class AsyncEngine:
     def _loop_alive(self) -> bool:
         return not self._finished.is_set()
 
-    @property
-    def num_waiting(self) -> int:
-        """Sequences that wait for a running slot, counting those about to be added."""
-        with self._lock:
-            return self._num_waiting_locked()
-
-    def _num_waiting_locked(self) -> int:
-        beyond_batch = self._num_seqs_in_flight - self.max_num_seqs
-        return max(beyond_batch, self.stats.num_waiting, 0)
-
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
@@ -118,10 +109,7 @@ class AsyncEngine:
         with self._lock:
             if not self._accepting or not self._loop_alive():
                 raise EngineUnavailableError(self._dead_reason or "the server is shutting down")
-            waiting = self._num_waiting_locked()
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFullError(
-                    f"the waiting queue is full ({waiting} sequences); retry later")
+            self._refuse_if_full_locked()
             self._inbox.adds.append(_Add(request_id, prompt, params, arrival, stream))
             self._num_seqs_in_flight += stream.num_seqs
         self._wake.set()

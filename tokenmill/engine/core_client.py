@@ -34,6 +34,7 @@ import zmq
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine import core_messages as m
+from tokenmill.engine.admission import Admission
 from tokenmill.engine.llm_engine import EngineStats, RequestError
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request_stream import (
@@ -43,7 +44,6 @@ from tokenmill.engine.request_stream import (
     EngineDiedError,
     EngineStepError,
     EngineUnavailableError,
-    QueueFullError,
     RequestStream,
 )
 from tokenmill.loaders import load_tokenizer, resolve_model
@@ -71,7 +71,7 @@ class FrontEndModel:
     eos_token_ids: list[int]
 
 
-class CoreClient:
+class CoreClient(Admission):
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  hang_timeout_s: float = 10.0, stuck_after_s: float = 120.0,
                  log_level: str = "info",
@@ -124,15 +124,6 @@ class CoreClient:
 
     # ---- event loop side ------------------------------------------------------------
 
-    @property
-    def num_waiting(self) -> int:
-        with self._lock:
-            return self._num_waiting_locked()
-
-    def _num_waiting_locked(self) -> int:
-        beyond_batch = self._num_seqs_in_flight - self.max_num_seqs
-        return max(beyond_batch, self.stats.num_waiting, 0)
-
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
@@ -155,10 +146,7 @@ class CoreClient:
                 raise EngineUnavailableError(down, _DOWN_RETRY_AFTER_S)
             if not self._accepting:
                 raise EngineUnavailableError("the server is shutting down")
-            waiting = self._num_waiting_locked()
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFullError(
-                    f"the waiting queue is full ({waiting} sequences); retry later")
+            self._refuse_if_full_locked()
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
             # registered before it is sent: the reader may see the answer at once

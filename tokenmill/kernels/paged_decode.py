@@ -8,6 +8,7 @@ outside its limits); callers then run their plain-torch path.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -50,8 +51,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             or not v_cache.is_contiguous() or tables.dtype != torch.int32
             or lens.dtype != torch.int32 or scratch.dtype != torch.float32):
         return None
+    return _decode(fn, q, (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.shape, tables,
+                   first_block, lens, max_len, scale, scratch, with_lse)
+
+
+def _decode(fn: Any, q: torch.Tensor, pools: tuple, pool_shape: torch.Size,
+            tables: torch.Tensor, first_block: int, lens: torch.Tensor, max_len: int,
+            scale: float, scratch: torch.Tensor, with_lse: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """Both decode kernels' call: `pools` the arguments that name the K/V pools (bf16:
+    the two pools; 8-bit: the pools, their scales and the format code), the rest the
+    same for both."""
     num_seqs, heads, d = q.shape
-    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    kv_heads, num_blocks, block_size, _ = pool_shape
     qb = q.to(torch.bfloat16)
     if qb.stride(2) != 1 or qb.stride(1) != d:  # rows may be apart (a view of QKV)
         qb = qb.contiguous()
@@ -60,7 +72,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(num_seqs, heads, d, dtype=q.dtype if bf16_out else torch.float32)
     m = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
     l_ = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
-    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    rc = fn(qb.data_ptr(), qb.stride(0), *pools,
             tables.data_ptr(), tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads,
             kv_heads, num_blocks, block_size, d, scale,
             None if bf16_out else out.data_ptr(), out.data_ptr() if bf16_out else None,
@@ -115,26 +127,10 @@ def paged_decode_q8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fn = _lib.get("tm_paged_decode_q8")
     if fn is None:
         return None
-    num_seqs, heads, d = q.shape
-    kv_heads, num_blocks, block_size, _ = k_cache.shape
-    qb = q.to(torch.bfloat16)
-    if qb.stride(2) != 1 or qb.stride(1) != d:
-        qb = qb.contiguous()
-    tables, lens = tables.contiguous(), lens.contiguous()
-    bf16_out = not with_lse and q.dtype == torch.bfloat16
-    out = torch.empty(num_seqs, heads, d, dtype=q.dtype if bf16_out else torch.float32)
-    m = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
-    l_ = torch.empty(num_seqs, heads, dtype=torch.float32) if with_lse else None
-    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_scale.data_ptr(), v_scale.data_ptr(), _Q8_DTYPES[k_cache.dtype],
-            tables.data_ptr(), tables.stride(0), first_block, lens.data_ptr(), num_seqs, heads,
-            kv_heads, num_blocks, block_size, d, scale,
-            None if bf16_out else out.data_ptr(), out.data_ptr() if bf16_out else None,
-            m.data_ptr() if m is not None else None, l_.data_ptr() if l_ is not None else None,
-            scratch.data_ptr(), max_len, torch.get_num_threads())
-    if rc != 0:
-        return None
-    return (out if bf16_out or with_lse else out.to(q.dtype)), m, l_
+    pools = (k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+             _Q8_DTYPES[k_cache.dtype])
+    return _decode(fn, q, pools, k_cache.shape, tables, first_block, lens, max_len, scale,
+                   scratch, with_lse)
 
 
 def store_kv_q8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

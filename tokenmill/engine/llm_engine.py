@@ -24,6 +24,7 @@ from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
+from tokenmill.engine.heap_trim import HeapTrimmer
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.overlap import OverlapStepper
 from tokenmill.engine.phase_timer import STEP_PHASES, PhaseTimer
@@ -199,6 +200,7 @@ class LLMEngine:
                                "every step runs synchronously")
             else:
                 self.overlap = OverlapStepper(self)
+        self.heap = HeapTrimmer()  # engine/heap_trim.py: RSS flat under mixed lengths
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, _Request] = {}  # constrained requests waiting for a grammar
         # seq_id of a request's first sample -> its prompt logprobs so far
@@ -369,8 +371,11 @@ class LLMEngine:
         """One engine step: the outputs of the requests it advanced. Under async
         scheduling (engine/overlap.py) the outputs are those of the step before,
         learnt while this one ran."""
-        if self.overlap is not None:
-            return self.overlap.step()
+        outputs = self.overlap.step() if self.overlap is not None else self._step()
+        self.heap.after_step(busy=self.has_unfinished_requests())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         timer = PhaseTimer(self.stats.time_s)
         failed = self._admit_compiled() if self._compiling else []
         with timer("schedule"):

@@ -1,0 +1,82 @@
+"""The engine hands its C heap's free pages back to the OS (engine/heap_trim.py):
+what holds the soak's RSS flat (BENCHMARKS.md, "Soak"), on a schedule an operator
+can set or turn off."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine import heap_trim
+from tokenmill.engine.heap_trim import ENV, HeapTrimmer
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _trimmer(interval_s: float, calls: list[int]) -> tuple[HeapTrimmer, _Clock]:
+    clock = _Clock()
+    t = HeapTrimmer(interval_s, clock=clock)
+    t._trim = lambda pad: calls.append(pad) or 1  # count calls, not glibc's work
+    return t, clock
+
+
+def test_busy_engine_trims_once_per_interval():
+    calls: list[int] = []
+    t, clock = _trimmer(10.0, calls)
+    for _ in range(50):  # 50 steps of 0.1 s: 5 s, under the interval
+        clock.now += 0.1
+        assert not t.after_step(busy=True)
+    clock.now += 5.1
+    assert t.after_step(busy=True)
+    assert calls == [0]  # malloc_trim(0): keep no padding
+    clock.now += 1.0
+    assert not t.after_step(busy=True)  # the interval counts from the last trim
+
+
+def test_going_idle_trims_but_not_more_than_once_a_second():
+    calls: list[int] = []
+    t, clock = _trimmer(10.0, calls)
+    clock.now += 2.0
+    assert t.after_step(busy=False)  # the last request finished: give the pages back
+    clock.now += 0.2
+    assert not t.after_step(busy=False)  # sparse requests do not trim every step
+    clock.now += 1.0
+    assert t.after_step(busy=False)
+    assert len(calls) == 2 and t.trims == 2
+
+
+def test_interval_zero_turns_it_off(monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    t = HeapTrimmer()
+    assert not t.enabled and not t.after_step(busy=False)
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1"])
+def test_bad_env_value_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(ValueError, match=ENV):
+        HeapTrimmer()
+
+
+def test_glibc_malloc_trim_is_found_and_runs():
+    trim = heap_trim._malloc_trim()
+    if trim is None:
+        pytest.skip("not glibc: nothing to trim with")
+    assert trim(0) in (0, 1)
+
+
+def test_engine_trims_when_it_goes_idle(llm):
+    heap = llm.engine.heap
+    if not heap.enabled:
+        pytest.skip("not glibc")
+    before = heap.trims
+    heap._last -= 5  # the last trim 5 s ago: under the interval, over the idle gap
+    llm.generate([[100, 200, 300]], SamplingParams(max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    assert heap.trims == before + 1  # once, when the request finished: not per step

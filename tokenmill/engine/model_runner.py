@@ -40,6 +40,7 @@ from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dty
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.cuda_graph import DecodeGraphs
+from tokenmill.engine.fused_decode import FusedDecode
 from tokenmill.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from tokenmill.engine.staging import HostStaging
 from tokenmill.kvcache.pool import KVPool
@@ -130,6 +131,10 @@ class ModelRunner:
                                        max_model_len, block_size, device)
             if device.type == "cuda" and self.backend.cuda_graph_capturable and capture_graphs:
                 self.graphs.capture()
+        # batch-1 decode steps in one native call where that gives the module path's
+        # results (engine/fused_decode.py); None: every step runs the modules
+        self.fused_decode = FusedDecode.build(model, self.backend, self.kv_caches) \
+            if self.graphs is None else None
         # rank 0 under tensor parallelism: broadcasts each step (WorkerGroup.send_step)
         self.driver: Any = None
         self._last_step: tuple[AttentionMetadata, StepInputs] | None = None
@@ -311,6 +316,12 @@ class ModelRunner:
                  logit_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
+        fused = self.fused_decode
+        if fused is not None and fused.takes(ids, meta, logit_rows):
+            result = fused.run(ids, pos, meta)
+            if result is not None:
+                logits, hidden = result
+                return logits if logits is not None else self.model.compute_logits(hidden)
         with attention_metadata(meta):
             hidden = self.model(ids, pos)  # (T, hidden)
         if not logit_rows:

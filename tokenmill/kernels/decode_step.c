@@ -1,0 +1,243 @@
+/* One batch-1 decode step of a Llama decoder (every layer, the final norm and the LM
+ * head) in one native call and one OpenMP parallel region.
+ *
+ * The module path runs each layer as ~8 separate native calls (norm, QKV GEMV, rotary,
+ * KV store, paged decode, o_proj, gate_up, silu + down), each its own OpenMP fork/join,
+ * with Python between them: at batch 1 that glue and the fork/joins cost as much as the
+ * arithmetic. Here the threads stay in one region (llama.cpp's model: one thread pool,
+ * a barrier between dependent phases). Per layer, with T threads:
+ *   1. every thread: residual add + RMSNorm and the activation quantizer, redundantly
+ *      into its own buffers (one row: cheaper than a barrier); thread 0 alone writes
+ *      the residual stream; then its share of the QKV GEMV's groups of 16 rows;  barrier
+ *   2. K rotated and K/V stored, split by kv head;                                barrier
+ *   3. attention split by query head (each head its own work item: both threads busy at
+ *      batch 1), the head's q rotated by its owner;                               barrier
+ *   4. o_proj groups (input quantized per thread);                                barrier
+ *   5. residual add + norm per thread, gate_up groups;                            barrier
+ *   6. silu * up per thread, down groups;                                         barrier
+ * then the final norm and the LM head's groups (fp32 logits of bf16-rounded values).
+ *
+ * The arithmetic is the module path's own, compiled from the same source:
+ * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
+ * score and weighted-V tiles (with one query head per work item instead of a kv
+ * head's group: each head's sums are the same sequence of operations). The residual
+ * stream alternates between two buffers, so a thread reading one never races with
+ * thread 0 writing the other.
+ *
+ * Built at first use by tokenmill/kernels/build.py (which hashes the .c files included
+ * here); see tokenmill/kernels/decode_step.py and tokenmill/engine/fused_decode.py.
+ */
+#include "q4q8_gemv.c"
+#include "paged_decode.c"
+#include "layer_ops.h"
+
+#include <omp.h>
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* (hidden,) bf16 */
+    const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records */
+    int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    uint16_t *k_cache, *v_cache; /* (KVH, NB, BS, D) bf16 */
+} tm_layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab, bits;
+    int64_t num_blocks, block_size, max_pos;
+    float eps, scale;
+    const uint16_t *embed;      /* (vocab, hidden) bf16 */
+    const float *cos, *sin;     /* (max_pos, head_dim) fp32 */
+    const uint16_t *final_norm; /* (hidden,) bf16 */
+    const uint8_t *lm_head;     /* records, vocab rows; NULL: no logits */
+    int64_t lm_head_fmt;
+    const tm_layer_t *layers;
+} tm_model_t;
+
+int64_t tm_decode_step_abi(void) { return (int64_t)sizeof(tm_model_t) * 1000 + sizeof(tm_layer_t); }
+
+/* per-thread buffers for one row's quantized activations (K inputs at most) */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+} act_t;
+
+static inline void quantize_row(const uint16_t *x, int64_t K, int64_t bits, act_t *a) {
+    tm_q8_quantize_bf16(x, 1, K, bits, a->q, a->d, a->s, a->sum);
+}
+
+/* this thread's share [*lo, *hi) of n items, contiguous */
+static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) {
+    *lo = n * tid / nth;
+    *hi = n * (tid + 1) / nth;
+}
+
+static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
+                              int64_t bits, const act_t *a, uint16_t *y, int tid, int nth) {
+    int64_t g0, g1;
+    share((N + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+    for (int64_t g = g0; g < g1; g++)
+        linear_group(w, g, 1, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
+}
+
+/* one query head over its kv head's blocks: paged_decode()'s work item with G = 1 */
+static void attend_head(const uint16_t *qh, const uint16_t *k, const uint16_t *v,
+                        const int32_t *tab, int64_t len, int64_t BS, int64_t D, float scale,
+                        float *s, uint16_t *out) {
+    item_t it = {k, v, tab, len, BS, D, 1, len, scale, NULL, NULL, NULL, NULL, NULL};
+    float acc[MAX_D] __attribute__((aligned(64)));
+    float mx[1], sum[1];
+#ifdef TM_AVX512BF16
+    const int vector_path = D % 32 == 0;
+    if (vector_path && D == 64) scores_tiled(&it, qh, s, mx, 1, 2);
+    else if (vector_path) scores_tiled(&it, qh, s, mx, 1, D / 32);
+    else
+#endif
+        scores_generic(&it, qh, s, mx);
+    {
+        const float m = mx[0];
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            const float e = expf(s[t] - m);
+            total += e;
+            s[t] = bf16_to_f32(f32_to_bf16(e));
+        }
+        sum[0] = total;
+    }
+#ifdef TM_AVX512BF16
+    if (vector_path && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
+    else if (vector_path) weighted_v_pairs(&it, s, acc, 1, D / 32);
+    else
+#endif
+        weighted_v_generic(&it, s, acc);
+    const float inv = 1.0f / sum[0];
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) out[d] = f32_to_bf16(acc[d] * inv);
+}
+
+static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
+ * seq_len tokens of the blocks `table`. hidden_out (hidden,) bf16: the final norm's
+ * output; logits (vocab,) fp32 when the model has an LM head here. Returns 0; -1 when an
+ * input is out of range (nothing written), -2 when the scratch cannot be allocated. */
+int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t slot,
+                       const int32_t *table, int64_t seq_len, uint16_t *hidden_out,
+                       float *logits, int64_t num_threads) {
+    const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
+    if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
+        slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % 2 ||
+        KVH < 1 || NH % KVH || H % QK || I % QK || (NH * D) % QK ||
+        (m->bits != 8 && m->bits != 16))
+        return -1;
+    for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
+        if (table[j] < 0 || table[j] >= NB) return -1;
+    const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
+    const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX;
+    /* shared: x, two residual buffers, qkv, attention output, gate_up */
+    const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
+    /* per thread: a normed row, a private residual, the quantized row, the scores */
+    const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
+                                up64(12 * (size_t)(K_ATTN / QK)) + up64(4 * (size_t)seq_len);
+    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes);
+    if (!buf) return -2;
+    uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
+    uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
+    memcpy(res[0], m->embed + token * H, (size_t)H * 2);
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        char *mine = buf + shared_bytes + (size_t)tid * thread_bytes;
+        uint16_t *xn = (uint16_t *)mine, *my_res = xn + K_ATTN;
+        char *p = mine + up64(2 * (size_t)(K_ATTN + H));
+        act_t a;
+        a.q = (int8_t *)p;
+        p += up64(2 * (size_t)K_ATTN);
+        a.d = (float *)p;
+        a.s = a.d + K_ATTN / QK;
+        a.sum = (int32_t *)(a.s + K_ATTN / QK);
+        p += up64(12 * (size_t)(K_ATTN / QK));
+        float *scores = (float *)p;
+        const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
+        const int64_t blk = slot / BS, off = slot % BS;
+        int cur = 0; /* res[cur]: the residual stream so far */
+
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const tm_layer_t *L = m->layers + l;
+            /* 1. norm (layer 0: of the embedding itself, which is then the residual) */
+            if (l == 0) {
+                rms_norm_row(res[0], NULL, NULL, L->input_norm, xn, H, m->eps);
+            } else {
+                uint16_t *dst = tid == 0 ? res[cur ^ 1] : my_res;
+                rms_norm_row(x, res[cur], dst, L->input_norm, xn, H, m->eps);
+            }
+            quantize_row(xn, H, m->bits, &a);
+            gemv_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, &a, qkv, tid, nth);
+#pragma omp barrier
+            if (l > 0) cur ^= 1;
+            /* 2. K rotated, K and V stored */
+            {
+                int64_t h0, h1;
+                share(KVH, tid, nth, &h0, &h1);
+                for (int64_t h = h0; h < h1; h++) {
+                    uint16_t *kh = qkv + (NH + h) * D, *vh = qkv + (NH + KVH + h) * D;
+                    rotary_head(kh, c, sn, D);
+                    const int64_t dst = ((h * NB + blk) * BS + off) * D;
+                    memcpy(L->k_cache + dst, kh, (size_t)D * 2);
+                    memcpy(L->v_cache + dst, vh, (size_t)D * 2);
+                }
+            }
+#pragma omp barrier
+            /* 3. attention, one query head per item */
+            {
+                int64_t h0, h1;
+                share(NH, tid, nth, &h0, &h1);
+                for (int64_t h = h0; h < h1; h++) {
+                    uint16_t *qh = qkv + h * D;
+                    rotary_head(qh, c, sn, D);
+                    const int64_t kh = h / G;
+                    attend_head(qh, L->k_cache + kh * NB * BS * D, L->v_cache + kh * NB * BS * D,
+                                table, seq_len, BS, D, m->scale, scores, attn + h * D);
+                }
+            }
+#pragma omp barrier
+            /* 4. o_proj */
+            quantize_row(attn, NH * D, m->bits, &a);
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, &a, o_out, tid, nth);
+#pragma omp barrier
+            /* 5. residual add + norm, gate_up */
+            rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
+                         H, m->eps);
+            quantize_row(xn, H, m->bits, &a);
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, &a, gu, tid, nth);
+#pragma omp barrier
+            cur ^= 1;
+            /* 6. silu * up, down */
+            silu_mul_row(gu, gu + I, xn, I);
+            quantize_row(xn, I, m->bits, &a);
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, &a, x, tid, nth);
+#pragma omp barrier
+        }
+        /* the final norm (every thread, for the LM head's input), then the LM head */
+        rms_norm_row(x, res[cur], tid == 0 ? res[cur ^ 1] : my_res, m->final_norm, xn, H,
+                     m->eps);
+        if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
+        if (m->lm_head && logits) {
+            quantize_row(xn, H, m->bits, &a);
+            int64_t g0, g1;
+            share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
+                linear_group(m->lm_head, g, 1, H, m->vocab, m->lm_head_fmt, m->bits, a.q, a.d,
+                             a.s, a.sum, logits, 1);
+                /* the module path's bf16 output, as float */
+                for (int64_t r = 0; r < n; r++)
+                    logits[g * ROWS + r] = round_bf16(logits[g * ROWS + r]);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

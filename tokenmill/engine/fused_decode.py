@@ -71,9 +71,11 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     bits = None
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention \
-                or type(layer.mlp) is not FusedSiluMLP:
-            return f"layer {i} is not a plain Llama layer with a fused silu MLP"
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            return f"layer {i} is not a plain Llama layer"
+        if type(layer.mlp) is not FusedSiluMLP:
+            return (f"layer {i}: its MLP does not run silu * up in the down projection "
+                    "(--quantization gguf-a16 / gguf-a8)")
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
         if not all(_lowbit(lin, bits) for lin in linears):

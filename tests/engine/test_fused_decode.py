@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not (decode_step.available() and q4q8_gemv.avail
                                 reason="decode_step not built")
 PROMPTS = ["The capital of France is",  # 6 tokens: decode crosses the block at 16
            "def fibonacci(n):\n    " * 4,  # ~30 tokens: starts in the second block
-           "Once upon a time, in a land far away, there lived a king who had three "
-           "daughters. The youngest"]
+           ("Once upon a time, in a land far away, there lived a king who had three "
+            "daughters. The youngest")]
 
 
 def _engine(**config) -> LLMEngine:

@@ -154,22 +154,24 @@ class FusedDecode:
         assert isinstance(model, LlamaForCausalLM)
         return cls(model, kv_caches)
 
-    def takes(self, ids: torch.Tensor, meta: AttentionMetadata, logit_rows: list[int]) -> bool:
-        """A single-sequence decode step that samples its one row."""
-        return (self.enabled and ids.numel() == 1 and meta.query_lens_list == [1]
-                and logit_rows == [0] and meta.block_tables.dtype == torch.int32
-                and meta.block_tables.is_contiguous())
+    def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
+        """A single-sequence decode step that samples its one row (the model runner asks
+        before it plans the step: this one needs no attention plan)."""
+        return self.enabled and query_lens == [1] and logit_rows == [0]
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """(logits (1, vocab) fp32 or None, final hidden state (1, hidden) bf16); None when
         the kernel refuses an input (nothing written: the module path then runs and
         reports it)."""
+        tables = meta.block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous() or ids.numel() != 1:
+            return None
         hidden = torch.empty((1, self.hidden), dtype=torch.bfloat16)
         logits = torch.empty((1, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
         rc = native.step(self.record, int(ids.item()), int(pos.item()),
-                         int(meta.slot_mapping.item()), meta.block_tables,
+                         int(meta.slot_mapping.item()), tables,
                          meta.seq_lens_list[0], hidden, logits)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")

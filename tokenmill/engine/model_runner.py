@@ -276,7 +276,10 @@ class ModelRunner:
             query_lens_list=staged.query_lens,
             seq_lens_list=staged.seq_lens,
         )
-        meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
+        fused = self.fused_decode
+        if fused is None or not fused.takes(staged.query_lens, staged.logit_rows):
+            meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
+        # else the fused step needs none (should it refuse the step, the first layer plans)
         self._record(meta, staged)
         return ids, pos, meta, staged.logit_rows
 
@@ -317,7 +320,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
         fused = self.fused_decode
-        if fused is not None and fused.takes(ids, meta, logit_rows):
+        if fused is not None and fused.takes(meta.query_lens_list, logit_rows):
             result = fused.run(ids, pos, meta)
             if result is not None:
                 logits, hidden = result

@@ -165,14 +165,16 @@ class FusedDecode:
         the kernel refuses an input (nothing written: the module path then runs and
         reports it)."""
         tables = meta.block_tables
-        if tables.dtype != torch.int32 or not tables.is_contiguous() or ids.numel() != 1:
+        seq_len = meta.seq_lens_list[0]
+        if (tables.dtype != torch.int32 or not tables.is_contiguous() or ids.numel() != 1
+                or tables.shape[-1] * meta.block_size < seq_len):
             return None
         hidden = torch.empty((1, self.hidden), dtype=torch.bfloat16)
         logits = torch.empty((1, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
         rc = native.step(self.record, int(ids.item()), int(pos.item()),
                          int(meta.slot_mapping.item()), tables,
-                         meta.seq_lens_list[0], hidden, logits)
+                         seq_len, hidden, logits)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")
         return None if rc else (logits, hidden)

@@ -10,8 +10,8 @@
  *      into its own buffers (one row: cheaper than a barrier); thread 0 alone writes
  *      the residual stream; then its share of the QKV GEMV's groups of 16 rows;  barrier
  *   2. K rotated and K/V stored, split by kv head;                                barrier
- *   3. attention split by query head (each head its own work item: both threads busy at
- *      batch 1), the head's q rotated by its owner;                               barrier
+ *   3. attention split by query head (both threads busy at batch 1), a thread's heads
+ *      of one kv head in one pass over its blocks, q rotated by its owner;        barrier
  *   4. o_proj groups (input quantized per thread);                                barrier
  *   5. residual add + norm per thread, gate_up groups;                            barrier
  *   6. silu * up per thread, down groups;                                         barrier
@@ -19,8 +19,8 @@
  *
  * The arithmetic is the module path's own, compiled from the same source:
  * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
- * score and weighted-V tiles (with one query head per work item instead of a kv
- * head's group: each head's sums are the same sequence of operations). The residual
+ * score and weighted-V tiles (over some of a kv head's query heads where the
+ * module path takes all of them: each head's sums are the same operations). The residual
  * stream alternates between two buffers, so a thread reading one never races with
  * thread 0 writing the other.
  *
@@ -79,40 +79,49 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t 
         linear_group(w, g, 1, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
 }
 
-/* one query head over its kv head's blocks: paged_decode()'s work item with G = 1 */
-static void attend_head(const uint16_t *qh, const uint16_t *k, const uint16_t *v,
-                        const int32_t *tab, int64_t len, int64_t BS, int64_t D, float scale,
-                        float *s, uint16_t *out) {
-    item_t it = {k, v, tab, len, BS, D, 1, len, scale, NULL, NULL, NULL, NULL, NULL};
-    float acc[MAX_D] __attribute__((aligned(64)));
-    float mx[1], sum[1];
+/* query heads q (G, D) of one kv head over its blocks: paged_decode()'s work item, for
+ * all G heads of the kv head or some of them (each head's sums are the same operations
+ * either way); s: G * len fp32 scratch; out (G, D) bf16 */
+static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const uint16_t *v,
+                         const int32_t *tab, int64_t len, int64_t BS, int64_t D, float scale,
+                         float *s, uint16_t *out) {
+    item_t it = {k, v, tab, len, BS, D, G, len, scale, NULL, NULL, NULL, NULL, NULL};
+    float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    float mx[MAX_GROUP], sum[MAX_GROUP];
 #ifdef TM_AVX512BF16
     const int vector_path = D % 32 == 0;
-    if (vector_path && D == 64) scores_tiled(&it, qh, s, mx, 1, 2);
-    else if (vector_path) scores_tiled(&it, qh, s, mx, 1, D / 32);
+    if (vector_path && G == 3 && D == 64) scores_tiled(&it, q, s, mx, 3, 2);
+    else if (vector_path && G == 1 && D == 64) scores_tiled(&it, q, s, mx, 1, 2);
+    else if (vector_path) scores_tiled(&it, q, s, mx, G, D / 32);
     else
 #endif
-        scores_generic(&it, qh, s, mx);
-    {
-        const float m = mx[0];
+        scores_generic(&it, q, s, mx);
+    for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
+        float *sg = s + g * len;
+        const float m = mx[g];
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) {
-            const float e = expf(s[t] - m);
+            const float e = expf(sg[t] - m);
             total += e;
-            s[t] = bf16_to_f32(f32_to_bf16(e));
+            sg[t] = bf16_to_f32(f32_to_bf16(e));
         }
-        sum[0] = total;
+        sum[g] = total;
     }
 #ifdef TM_AVX512BF16
-    if (vector_path && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
-    else if (vector_path) weighted_v_pairs(&it, s, acc, 1, D / 32);
+    if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
+    else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
+    else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
     else
 #endif
         weighted_v_generic(&it, s, acc);
-    const float inv = 1.0f / sum[0];
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / sum[g];
+        const float *ag = acc + g * D;
+        uint16_t *ob = out + g * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; d++) out[d] = f32_to_bf16(acc[d] * inv);
+        for (int64_t d = 0; d < D; d++) ob[d] = f32_to_bf16(ag[d] * inv);
+    }
 }
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -128,7 +137,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % 2 ||
-        KVH < 1 || NH % KVH || H % QK || I % QK || (NH * D) % QK ||
+        KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
+        H % QK || I % QK || (NH * D) % QK ||
         (m->bits != 8 && m->bits != 16))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
@@ -139,7 +149,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
     /* per thread: a normed row, a private residual, the quantized row, the scores */
     const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
-                                up64(12 * (size_t)(K_ATTN / QK)) + up64(4 * (size_t)seq_len);
+                                up64(12 * (size_t)(K_ATTN / QK)) +
+                                up64(4 * (size_t)(G * seq_len));
     char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes);
     if (!buf) return -2;
     uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
@@ -190,16 +201,17 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 }
             }
 #pragma omp barrier
-            /* 3. attention, one query head per item */
+            /* 3. attention: this thread's query heads, those of one kv head together */
             {
                 int64_t h0, h1;
                 share(NH, tid, nth, &h0, &h1);
-                for (int64_t h = h0; h < h1; h++) {
-                    uint16_t *qh = qkv + h * D;
-                    rotary_head(qh, c, sn, D);
-                    const int64_t kh = h / G;
-                    attend_head(qh, L->k_cache + kh * NB * BS * D, L->v_cache + kh * NB * BS * D,
-                                table, seq_len, BS, D, m->scale, scores, attn + h * D);
+                for (int64_t h = h0; h < h1; h++) rotary_head(qkv + h * D, c, sn, D);
+                for (int64_t h = h0; h < h1;) {
+                    const int64_t kh = h / G, end = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+                    attend_heads(qkv + h * D, end - h, L->k_cache + kh * NB * BS * D,
+                                 L->v_cache + kh * NB * BS * D, table, seq_len, BS, D,
+                                 m->scale, scores, attn + h * D);
+                    h = end;
                 }
             }
 #pragma omp barrier

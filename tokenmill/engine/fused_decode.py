@@ -93,7 +93,7 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
             return f"layer {i}: attention scale or heads unlike the config"
     rotary = inner.rotary_emb
     if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
-            or not rotary.sin_cache.is_contiguous() or d % 2 or d > 1024:
+            or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
         return "rotary tables or head_dim the kernel does not take"
     if not _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden) \
             or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):

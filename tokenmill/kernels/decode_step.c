@@ -8,13 +8,14 @@
  * a barrier between dependent phases). Per layer, with T threads:
  *   1. every thread: residual add + RMSNorm and the activation quantizer, redundantly
  *      into its own buffers (one row: cheaper than a barrier); thread 0 alone writes
- *      the residual stream; then its share of the QKV GEMV's groups of 16 rows;  barrier
- *   2. K rotated and K/V stored, split by kv head;                                barrier
- *   3. attention split by query head (both threads busy at batch 1), a thread's heads
+ *      the residual stream; then its share of the QKV GEMV's groups of 16 rows,
+ *      and the K heads (rotated) and V heads whose rows it computed into the KV
+ *      cache;                                                                     barrier
+ *   2. attention split by query head (both threads busy at batch 1), a thread's heads
  *      of one kv head in one pass over its blocks, q rotated by its owner;        barrier
- *   4. o_proj groups (input quantized per thread);                                barrier
- *   5. residual add + norm per thread, gate_up groups;                            barrier
- *   6. silu * up per thread, down groups;                                         barrier
+ *   3. o_proj groups (input quantized per thread);                                barrier
+ *   4. residual add + norm per thread, gate_up groups;                            barrier
+ *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits of bf16-rounded values).
  *
  * The arithmetic is the module path's own, compiled from the same source:
@@ -69,6 +70,13 @@ static inline void quantize_row(const uint16_t *x, int64_t K, int64_t bits, act_
 static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nth;
     *hi = n * (tid + 1) / nth;
+}
+
+/* a share's boundary b (in groups of 16 rows) moved up to a head's first group past
+ * the q_groups of Q, so that one thread computes every row of a K or V head */
+static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_groups) {
+    return b <= q_groups ? b : q_groups + (b - q_groups + head_groups - 1) / head_groups *
+                                              head_groups;
 }
 
 static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
@@ -136,7 +144,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
-        slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % 2 ||
+        slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
         H % QK || I % QK || (NH * D) % QK ||
         (m->bits != 8 && m->bits != 16))
@@ -145,6 +153,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (table[j] < 0 || table[j] >= NB) return -1;
     const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
     const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX;
+    const int64_t q_groups = NH * D / ROWS, head_groups = D / ROWS;
     /* shared: x, two residual buffers, qkv, attention output, gate_up */
     const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
     /* per thread: a normed row, a private residual, the quantized row, the scores */
@@ -185,23 +194,27 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 rms_norm_row(x, res[cur], dst, L->input_norm, xn, H, m->eps);
             }
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, &a, qkv, tid, nth);
-#pragma omp barrier
-            if (l > 0) cur ^= 1;
-            /* 2. K rotated, K and V stored */
-            {
-                int64_t h0, h1;
-                share(KVH, tid, nth, &h0, &h1);
-                for (int64_t h = h0; h < h1; h++) {
-                    uint16_t *kh = qkv + (NH + h) * D, *vh = qkv + (NH + KVH + h) * D;
-                    rotary_head(kh, c, sn, D);
-                    const int64_t dst = ((h * NB + blk) * BS + off) * D;
-                    memcpy(L->k_cache + dst, kh, (size_t)D * 2);
-                    memcpy(L->v_cache + dst, vh, (size_t)D * 2);
+            {   /* QKV rows; a K head rotated and stored, a V head stored, by the thread
+                 * that computed all its rows (shares end on head boundaries past Q) */
+                int64_t g0, g1;
+                share(QKV / ROWS, tid, nth, &g0, &g1);
+                g0 = head_aligned(g0, q_groups, head_groups);
+                g1 = head_aligned(g1, q_groups, head_groups);
+                for (int64_t g = g0; g < g1; g++)
+                    linear_group(L->qkv, g, 1, H, QKV, L->qkv_fmt, m->bits, a.q, a.d, a.s,
+                                 a.sum, qkv, 0);
+                for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
+                    const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
+                    const int64_t h = u % KVH;
+                    uint16_t *row = qkv + (NH + u) * D;
+                    uint16_t *cache = u < KVH ? L->k_cache : L->v_cache;
+                    if (u < KVH) rotary_head(row, c, sn, D);
+                    memcpy(cache + ((h * NB + blk) * BS + off) * D, row, (size_t)D * 2);
                 }
             }
 #pragma omp barrier
-            /* 3. attention: this thread's query heads, those of one kv head together */
+            if (l > 0) cur ^= 1;
+            /* 2. attention: this thread's query heads, those of one kv head together */
             {
                 int64_t h0, h1;
                 share(NH, tid, nth, &h0, &h1);
@@ -215,18 +228,18 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 }
             }
 #pragma omp barrier
-            /* 4. o_proj */
+            /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
             gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, &a, o_out, tid, nth);
 #pragma omp barrier
-            /* 5. residual add + norm, gate_up */
+            /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
             gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, &a, gu, tid, nth);
 #pragma omp barrier
             cur ^= 1;
-            /* 6. silu * up, down */
+            /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
             gemv_share(L->down, L->down_fmt, I, H, m->bits, &a, x, tid, nth);

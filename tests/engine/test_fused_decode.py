@@ -139,16 +139,26 @@ def test_off_by_env_and_for_what_it_does_not_cover(engines, monkeypatch):
 def test_the_threads_split_changes_no_result(engines, threads, monkeypatch):
     engine = engines["gguf-a16"]
     rec = _Recorder(engine, monkeypatch)
-    module_ids = _greedy(engine, PROMPTS[1], 20, fused=False)
+    module_ids = _greedy(engine, PROMPTS[1], 10, fused=False)
     module_logits = list(rec.logits)
     rec.logits.clear()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # uneven shares of heads and row groups at 3
     try:
-        fused_ids = _greedy(engine, PROMPTS[1], 20, fused=True)
+        fused_ids = _greedy(engine, PROMPTS[1], 10, fused=True)
     finally:
         torch.set_num_threads(before)
-    assert rec.fused_steps == 19
+    assert rec.fused_steps == 9
     assert fused_ids == module_ids
     for a, b in zip(rec.logits, module_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_async_scheduling_takes_it_with_the_same_tokens(monkeypatch):
+    # the next step's input id is the previous step's sample, patched in on the device
+    engine = _engine(quantization="gguf-a16", async_scheduling=True)
+    rec = _Recorder(engine, monkeypatch)
+    fused_ids = _greedy(engine, PROMPTS[0], 20, fused=True)
+    assert rec.fused_steps == 19
+    assert engine.stats.num_async_steps > 0
+    assert fused_ids == _greedy(engine, PROMPTS[0], 20, fused=False)

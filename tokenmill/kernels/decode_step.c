@@ -98,7 +98,9 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     float mx[MAX_GROUP], sum[MAX_GROUP];
 #ifdef TM_AVX512BF16
     const int vector_path = D % 32 == 0;
+    /* compile-time shapes for SmolLM2's kv groups of 3 split between two threads */
     if (vector_path && G == 3 && D == 64) scores_tiled(&it, q, s, mx, 3, 2);
+    else if (vector_path && G == 2 && D == 64) scores_tiled(&it, q, s, mx, 2, 2);
     else if (vector_path && G == 1 && D == 64) scores_tiled(&it, q, s, mx, 1, 2);
     else if (vector_path) scores_tiled(&it, q, s, mx, G, D / 32);
     else
@@ -118,6 +120,7 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     }
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
+    else if (vector_path && G == 2 && D == 64) weighted_v_pairs(&it, s, acc, 2, 2);
     else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
     else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
     else

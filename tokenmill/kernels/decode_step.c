@@ -53,7 +53,10 @@ typedef struct {
     const tm_layer_t *layers;
 } tm_model_t;
 
-int64_t tm_decode_step_abi(void) { return (int64_t)sizeof(tm_model_t) * 1000 + sizeof(tm_layer_t); }
+/* the structs' sizes, for decode_step.py to check its ctypes mirror of them */
+int64_t tm_decode_step_abi(void) {
+    return (int64_t)sizeof(tm_model_t) * 1000 + (int64_t)sizeof(tm_layer_t);
+}
 
 /* per-thread buffers for one row's quantized activations (K inputs at most) */
 typedef struct {

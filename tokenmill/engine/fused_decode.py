@@ -69,6 +69,9 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     inner = model.model
     hidden, d = cfg.hidden_size, cfg.head_dim
     bits = None
+    first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
+    heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+    inter = first.mlp.down_proj.in_features if type(first.mlp) is FusedSiluMLP else 0
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
@@ -89,8 +92,11 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         if k.dtype != torch.bfloat16 or not k.is_contiguous() or not v.is_contiguous() \
                 or k.device.type != "cpu":
             return "a KV cache that is not bf16 on the CPU"
-        if attn.attn.scale != d ** -0.5 or attn.num_kv_heads != cfg.num_key_value_heads:
-            return f"layer {i}: attention scale or heads unlike the config"
+        shapes = [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden),
+                  (hidden, 2 * inter), (inter, hidden)]
+        if (attn.attn.scale != d ** -0.5 or attn.head_dim != d or attn.rotary is not inner.rotary_emb
+                or [(lin.in_features, lin.out_features) for lin in linears] != shapes):
+            return f"layer {i}: attention or MLP shapes unlike a Llama layer's"
     rotary = inner.rotary_emb
     if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
             or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:

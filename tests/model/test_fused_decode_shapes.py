@@ -82,3 +82,15 @@ def _decode_both_ways(runner: ModelRunner, fused) -> None:
         got = _step(runner, [token], pos, table, [])  # writes the same K/V over the slot
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         token, pos = int(got[0].argmax()), pos + 1
+
+
+def test_its_build_is_keyed_on_the_kernels_it_compiles_in():
+    # decode_step.c #includes q4q8_gemv.c and paged_decode.c: an edit there must rebuild it
+    from pathlib import Path
+
+    from tokenmill.kernels import build
+
+    kernels = Path(build.__file__).parent
+    included = build._included_sources(kernels / "decode_step.c")
+    assert included == [(kernels / n).read_text() for n in ("q4q8_gemv.c", "paged_decode.c")]
+    assert build._included_sources(kernels / "layer_ops.c") == []

@@ -8,6 +8,11 @@ absolute times). Each path's median TPOT is held against its own floor (weight +
 bytes per step / --bandwidth).
 
     .venv/bin/python benchmarks/batch1_kernels.py                  # gguf vs gguf-a16 vs gguf-a8
+    .venv/bin/python benchmarks/batch1_kernels.py --paths gguf-a16/modules,gguf-a16
+
+A path written METHOD/modules is METHOD's engine (the same one, not a second copy)
+with its fused batch-1 decode step off for that generate (engine/fused_decode.py),
+so `gguf-a16/modules,gguf-a16` is the fused step's A/B in one engine, alternating.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batch1_kernels.py --threads 1 --rounds 5
 """
 
@@ -27,8 +32,9 @@ from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--paths", default="gguf,gguf-a16,gguf-a8",
-                    help="--quantization methods, the first the one the others are held to")
+    ap.add_argument("--paths", default="gguf,gguf-a16/modules,gguf-a16,gguf-a8",
+                    help="--quantization methods, the first the one the others are held "
+                         "to; METHOD/modules: METHOD without the fused decode step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -40,11 +46,16 @@ def main() -> int:
     from tokenmill import LLM, SamplingParams
 
     paths = args.paths.split(",")
+    for p in paths:
+        if p.partition("/")[2] not in ("", "modules"):
+            ap.error(f"--paths {p!r}: a path is METHOD or METHOD/modules")
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    llms = {p: LLM("smollm2-135m", enable_prefix_caching=False, quantization=p) for p in paths}
-    for llm in llms.values():
+    engines = {m: LLM("smollm2-135m", enable_prefix_caching=False, quantization=m)
+               for m in dict.fromkeys(p.partition("/")[0] for p in paths)}
+    llms = {p: engines[p.partition("/")[0]] for p in paths}
+    for llm in engines.values():
         llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     print(f"machine: {machine()}; batch 1, prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, {args.rounds} rounds")
@@ -52,6 +63,9 @@ def main() -> int:
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for p, llm in llms.items():
+            fused = llm.engine.runner.fused_decode
+            if fused is not None:  # METHOD/modules: this generate without it
+                fused.enabled = not p.endswith("/modules")
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             m = out.metrics
             tpots[p].append(1e3 * (m.finished_time - m.first_token_time) / (args.new_tokens - 1))
@@ -63,7 +77,7 @@ def main() -> int:
         floor = decode_floor_ms(weights, args.prompt_len, args.new_tokens, args.bandwidth)
         paired = [b / a for a, b in zip(tpots[p], tpots[base])]
         same = sum(a == b for a, b in zip(tokens[p], tokens[base]))
-        print(f"{p:10s} TPOT {tpot:7.2f} ms ({1e3 / tpot:6.1f} tok/s), {tpot / floor:.2f}x its "
+        print(f"{p:16s} TPOT {tpot:7.2f} ms ({1e3 / tpot:6.1f} tok/s), {tpot / floor:.2f}x its "
               f"floor ({floor:.2f} ms); {base} / {p} per round "
               f"{' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}); "
               f"greedy tokens equal to {base}'s: {same}/{args.new_tokens}")

@@ -13,6 +13,11 @@ skipped with the reason.
     .venv/bin/python benchmarks/decode_latency.py
     .venv/bin/python benchmarks/decode_latency.py --peers llama   # one peer
     .venv/bin/python benchmarks/decode_latency.py --skip-peers    # tokenmill only
+    TOKENMILL_FUSED_DECODE=0 .venv/bin/python benchmarks/decode_latency.py  # module path
+
+The default line says whether its decode steps ran the fused batch-1 step
+(engine/fused_decode.py); benchmarks/batch1_kernels.py --paths
+gguf-a16/modules,gguf-a16 is that step's A/B in one process.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ TARGET_VS_LLAMA = 1.2  # PERFORMANCE.md: >= 1.2x llama-bench tg128 in the same r
 
 
 def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwargs
-                  ) -> tuple[list[float], list[float], str]:
-    """TPOT (ms) and TTFT (ms) per repeat, and the roofline weight dtype."""
+                  ) -> tuple[list[float], list[float], str, bool]:
+    """TPOT (ms) and TTFT (ms) per repeat, the roofline weight dtype, and whether decode
+    ran the fused batch-1 step."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM("smollm2-135m", enable_prefix_caching=False, **engine_kwargs)
@@ -50,8 +56,9 @@ def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwa
         ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
         tpots.append(1e3 * (m.finished_time - m.first_token_time) / (new_tokens - 1))
     weights = roofline_dtype(llm.engine.quantization, str(llm.engine.dtype))
+    fused = llm.engine.runner.fused_decode is not None
     del llm
-    return tpots, ttfts, weights
+    return tpots, ttfts, weights, fused
 
 
 @torch.inference_mode()
@@ -116,10 +123,12 @@ def main() -> None:
     def floor(weights: str) -> float:
         return decode_floor_ms(weights, args.prompt_len, args.new_tokens, args.bandwidth)
 
-    tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats)
-    default_tpot = report(f"tokenmill default ({weights})", tpots, ttfts, floor(weights))
+    tpots, ttfts, weights, fused = run_tokenmill(prompt, args.new_tokens, args.repeats)
+    step = "fused decode step" if fused else "module path"
+    default_tpot = report(f"tokenmill default ({weights}, {step})", tpots, ttfts,
+                          floor(weights))
     default_floor = floor(weights)
-    tpots, ttfts, weights = run_tokenmill(prompt, args.new_tokens, args.repeats,
+    tpots, ttfts, weights, _ = run_tokenmill(prompt, args.new_tokens, args.repeats,
                                          dtype="bfloat16", quantization="none")
     report("tokenmill bf16, no quantization", tpots, ttfts, floor(weights))
     tm_tok_s = 1e3 / default_tpot

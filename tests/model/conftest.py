@@ -81,8 +81,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str = "llama") -> Path:
-    """Write an HF model as GGUF: embeddings Q8_0, linears Q4_1 (v and down Q8_0), norms F32."""
+def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str = "llama",
+                    q8_0: tuple[str, ...] = ("embed_tokens", "v_proj", "down_proj")) -> Path:
+    """Write an HF model as GGUF: the tensors named in `q8_0` Q8_0 (by default embeddings,
+    v and down), the other linears Q4_1, norms F32."""
     import gguf
 
     cfg = model.config
@@ -113,7 +115,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str = "llama") -> 
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
         if data.ndim == 1:
             qtype = Q.F32
-        elif "embed_tokens" in name or "v_proj" in name or "down_proj" in name:
+        elif any(part in name for part in q8_0):
             qtype = Q.Q8_0
         else:
             qtype = Q.Q4_1

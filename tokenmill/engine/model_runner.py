@@ -40,6 +40,7 @@ from tokenmill.attention.quantized import QuantizedKVBackend, check_kv_cache_dty
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.cuda_graph import DecodeGraphs
+from tokenmill.engine.fused_decode import FusedDecode
 from tokenmill.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from tokenmill.engine.staging import HostStaging
 from tokenmill.kvcache.pool import KVPool
@@ -130,6 +131,10 @@ class ModelRunner:
                                        max_model_len, block_size, device)
             if device.type == "cuda" and self.backend.cuda_graph_capturable and capture_graphs:
                 self.graphs.capture()
+        # batch-1 decode steps in one native call where that gives the module path's
+        # results (engine/fused_decode.py); None: every step runs the modules
+        self.fused_decode = FusedDecode.build(model, self.backend, self.kv_caches) \
+            if self.graphs is None else None
         # rank 0 under tensor parallelism: broadcasts each step (WorkerGroup.send_step)
         self.driver: Any = None
         self._last_step: tuple[AttentionMetadata, StepInputs] | None = None
@@ -271,7 +276,10 @@ class ModelRunner:
             query_lens_list=staged.query_lens,
             seq_lens_list=staged.seq_lens,
         )
-        meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
+        fused = self.fused_decode
+        if fused is None or not fused.takes(staged.query_lens, staged.logit_rows):
+            meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
+        # else the fused step needs none (should it refuse the step, the first layer plans)
         self._record(meta, staged)
         return ids, pos, meta, staged.logit_rows
 
@@ -311,6 +319,12 @@ class ModelRunner:
                  logit_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
+        fused = self.fused_decode
+        if fused is not None and fused.takes(meta.query_lens_list, logit_rows):
+            result = fused.run(ids, pos, meta)
+            if result is not None:
+                logits, hidden = result
+                return logits if logits is not None else self.model.compute_logits(hidden)
         with attention_metadata(meta):
             hidden = self.model(ids, pos)  # (T, hidden)
         if not logit_rows:

@@ -1,9 +1,9 @@
 """Compile a kernel's C file once per machine and load it with ctypes.
 
 The shared object lives in the tokenmill cache (`tokenmill.cache.cache_dir()`),
-named by a hash of the source (and the headers beside it), the compiler, the flags
-and the CPU's flags, so an edit, a new compiler or another CPU gets a fresh build
-and a warm start loads in milliseconds. No compiler, or a build that fails,
+named by a hash of the source (the headers beside it and the .c files it
+includes), the compiler, the flags and the CPU's flags, so an edit, a new compiler
+or another CPU gets a fresh build and a warm start loads in milliseconds. No compiler, or a build that fails,
 returns None: the caller keeps its plain-torch path. TOKENMILL_NATIVE=0 turns
 native kernels off.
 """
@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -64,6 +65,14 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
+def _included_sources(source: Path) -> list[str]:
+    """The text of the .c files `source` #includes from beside it (decode_step.c
+    compiles q4q8_gemv.c and paged_decode.c into itself): an edit to one of them must
+    rebuild it too."""
+    names = re.findall(r'^#include "([\w.]+\.c)"', source.read_text(), flags=re.MULTILINE)
+    return [source.with_name(n).read_text() for n in names]
+
+
 def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> Path | None:
     try:
         version = subprocess.run([compiler, "--version"], check=False, capture_output=True,
@@ -73,8 +82,8 @@ def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> P
     compile_flags, link_flags = flags
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # bf16.h
     key = hashlib.sha256("\0".join(
-        [source.read_text(), *headers, version, " ".join(compile_flags), " ".join(link_flags),
-         " ".join(sorted(cpu_flags()))]
+        [source.read_text(), *headers, *_included_sources(source), version,
+         " ".join(compile_flags), " ".join(link_flags), " ".join(sorted(cpu_flags()))]
     ).encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
     path = out_dir / f"{source.stem}-{key}.so"

@@ -8,12 +8,13 @@
  * sums (RMSNorm's mean of squares). Rows are split across OpenMP threads only
  * when there are enough of them to pay for it.
  *
+ * The per-row bodies are in layer_ops.h (decode_step.c runs them too).
  * Built at first use by tokenmill/kernels/build.py; see layer_ops.py.
  */
 #include <math.h>
 #include <stdint.h>
 
-#include "bf16.h"
+#include "layer_ops.h"
 
 #define PARALLEL_ROWS 32 /* fewer rows run on the calling thread */
 
@@ -25,28 +26,8 @@ void tm_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *wei
                       int64_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * hidden;
         uint16_t *rr = residual ? residual + r * hidden : 0;
-        uint16_t *orow = out + r * hidden;
-        float ss = 0.0f;
-        if (rr) {
-            for (int64_t i = 0; i < hidden; i++) {
-                const float v = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-                rr[i] = f32_to_bf16(v);
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < hidden; i++) {
-                const float v = bf16_to_f32(xr[i]);
-                ss += v * v;
-            }
-        }
-        const uint16_t *src = rr ? rr : xr;
-        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++)
-            orow[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(src[i]) * inv));
+        rms_norm_row(x + r * hidden, rr, rr, weight, out + r * hidden, hidden, eps);
     }
 }
 
@@ -56,23 +37,10 @@ void tm_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *wei
 void tm_rotary_bf16(uint16_t *x, const int64_t *pos, const float *cos_table,
                     const float *sin_table, int64_t tokens, int64_t heads, int64_t D,
                     int64_t row_stride, int64_t num_threads) {
-    const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_table + pos[t] * D, *s = sin_table + pos[t] * D;
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *v = x + t * row_stride + h * D;
-            float a[512], b[512]; /* first and second halves (D <= 1024) */
-            for (int64_t i = 0; i < half; i++) {
-                a[i] = bf16_to_f32(v[i]);
-                b[i] = bf16_to_f32(v[i + half]);
-            }
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                v[i] = f32_to_bf16(a[i] * c[i] + b[i] * s[i]);
-                v[i + half] = f32_to_bf16(b[i] * c[i + half] + a[i] * s[i + half]);
-            }
-        }
+        for (int64_t h = 0; h < heads; h++) rotary_head(x + t * row_stride + h * D, c, s, D);
     }
 }
 
@@ -81,13 +49,7 @@ void tm_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int6
                       int64_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 4)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        uint16_t *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float gv = bf16_to_f32(g[i]);
-            const float silu = round_bf16(gv / (1.0f + expf(-gv)));
-            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
-        }
+        const uint16_t *g = gate_up + r * 2 * inter;
+        silu_mul_row(g, g + inter, out + r * inter, inter);
     }
 }

@@ -37,6 +37,7 @@
 #endif
 
 #include "bf16.h"
+#include "layer_ops.h" /* silu_mul_row */
 
 #define QK 32                       /* inputs per block */
 #define ROWS 16                     /* output rows per group */
@@ -267,6 +268,40 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
     default: TM_GROUP(fn, 4, planes); break;                         \
     }
 
+/* Group g (16 output rows) of y (M, N) from the quantized activations q, d, s, sum
+ * (tm_q8_quantize_bf16's layout for M rows of K): bf16 (rounded to nearest even), or
+ * fp32 when y_f32. tm_q4q8_linear splits the groups across threads; decode_step.c
+ * runs them inside its own parallel region. */
+static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t K, int64_t N,
+                                int64_t format, int64_t bits, const int8_t *q, const float *d,
+                                const float *s, const int32_t *sum, void *y, int64_t y_f32) {
+    const int64_t nb = K / QK, plane = M * K;
+    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    const uint8_t *wg = w + g * nb * record;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t mr = M - m0 < MR ? M - m0 : MR;
+        const int8_t *qm = q + m0 * K;
+        const float *dm = d + m0 * nb, *sm = s + m0 * nb;
+        const int32_t *summ = sum + m0 * nb;
+        float out[MR * ROWS];
+        if (format == FMT_Q8) {
+            if (bits == 16) { TM_ROWS(q8_group, 2) } else { TM_ROWS(q8_group, 1) }
+        } else {
+            if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
+        }
+        const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
+        for (int64_t i = 0; i < mr; i++) {
+            const int64_t at = (m0 + i) * N + g * ROWS;
+            if (y_f32) {
+                memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
+            } else {
+                uint16_t *yr = (uint16_t *)y + at;
+                for (int64_t r = 0; r < rows; r++) yr[r] = f32_to_bf16(out[i * ROWS + r]);
+            }
+        }
+    }
+}
+
 /* y (M, N) = x (M, K) bf16 times the repacked weight (N rows, K inputs; `format` Q4 or
  * Q8), quantizing x as tm_q8_quantize_bf16 does with `bits` 8 or 16. y is bf16 (rounded
  * to nearest even), or fp32 when y_f32. Groups of 16 rows are split across OpenMP
@@ -276,8 +311,7 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
                        int64_t format, int64_t bits, void *y, int64_t y_f32,
                        int64_t num_threads) {
     if (K % QK || M < 0 || N < 0 || (bits != 8 && bits != 16)) return -1;
-    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS, plane = M * K;
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
     const size_t qbytes = ((size_t)(2 * M * K) + 63) & ~(size_t)63;
     const size_t bytes = (qbytes + (size_t)(M * nb) * 12 + 63) & ~(size_t)63;
     char *scratch = aligned_alloc(64, bytes ? bytes : 64);
@@ -288,31 +322,8 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     tm_q8_quantize_bf16(x, M, K, bits, q, d, s, sum);
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (groups >= PARALLEL_GROUPS && num_threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = w + g * nb * record;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            const int8_t *qm = q + m0 * K;
-            const float *dm = d + m0 * nb, *sm = s + m0 * nb;
-            const int32_t *summ = sum + m0 * nb;
-            float out[MR * ROWS];
-            if (format == FMT_Q8) {
-                if (bits == 16) { TM_ROWS(q8_group, 2) } else { TM_ROWS(q8_group, 1) }
-            } else {
-                if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
-            }
-            const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
-            for (int64_t i = 0; i < mr; i++) {
-                const int64_t at = (m0 + i) * N + g * ROWS;
-                if (y_f32) {
-                    memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
-                } else {
-                    uint16_t *yr = (uint16_t *)y + at;
-                    for (int64_t r = 0; r < rows; r++) yr[r] = f32_to_bf16(out[i * ROWS + r]);
-                }
-            }
-        }
-    }
+    for (int64_t g = 0; g < groups; g++)
+        linear_group(w, g, M, K, N, format, bits, q, d, s, sum, y, y_f32);
     free(scratch);
     return 0;
 }
@@ -326,14 +337,8 @@ int64_t tm_q4q8_silu_linear(const uint16_t *gate_up, int64_t M, int64_t K, const
     uint16_t *act = malloc((size_t)(M * K) * sizeof(uint16_t) + 2);
     if (!act) return -1;
     for (int64_t r = 0; r < M; r++) {
-        const uint16_t *g = gate_up + r * 2 * K, *u = g + K;
-        uint16_t *o = act + r * K;
-#pragma omp simd
-        for (int64_t i = 0; i < K; i++) {
-            const float gv = bf16_to_f32(g[i]);
-            const float silu = round_bf16(gv / (1.0f + expf(-gv)));
-            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
-        }
+        const uint16_t *g = gate_up + r * 2 * K;
+        silu_mul_row(g, g + K, act + r * K, K);
     }
     const int64_t rc = tm_q4q8_linear(act, M, K, w, N, format, bits, y, y_f32, num_threads);
     free(act);

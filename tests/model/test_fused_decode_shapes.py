@@ -1,0 +1,96 @@
+"""The fused batch-1 decode step (engine/fused_decode.py) on shapes the embedded model
+does not have: tiny random GGUF Llamas with other head sizes and kv groups, a Q8_0 / Q4_1
+fused QKV, and untied or tied heads, against the module path step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.conftest import make_hf_model, write_tiny_gguf
+from tokenmill.engine import weights
+from tokenmill.engine.model_runner import ModelRunner, StepInputs
+from tokenmill.kernels import decode_step, q4q8_gemv
+from tokenmill.loaders import resolve_model
+
+pytestmark = pytest.mark.skipif(not (decode_step.available() and q4q8_gemv.available()),
+                                reason="decode_step not built")
+BLOCK = 16
+SHAPES = {  # head_dim 16, 2 query heads per kv head (the plain-C attention tiles)
+    "d16-g2": {},
+    # head_dim 128, 4 query heads per kv head (the AVX512-BF16 tiles), tied head
+    "d128-g4-tied": {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1,
+                     "intermediate_size": 256, "tie_word_embeddings": True},
+}
+
+
+def _runner(tmp_path, overrides, q8_0=("embed_tokens", "down_proj")) -> ModelRunner:
+    # v in Q4_1 like q and k: a fused QKV of mixed types has no exact quantized-activation
+    # form, so it keeps bf16 activations and the fused step is not taken (the first test)
+    path = write_tiny_gguf(make_hf_model("llama", **overrides), tmp_path / "tiny.gguf",
+                           q8_0=q8_0)
+    loaded, method = weights.load_engine_model(resolve_model(str(path)), "bfloat16",
+                                               "gguf-a16", torch.device("cpu"))
+    assert method == "gguf-a16"
+    return ModelRunner(loaded.model, loaded.config, BLOCK, 8, torch.bfloat16,
+                       torch.device("cpu"), "cpu")
+
+
+def _step(runner: ModelRunner, ids: list[int], start: int, table: list[int],
+          fresh: list[int]) -> torch.Tensor:
+    n = len(ids)
+    positions = list(range(start, start + n))
+    inputs = StepInputs(ids, positions, [table[p // BLOCK] * BLOCK + p % BLOCK for p in positions],
+                        [0, n], [start + n], [n], [table], fresh, [n - 1])
+    ids_t, pos, meta, rows = runner.upload(runner.stage_inputs(inputs))
+    return runner.forward(ids_t, pos, meta, rows)
+
+
+def test_a_qkv_of_mixed_gguf_types_keeps_the_module_path(tmp_path):
+    runner = _runner(tmp_path, {}, q8_0=("embed_tokens", "v_proj", "down_proj"))
+    assert runner.fused_decode is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # 2: a kv head's query heads split in two
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_steps_match_the_module_path_on_other_shapes(tmp_path, shape, threads,
+                                                           monkeypatch):
+    calls = []
+    step = decode_step.step
+    monkeypatch.setattr(decode_step, "step", lambda *a: calls.append(1) or step(*a))
+    runner = _runner(tmp_path, SHAPES[shape])
+    fused = runner.fused_decode
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _decode_both_ways(runner, fused)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2 * BLOCK + 3 - 7  # every decode step after the 7-token prompt
+
+
+def _decode_both_ways(runner: ModelRunner, fused) -> None:
+    assert fused is not None
+    table = [3, 1, 6]  # not in order: the step reads blocks through the table
+    prompt = [5, 17, 200, 33, 9, 101, 64]
+    logits = _step(runner, prompt, 0, table, fresh=table)  # prefill: the modules
+    token, pos = int(logits[-1].argmax()), len(prompt)
+    while pos < 2 * BLOCK + 3:  # decode across two block boundaries
+        fused.enabled = False
+        expected = _step(runner, [token], pos, table, [])
+        fused.enabled = True
+        got = _step(runner, [token], pos, table, [])  # writes the same K/V over the slot
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        token, pos = int(got[0].argmax()), pos + 1
+
+
+def test_its_build_is_keyed_on_the_kernels_it_compiles_in():
+    # decode_step.c #includes q4q8_gemv.c and paged_decode.c: an edit there must rebuild it
+    from pathlib import Path
+
+    from tokenmill.kernels import build
+
+    kernels = Path(build.__file__).parent
+    included = build._included_sources(kernels / "decode_step.c")
+    assert included == [(kernels / n).read_text() for n in ("q4q8_gemv.c", "paged_decode.c")]
+    assert build._included_sources(kernels / "layer_ops.c") == []

@@ -1,0 +1,186 @@
+"""A batch-1 decode step as one native call (tokenmill/kernels/decode_step.c).
+
+At batch 1 the module path spends about as long in Python glue and OpenMP
+fork/joins (~8 native calls per layer) as in arithmetic. `FusedDecode` names every
+weight, norm and KV pool of a loaded Llama-family model to the kernel once, and then
+runs a whole decode step (all layers, the final norm, the LM head) in one call and one
+parallel region, with the module path's own arithmetic: the same greedy tokens and the
+same logits to fp32 rounding.
+
+It covers what it can prove identical, and `FusedDecode.build` returns None (the
+model runner keeps the module path) for anything else: a step of more than one row
+(prefill, batches, speculative verification) runs the module path per step. Covered:
+`--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
+kernel), a bf16 model and KV cache on the `cpu` attention backend, no tensor
+parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
+it off (the A/B switch for benchmarks/decode_latency.py); `enabled` does the same
+for one engine at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tokenmill.attention.cpu import CpuBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.kernels import decode_step as native
+from tokenmill.models.layers import RMSNorm
+from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.quant.fused_mlp import FusedSiluMLP
+from tokenmill.quant.linear import Int4Linear
+
+logger = logging.getLogger(__name__)
+ENV = "TOKENMILL_FUSED_DECODE"
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+def _lowbit(linear: object, bits: int | None) -> bool:
+    """The module runs the quantized-activation kernel at batch 1, with no bias."""
+    return (type(linear) is Int4Linear and linear.activations != "bf16"
+            and linear.bias is None and (bits is None or linear.vnni_bits == bits)
+            and (linear.dense_min_rows is None or linear.dense_min_rows > 1))
+
+
+def _bf16(t: torch.Tensor, *shape: int) -> bool:
+    return t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape
+
+
+def unsupported_reason(model: torch.nn.Module, backend: object,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why `model` with this backend and pool cannot take the fused step; None if it can."""
+    if not enabled_by_env():
+        return f"{ENV}=0"
+    if type(model) is not LlamaForCausalLM:
+        return f"not a Llama-family model ({type(model).__name__})"
+    if get_tp().world_size != 1:
+        return "tensor parallelism"
+    if type(backend) is not CpuBackend:
+        return f"attention backend {getattr(backend, 'name', type(backend).__name__)}, not cpu"
+    cfg = model.config
+    if cfg.qk_norm:
+        return "q/k norm (Qwen3)"
+    inner = model.model
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    bits = None
+    first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
+    heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+    inter = first.mlp.down_proj.in_features if type(first.mlp) is FusedSiluMLP else 0
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            return f"layer {i} is not a plain Llama layer"
+        if type(layer.mlp) is not FusedSiluMLP:
+            return (f"layer {i}: its MLP does not run silu * up in the down projection "
+                    "(--quantization gguf-a16 / gguf-a8)")
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
+        if not all(_lowbit(lin, bits) for lin in linears):
+            return (f"layer {i}: a linear not on the quantized-activation kernel "
+                    "(--quantization gguf-a16 / gguf-a8), or with a bias")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm) is not RMSNorm or not _bf16(norm.weight, hidden) \
+                    or norm.eps != cfg.rms_norm_eps:
+                return f"layer {i}: a norm that is not bf16 RMSNorm"
+        k, v = kv_caches[i]
+        if k.dtype != torch.bfloat16 or not k.is_contiguous() or not v.is_contiguous() \
+                or k.device.type != "cpu":
+            return "a KV cache that is not bf16 on the CPU"
+        shapes = [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden),
+                  (hidden, 2 * inter), (inter, hidden)]
+        if (attn.attn.scale != d ** -0.5 or attn.head_dim != d or attn.rotary is not inner.rotary_emb
+                or [(lin.in_features, lin.out_features) for lin in linears] != shapes):
+            return f"layer {i}: attention or MLP shapes unlike a Llama layer's"
+    rotary = inner.rotary_emb
+    if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
+            or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
+        return "rotary tables or head_dim the kernel does not take"
+    if not _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden) \
+            or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):
+        return "embedding or final norm not bf16"
+    if not native.available():
+        return "the native kernel (tokenmill/kernels/decode_step.c) could not be built"
+    return None
+
+
+class FusedDecode:
+    """The model's weights, norms and KV pools named to decode_step.c, and the step."""
+
+    def __init__(self, model: LlamaForCausalLM,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cfg, inner = model.config, model.model
+        self.enabled = True
+        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
+        layers = (native.LayerRecord * len(inner.layers))()
+        for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            rec.input_norm = layer.input_layernorm.weight.data_ptr()
+            rec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                setattr(rec, name, lin.vnni_packed.data_ptr())
+                setattr(rec, f"{name}_fmt", lin.vnni_format)
+            rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
+        first = inner.layers[0].self_attn
+        head = model.lm_head
+        # the LM head runs inside the call when it is on the same kernel (the embedded
+        # model's Q8_0 head is); otherwise the runner calls compute_logits after it
+        self.lm_head_fused = (_lowbit(head, first.qkv_proj.vnni_bits)
+                              and head.out_features == cfg.vocab_size
+                              and head.in_features == cfg.hidden_size
+                              and type(model).compute_logits is LlamaForCausalLM.compute_logits)
+        _, num_blocks, block_size, _ = kv_caches[0][0].shape
+        rotary = inner.rotary_emb
+        self.record = native.ModelRecord(
+            num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
+            kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
+            inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
+            bits=first.qkv_proj.vnni_bits, num_blocks=num_blocks, block_size=block_size,
+            max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
+            embed=inner.embed_tokens.weight.data_ptr(), cos=rotary.cos_cache.data_ptr(),
+            sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
+            lm_head=head.vnni_packed.data_ptr() if self.lm_head_fused else None,
+            lm_head_fmt=head.vnni_format if self.lm_head_fused else 0, layers=layers)
+        self._layers = layers  # the record points into it
+        self._model = model  # and into these tensors: keep them alive
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, backend: object,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
+        reason = unsupported_reason(model, backend, kv_caches)
+        if reason is not None:
+            logger.debug("batch-1 decode runs the module path: %s", reason)
+            return None
+        assert isinstance(model, LlamaForCausalLM)
+        return cls(model, kv_caches)
+
+    def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
+        """A single-sequence decode step that samples its one row (the model runner asks
+        before it plans the step: this one needs no attention plan)."""
+        return self.enabled and query_lens == [1] and logit_rows == [0]
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+            ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(logits (1, vocab) fp32 or None, final hidden state (1, hidden) bf16); None when
+        the kernel refuses an input (nothing written: the module path then runs and
+        reports it)."""
+        tables = meta.block_tables
+        seq_len = meta.seq_lens_list[0]
+        if (tables.dtype != torch.int32 or not tables.is_contiguous() or ids.numel() != 1
+                or tables.shape[-1] * meta.block_size < seq_len):
+            return None
+        hidden = torch.empty((1, self.hidden), dtype=torch.bfloat16)
+        logits = torch.empty((1, self.vocab), dtype=torch.float32) if self.lm_head_fused \
+            else None
+        rc = native.step(self.record, int(ids.item()), int(pos.item()),
+                         int(meta.slot_mapping.item()), tables,
+                         seq_len, hidden, logits)
+        if rc == -2:
+            raise MemoryError("fused decode step: no scratch memory")
+        return None if rc else (logits, hidden)

@@ -1,0 +1,274 @@
+/* One batch-1 decode step of a Llama decoder (every layer, the final norm and the LM
+ * head) in one native call and one OpenMP parallel region.
+ *
+ * The module path runs each layer as ~8 separate native calls (norm, QKV GEMV, rotary,
+ * KV store, paged decode, o_proj, gate_up, silu + down), each its own OpenMP fork/join,
+ * with Python between them: at batch 1 that glue and the fork/joins cost as much as the
+ * arithmetic. Here the threads stay in one region (llama.cpp's model: one thread pool,
+ * a barrier between dependent phases). Per layer, with T threads:
+ *   1. every thread: residual add + RMSNorm and the activation quantizer, redundantly
+ *      into its own buffers (one row: cheaper than a barrier); thread 0 alone writes
+ *      the residual stream; then its share of the QKV GEMV's groups of 16 rows,
+ *      and the K heads (rotated) and V heads whose rows it computed into the KV
+ *      cache;                                                                     barrier
+ *   2. attention split by query head (both threads busy at batch 1), a thread's heads
+ *      of one kv head in one pass over its blocks, q rotated by its owner;        barrier
+ *   3. o_proj groups (input quantized per thread);                                barrier
+ *   4. residual add + norm per thread, gate_up groups;                            barrier
+ *   5. silu * up per thread, down groups;                                         barrier
+ * then the final norm and the LM head's groups (fp32 logits of bf16-rounded values).
+ *
+ * The arithmetic is the module path's own, compiled from the same source:
+ * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
+ * score and weighted-V tiles (over some of a kv head's query heads where the
+ * module path takes all of them: each head's sums are the same operations). The residual
+ * stream alternates between two buffers, so a thread reading one never races with
+ * thread 0 writing the other.
+ *
+ * Built at first use by tokenmill/kernels/build.py (which hashes the .c files included
+ * here); see tokenmill/kernels/decode_step.py and tokenmill/engine/fused_decode.py.
+ */
+#include "q4q8_gemv.c"
+#include "paged_decode.c"
+#include "layer_ops.h"
+
+#include <omp.h>
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* (hidden,) bf16 */
+    const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records */
+    int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    uint16_t *k_cache, *v_cache; /* (KVH, NB, BS, D) bf16 */
+} tm_layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab, bits;
+    int64_t num_blocks, block_size, max_pos;
+    float eps, scale;
+    const uint16_t *embed;      /* (vocab, hidden) bf16 */
+    const float *cos, *sin;     /* (max_pos, head_dim) fp32 */
+    const uint16_t *final_norm; /* (hidden,) bf16 */
+    const uint8_t *lm_head;     /* records, vocab rows; NULL: no logits */
+    int64_t lm_head_fmt;
+    const tm_layer_t *layers;
+} tm_model_t;
+
+/* the structs' sizes, for decode_step.py to check its ctypes mirror of them */
+int64_t tm_decode_step_abi(void) {
+    return (int64_t)sizeof(tm_model_t) * 1000 + (int64_t)sizeof(tm_layer_t);
+}
+
+/* per-thread buffers for one row's quantized activations (K inputs at most) */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+} act_t;
+
+static inline void quantize_row(const uint16_t *x, int64_t K, int64_t bits, act_t *a) {
+    tm_q8_quantize_bf16(x, 1, K, bits, a->q, a->d, a->s, a->sum);
+}
+
+/* this thread's share [*lo, *hi) of n items, contiguous */
+static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) {
+    *lo = n * tid / nth;
+    *hi = n * (tid + 1) / nth;
+}
+
+/* a share's boundary b (in groups of 16 rows) moved up to a head's first group past
+ * the q_groups of Q, so that one thread computes every row of a K or V head */
+static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_groups) {
+    return b <= q_groups ? b : q_groups + (b - q_groups + head_groups - 1) / head_groups *
+                                              head_groups;
+}
+
+static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
+                              int64_t bits, const act_t *a, uint16_t *y, int tid, int nth) {
+    int64_t g0, g1;
+    share((N + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+    for (int64_t g = g0; g < g1; g++)
+        linear_group(w, g, 1, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
+}
+
+/* query heads q (G, D) of one kv head over its blocks: paged_decode()'s work item, for
+ * all G heads of the kv head or some of them (each head's sums are the same operations
+ * either way); s: G * len fp32 scratch; out (G, D) bf16 */
+static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const uint16_t *v,
+                         const int32_t *tab, int64_t len, int64_t BS, int64_t D, float scale,
+                         float *s, uint16_t *out) {
+    item_t it = {k, v, tab, len, BS, D, G, len, scale, NULL, NULL, NULL, NULL, NULL};
+    float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    float mx[MAX_GROUP], sum[MAX_GROUP];
+#ifdef TM_AVX512BF16
+    const int vector_path = D % 32 == 0;
+    /* compile-time shapes for SmolLM2's kv groups of 3 split between two threads */
+    if (vector_path && G == 3 && D == 64) scores_tiled(&it, q, s, mx, 3, 2);
+    else if (vector_path && G == 2 && D == 64) scores_tiled(&it, q, s, mx, 2, 2);
+    else if (vector_path && G == 1 && D == 64) scores_tiled(&it, q, s, mx, 1, 2);
+    else if (vector_path) scores_tiled(&it, q, s, mx, G, D / 32);
+    else
+#endif
+        scores_generic(&it, q, s, mx);
+    for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
+        float *sg = s + g * len;
+        const float m = mx[g];
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            const float e = expf(sg[t] - m);
+            total += e;
+            sg[t] = bf16_to_f32(f32_to_bf16(e));
+        }
+        sum[g] = total;
+    }
+#ifdef TM_AVX512BF16
+    if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
+    else if (vector_path && G == 2 && D == 64) weighted_v_pairs(&it, s, acc, 2, 2);
+    else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
+    else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
+    else
+#endif
+        weighted_v_generic(&it, s, acc);
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / sum[g];
+        const float *ag = acc + g * D;
+        uint16_t *ob = out + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) ob[d] = f32_to_bf16(ag[d] * inv);
+    }
+}
+
+static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
+ * seq_len tokens of the blocks `table`. hidden_out (hidden,) bf16: the final norm's
+ * output; logits (vocab,) fp32 when the model has an LM head here. Returns 0; -1 when an
+ * input is out of range (nothing written), -2 when the scratch cannot be allocated. */
+int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t slot,
+                       const int32_t *table, int64_t seq_len, uint16_t *hidden_out,
+                       float *logits, int64_t num_threads) {
+    const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
+    if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
+        slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
+        KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
+        H % QK || I % QK || (NH * D) % QK ||
+        (m->bits != 8 && m->bits != 16))
+        return -1;
+    for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
+        if (table[j] < 0 || table[j] >= NB) return -1;
+    const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
+    const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX;
+    const int64_t q_groups = NH * D / ROWS, head_groups = D / ROWS;
+    /* shared: x, two residual buffers, qkv, attention output, gate_up */
+    const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
+    /* per thread: a normed row, a private residual, the quantized row, the scores */
+    const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
+                                up64(12 * (size_t)(K_ATTN / QK)) +
+                                up64(4 * (size_t)(G * seq_len));
+    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes);
+    if (!buf) return -2;
+    uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
+    uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
+    memcpy(res[0], m->embed + token * H, (size_t)H * 2);
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        char *mine = buf + shared_bytes + (size_t)tid * thread_bytes;
+        uint16_t *xn = (uint16_t *)mine, *my_res = xn + K_ATTN;
+        char *p = mine + up64(2 * (size_t)(K_ATTN + H));
+        act_t a;
+        a.q = (int8_t *)p;
+        p += up64(2 * (size_t)K_ATTN);
+        a.d = (float *)p;
+        a.s = a.d + K_ATTN / QK;
+        a.sum = (int32_t *)(a.s + K_ATTN / QK);
+        p += up64(12 * (size_t)(K_ATTN / QK));
+        float *scores = (float *)p;
+        const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
+        const int64_t blk = slot / BS, off = slot % BS;
+        int cur = 0; /* res[cur]: the residual stream so far */
+
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const tm_layer_t *L = m->layers + l;
+            /* 1. norm (layer 0: of the embedding itself, which is then the residual) */
+            if (l == 0) {
+                rms_norm_row(res[0], NULL, NULL, L->input_norm, xn, H, m->eps);
+            } else {
+                uint16_t *dst = tid == 0 ? res[cur ^ 1] : my_res;
+                rms_norm_row(x, res[cur], dst, L->input_norm, xn, H, m->eps);
+            }
+            quantize_row(xn, H, m->bits, &a);
+            {   /* QKV rows; a K head rotated and stored, a V head stored, by the thread
+                 * that computed all its rows (shares end on head boundaries past Q) */
+                int64_t g0, g1;
+                share(QKV / ROWS, tid, nth, &g0, &g1);
+                g0 = head_aligned(g0, q_groups, head_groups);
+                g1 = head_aligned(g1, q_groups, head_groups);
+                for (int64_t g = g0; g < g1; g++)
+                    linear_group(L->qkv, g, 1, H, QKV, L->qkv_fmt, m->bits, a.q, a.d, a.s,
+                                 a.sum, qkv, 0);
+                for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
+                    const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
+                    const int64_t h = u % KVH;
+                    uint16_t *row = qkv + (NH + u) * D;
+                    uint16_t *cache = u < KVH ? L->k_cache : L->v_cache;
+                    if (u < KVH) rotary_head(row, c, sn, D);
+                    memcpy(cache + ((h * NB + blk) * BS + off) * D, row, (size_t)D * 2);
+                }
+            }
+#pragma omp barrier
+            if (l > 0) cur ^= 1;
+            /* 2. attention: this thread's query heads, those of one kv head together */
+            {
+                int64_t h0, h1;
+                share(NH, tid, nth, &h0, &h1);
+                for (int64_t h = h0; h < h1; h++) rotary_head(qkv + h * D, c, sn, D);
+                for (int64_t h = h0; h < h1;) {
+                    const int64_t kh = h / G, end = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+                    attend_heads(qkv + h * D, end - h, L->k_cache + kh * NB * BS * D,
+                                 L->v_cache + kh * NB * BS * D, table, seq_len, BS, D,
+                                 m->scale, scores, attn + h * D);
+                    h = end;
+                }
+            }
+#pragma omp barrier
+            /* 3. o_proj */
+            quantize_row(attn, NH * D, m->bits, &a);
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, &a, o_out, tid, nth);
+#pragma omp barrier
+            /* 4. residual add + norm, gate_up */
+            rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
+                         H, m->eps);
+            quantize_row(xn, H, m->bits, &a);
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, &a, gu, tid, nth);
+#pragma omp barrier
+            cur ^= 1;
+            /* 5. silu * up, down */
+            silu_mul_row(gu, gu + I, xn, I);
+            quantize_row(xn, I, m->bits, &a);
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, &a, x, tid, nth);
+#pragma omp barrier
+        }
+        /* the final norm (every thread, for the LM head's input), then the LM head */
+        rms_norm_row(x, res[cur], tid == 0 ? res[cur ^ 1] : my_res, m->final_norm, xn, H,
+                     m->eps);
+        if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
+        if (m->lm_head && logits) {
+            quantize_row(xn, H, m->bits, &a);
+            int64_t g0, g1;
+            share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
+                linear_group(m->lm_head, g, 1, H, m->vocab, m->lm_head_fmt, m->bits, a.q, a.d,
+                             a.s, a.sum, logits, 1);
+                /* the module path's bf16 output, as float */
+                for (int64_t r = 0; r < n; r++)
+                    logits[g * ROWS + r] = round_bf16(logits[g * ROWS + r]);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

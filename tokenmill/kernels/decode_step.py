@@ -1,0 +1,58 @@
+"""A whole batch-1 decode step in one native call (decode_step.c): the ctypes side.
+
+`ModelRecord` / `LayerRecord` mirror the C structs that name every weight, norm and
+KV pool by address; `tokenmill/engine/fused_decode.py` fills them once from a loaded
+model and keeps the tensors alive. `step` runs one token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenmill.kernels.build import Library
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class LayerRecord(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _PTR), ("o", _PTR),
+                ("gate_up", _PTR), ("down", _PTR), ("qkv_fmt", _I64), ("o_fmt", _I64),
+                ("gate_up_fmt", _I64), ("down_fmt", _I64), ("k_cache", _PTR),
+                ("v_cache", _PTR)]
+
+
+class ModelRecord(ctypes.Structure):
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
+                ("head_dim", _I64), ("inter", _I64), ("vocab", _I64), ("bits", _I64),
+                ("num_blocks", _I64), ("block_size", _I64), ("max_pos", _I64),
+                ("eps", _F32), ("scale", _F32), ("embed", _PTR), ("cos", _PTR), ("sin", _PTR),
+                ("final_norm", _PTR), ("lm_head", _PTR), ("lm_head_fmt", _I64),
+                ("layers", ctypes.POINTER(LayerRecord))]
+
+
+_lib = Library("decode_step", {
+    "tm_decode_step_abi": ([], _I64),
+    "tm_decode_step": ([ctypes.POINTER(ModelRecord), _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                        _I64], _I64),
+})
+
+
+def available() -> bool:
+    """Built, and its structs are laid out as ModelRecord / LayerRecord say."""
+    abi = _lib.get("tm_decode_step_abi")
+    return abi is not None and abi() == (ctypes.sizeof(ModelRecord) * 1000
+                                         + ctypes.sizeof(LayerRecord))
+
+
+def step(model: ModelRecord, token: int, pos: int, slot: int, table: torch.Tensor,
+         seq_len: int, hidden_out: torch.Tensor, logits: torch.Tensor | None) -> int:
+    """One token through every layer, the final norm and (with `logits`) the LM head.
+    table: the sequence's block-table row, int32 contiguous; hidden_out (hidden,) bf16;
+    logits (vocab,) fp32. Returns the kernel's code: 0, -1 an input out of range
+    (nothing written), -2 no scratch."""
+    fn = _lib.get("tm_decode_step")
+    return fn(ctypes.byref(model), token, pos, slot, table.data_ptr(), seq_len,
+              hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
+              torch.get_num_threads())

@@ -431,6 +431,54 @@ int tm_store_kv_q8(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64
     return 0;
 }
 
+/* One work item: the G query heads qb (G, D) bf16 of a kv head against its it->len
+ * tokens. s: G rows of it->s_stride fp32 scores (left holding the bf16-rounded softmax
+ * numerators). Out: acc (G, D) = sum_t exp(s_t - mx) v_t, the row maxima mx and the
+ * denominators sum (G). */
+static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *acc, float *mx,
+                        float *sum) {
+    const int quantized = it->k8 != NULL;
+    const int64_t G = it->G, D = it->D;
+#ifdef TM_AVX512BF16
+    const int vector_path = D % 32 == 0;
+    if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(it, qb, s, mx, 3, 4);
+    else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(it, qb, s, mx, G, D / 16);
+    else
+#endif
+    if (quantized) scores_q8(it, qb, s, mx);
+    else
+#ifdef TM_AVX512BF16
+    if (vector_path && G == 3 && D == 64) scores_tiled(it, qb, s, mx, 3, 2);
+    else if (vector_path && G == 4 && D == 128) scores_tiled(it, qb, s, mx, 4, 4);
+    else if (vector_path && G == 1 && D == 64) scores_tiled(it, qb, s, mx, 1, 2);
+    else if (vector_path) scores_tiled(it, qb, s, mx, G, D / 32);
+    else
+#endif
+        scores_generic(it, qb, s, mx);
+    for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
+        float *sg = s + g * it->s_stride;
+        const float m = mx[g];
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < it->len; t++) {
+            const float e = expf(sg[t] - m);
+            total += e;
+            sg[t] = bf16_to_f32(f32_to_bf16(e));
+        }
+        sum[g] = total;
+    }
+    if (quantized) weighted_v_q8(it, s, acc);
+    else
+#ifdef TM_AVX512BF16
+    if (vector_path && G == 3 && D == 64) weighted_v_pairs(it, s, acc, 3, 2);
+    else if (vector_path && G == 4 && D == 128) weighted_v_pairs(it, s, acc, 4, 4);
+    else if (vector_path && G == 1 && D == 64) weighted_v_pairs(it, s, acc, 1, 2);
+    else if (vector_path) weighted_v_pairs(it, s, acc, G, D / 32);
+    else
+#endif
+        weighted_v_generic(it, s, acc);
+}
+
 /* q: (B, H, D) bf16, rows q_stride elements apart. tables: (B, table_stride) int32;
  * sequence b attends to lens[b] tokens held in blocks tables[b][first_block:].
  * Output (B, H, D): with m_out and l_out NULL, normalised, into out_bf16 (rounded) if
@@ -453,9 +501,6 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     const int64_t G = H / KVH;
     for (int64_t b = 0; b < B; b++)
         if (lens[b] < 1 || lens[b] > max_len) return -1;
-#ifdef TM_AVX512BF16
-    const int vector_path = D % 32 == 0;
-#endif
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * KVH; item++) {
@@ -471,43 +516,7 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
-#ifdef TM_AVX512BF16
-        if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(&it, qb, s, mx, 3, 4);
-        else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(&it, qb, s, mx, G, D / 16);
-        else
-#endif
-        if (quantized) scores_q8(&it, qb, s, mx);
-        else
-#ifdef TM_AVX512BF16
-        if (vector_path && G == 3 && D == 64) scores_tiled(&it, qb, s, mx, 3, 2);
-        else if (vector_path && G == 4 && D == 128) scores_tiled(&it, qb, s, mx, 4, 4);
-        else if (vector_path && G == 1 && D == 64) scores_tiled(&it, qb, s, mx, 1, 2);
-        else if (vector_path) scores_tiled(&it, qb, s, mx, G, D / 32);
-        else
-#endif
-            scores_generic(&it, qb, s, mx);
-        for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
-            float *sg = s + g * max_len;
-            const float m = mx[g];
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < it.len; t++) {
-                const float e = expf(sg[t] - m);
-                total += e;
-                sg[t] = bf16_to_f32(f32_to_bf16(e));
-            }
-            sum[g] = total;
-        }
-        if (quantized) weighted_v_q8(&it, s, acc);
-        else
-#ifdef TM_AVX512BF16
-        if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
-        else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
-        else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
-        else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
-        else
-#endif
-            weighted_v_generic(&it, s, acc);
+        attend_item(&it, qb, s, acc, mx, sum);
         for (int64_t g = 0; g < G; g++) {
             float *o = out + (b * H + kh * G + g) * D;
             const float *ag = acc + g * D;

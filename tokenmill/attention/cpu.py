@@ -27,6 +27,7 @@ built once per step.
 from __future__ import annotations
 
 import math
+import os
 from typing import ClassVar
 
 import torch
@@ -104,6 +105,12 @@ _workspace = _Workspace()
 # a batch's decode rows attend to blocks they all share once, as one matmul, when
 # there are at least this many (below it the extra ops cost more than the gather)
 MIN_SHARED_BLOCKS = 4
+
+# the shared blocks, each sequence's own blocks and their merge in one native call
+# (tm_cascade_decode_bf16); TOKENMILL_CASCADE_NATIVE=0 keeps the torch matmul for the
+# shared part and the torch merge (for A/B runs)
+CASCADE_NATIVE = os.environ.get("TOKENMILL_CASCADE_NATIVE", "1") not in ("0", "false", "no",
+                                                                       "off")
 
 
 def use_native(k_cache: torch.Tensor) -> bool:
@@ -225,15 +232,25 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_seqs, heads, d).to(q.dtype)
 
 
+def _cascade_scratch(numel: int) -> torch.Tensor:
+    return _workspace.get("cascade", (numel,), torch.float32, torch.device("cpu"))
+
+
 def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    plan: _DecodePlan, scale: float) -> torch.Tensor | None:
     """`_decode_batch` through the native kernel; None if the kernel declines the shapes.
-    A shared prefix is still attended once for the batch by one matmul, and merged
-    with the kernel's part through its row maxima and denominators."""
+    A shared prefix is attended once for the batch: with CASCADE_NATIVE inside the one
+    native call (shared blocks, own blocks and the merge); otherwise by one torch
+    matmul, merged with the kernel's part through its row maxima and denominators."""
     num_seqs, heads, d = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     max_len = plan.span
+    if plan.shared and CASCADE_NATIVE:
+        out = native.cascade_decode(q, k_cache, v_cache, plan.tables, plan.shared,
+                                    plan.own_lens, max_len, scale, _cascade_scratch)
+        if out is not None:
+            return out
     scratch = _workspace.get("scores", (num_seqs * heads * max_len,), torch.float32, q.device)
     part = native.paged_decode(q, k_cache, v_cache, plan.tables, plan.shared, plan.own_lens,
                                max_len, scale, scratch, with_lse=bool(plan.shared))

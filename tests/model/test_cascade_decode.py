@@ -60,6 +60,14 @@ def decode_batch(own_lens, shared, block_size, heads=9, kv_heads=3, head_dim=64,
     return q, k, v, k_cache, v_cache, meta
 
 
+@pytest.fixture(autouse=True)
+def cascade_at_any_size(monkeypatch):
+    """The kernel at the tests' small sizes (the thresholds are measured at larger ones;
+    test_the_kernel_takes_batches_that_fill_its_lanes holds them)."""
+    monkeypatch.setattr(cpu, "MIN_CASCADE_BLOCKS", 1)
+    monkeypatch.setattr(cpu, "MIN_CASCADE_SEQS", 1)
+
+
 def no_torch_merge(*args, **kwargs):
     raise AssertionError("the shared prefix went through the torch matmul, not the kernel")
 
@@ -69,7 +77,7 @@ def no_torch_merge(*args, **kwargs):
     ([1, 3, 9, 4, 11], 7, 5, 9, 3, 64),  # odd block size, a 1-token own part
     ([2, 5, 1], 9, 3, 6, 2, 16),  # head_dim 16: the plain C loops
     ([17] * 40, 10, 16, 9, 3, 64),  # 120 queries per kv head: several lane groups
-    ([1, 16], 4, 16, 8, 2, 128),  # Llama-3-8B's grouping, exactly MIN_SHARED_BLOCKS
+    ([1, 16], 4, 16, 8, 2, 128),  # Llama-3-8B's grouping
     (list(range(1, 8)), 37, 1, 10, 1, 64),  # block size 1, one kv head
     ([3, 3, 3, 3], 5, 7, 4, 4, 32),  # no grouping
     ([5] * 33, 40, 2, 16, 2, 128),  # 8 x 128 per kv head
@@ -158,3 +166,15 @@ def test_switched_off_the_torch_merge_runs(monkeypatch):
     q, k, v, k_cache, v_cache, meta = decode_batch([8, 3, 12], 5, 4, seed=4)
     ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     assert_bf16_close(paged_attention_fast(q, k, v, k_cache, v_cache, meta, 0.125).float(), ref)
+
+
+def test_the_kernel_takes_batches_that_fill_its_lanes(monkeypatch):
+    monkeypatch.undo()  # the measured thresholds
+    _, _, _, k_cache, _, meta = decode_batch([70] * 16, 64, 16)  # W5: 1,024 shared tokens
+    assert _DecodePlan(meta.block_tables, meta.seq_lens_list, k_cache).shared == 64
+    # two sequences fill 6 of 16 query lanes: each reads its whole table in paged_decode
+    _, _, _, k_cache, _, meta = decode_batch([70] * 2, 64, 16)
+    assert _DecodePlan(meta.block_tables, meta.seq_lens_list, k_cache).shared == 0
+    # 16 sequences, a 3-block prompt: too short to pay for the merge
+    _, _, _, k_cache, _, meta = decode_batch([70] * 16, 3, 16)
+    assert _DecodePlan(meta.block_tables, meta.seq_lens_list, k_cache).shared == 0

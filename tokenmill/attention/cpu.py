@@ -106,11 +106,18 @@ _workspace = _Workspace()
 # there are at least this many (below it the extra ops cost more than the gather)
 MIN_SHARED_BLOCKS = 4
 
-# the shared blocks, each sequence's own blocks and their merge in one native call
-# (tm_cascade_decode_bf16); TOKENMILL_CASCADE_NATIVE=0 keeps the torch matmul for the
-# shared part and the torch merge (for A/B runs)
+# with the native kernel the shared blocks, each sequence's own blocks and their merge
+# are one call (tm_cascade_decode_bf16); TOKENMILL_CASCADE_NATIVE=0 keeps the torch
+# matmul and torch merge for the shared part instead (for A/B runs)
 CASCADE_NATIVE = os.environ.get("TOKENMILL_CASCADE_NATIVE", "1") not in ("0", "false", "no",
                                                                        "off")
+# ... taken over paged_decode reading each sequence's whole table only from this many
+# shared blocks and sequences: the same FLOPs either way, and its 16 query lanes part
+# empty below ~8 x 3 queries (benchmarks/cascade_decode.py --sweep-blocks, SmolLM2's
+# heads, block size 16, 1 thread, under load: 16 seqs 0.97x at 4 blocks, 1.06x at 8,
+# 1.45x at 64; 8 seqs 0.97x at 8, 1.03x at 16; 2-4 seqs 0.6-0.9x at any length)
+MIN_CASCADE_BLOCKS = 8
+MIN_CASCADE_SEQS = 8
 
 
 def use_native(k_cache: torch.Tensor) -> bool:
@@ -144,12 +151,16 @@ class _DecodePlan:
             first = rows[0]
             while shared < limit and all(r[shared] == first[shared] for r in rows):
                 shared += 1
-        self.shared = shared if shared >= MIN_SHARED_BLOCKS else 0
+        self.native = use_native(k_cache)
+        if self.native and CASCADE_NATIVE:
+            enough = shared >= MIN_CASCADE_BLOCKS and len(rows) >= MIN_CASCADE_SEQS
+        else:
+            enough = shared >= MIN_SHARED_BLOCKS
+        self.shared = shared if enough else 0
         self.shared_table = rows[0][:self.shared]
         own = [n - self.shared * block_size for n in seq_lens]
         n_blocks = -(-max(own) // block_size)
         self.span = n_blocks * block_size
-        self.native = use_native(k_cache)
         if self.native:  # the kernel walks the block table itself
             self.tables = tables.to(torch.int32).contiguous()
             self.own_lens = torch.tensor(own, dtype=torch.int32)

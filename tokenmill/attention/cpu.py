@@ -61,7 +61,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         qg = q.view(kv_heads, group, d).float()  # (kv, g, d)
         probs = torch.softmax(torch.bmm(qg, k.float().transpose(1, 2)).mul_(scale), dim=-1)
         return torch.bmm(probs, v.float()).view(1, heads, d).to(q.dtype)
-    if group > 1:
+    gqa: dict[str, bool] = {}
+    if group > 1 and _SDPA_GQA:
+        # the kernel maps query heads to kv heads itself: no repeated copy of K/V (the same
+        # bits, 1.1x faster on a 512-token prompt and 1.4x on 64 new tokens over a
+        # 1,024-token cached prefix, SmolLM2's heads, 1 thread, under load)
+        gqa = {"enable_gqa": True}
+    elif group > 1:
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
     # 4-D (1, heads, L, d): torch's CPU SDPA runs 3-D inputs 2-3x slower (measured
@@ -69,12 +75,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     qt, kt, vt = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]
     if causal_offset is None or causal_offset == 0 and num_q == k.shape[1]:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal_offset is not None,
-                                             scale=scale)
+                                             scale=scale, **gqa)
     else:
         q_pos = torch.arange(causal_offset, causal_offset + num_q, device=q.device)
         mask = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
     return out[0].transpose(0, 1)
+
+
+# scaled_dot_product_attention(enable_gqa=...) is torch 2.5's
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class _Workspace:

@@ -12,7 +12,9 @@ cheaper ops:
   head, and no flash-attention kernel (whose fixed cost dominates a single
   query);
 - blocks all decode rows share (a cached system prompt) are attended once for
-  the whole batch by one matmul, not read again per sequence;
+  the whole batch, not read again per sequence: with the native kernel inside its
+  one call (tm_cascade_decode_bf16: shared blocks, own blocks, the merge), else by
+  one matmul;
 - a prefill chunk with no cached prefix attends to this step's own K/V, not a
   copy gathered back out of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
@@ -145,10 +147,11 @@ class _DecodePlan:
 
     Blocks that every sequence of the batch has at the same place in its table
     (a prefix-cache hit on a shared system prompt, or n > 1 siblings) are
-    attended once for all queries: one (kv, B * g, P) matmul instead of
-    gathering the same prefix B times; each sequence's own blocks after it are
-    gathered as before, and the two softmax parts are merged exactly (shared
-    maximum, one denominator)."""
+    attended once for all queries: by the native cascade call (from
+    MIN_CASCADE_BLOCKS blocks and MIN_CASCADE_SEQS sequences), else one
+    (kv, B * g, P) matmul (from MIN_SHARED_BLOCKS) instead of gathering the same
+    prefix B times; each sequence's own blocks after it are read as before, and
+    the two softmax parts are merged exactly (shared maximum, one denominator)."""
 
     def __init__(self, tables: torch.Tensor, seq_lens: list[int], k_cache: torch.Tensor
                  ) -> None:

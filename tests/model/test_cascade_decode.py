@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from tests.model.test_attention_fast import mixed_step
 from tests.model.test_native_kernels import assert_bf16_close
 from tokenmill.attention import cpu
 from tokenmill.attention.cpu import _DecodePlan, paged_attention_fast, store_kv_cache
@@ -178,3 +179,39 @@ def test_the_kernel_takes_batches_that_fill_its_lanes(monkeypatch):
     # 16 sequences, a 3-block prompt: too short to pay for the merge
     _, _, _, k_cache, _, meta = decode_batch([70] * 16, 3, 16)
     assert _DecodePlan(meta.block_tables, meta.seq_lens_list, k_cache).shared == 0
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 16)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_prompt_chunks_over_a_cached_prefix_go_through_the_kernel_and_match(
+        heads, kv_heads, head_dim, contiguous, monkeypatch):
+    # a 12-token chunk over 38 cached tokens (9 full blocks of 4, 2 tokens of a partial
+    # one), a decode, a whole prompt, a 40-token chunk over 1 cached token (no full
+    # block: SDPA), a 20-token chunk over exactly 32 cached tokens (8 blocks)
+    monkeypatch.undo()  # the measured thresholds: >= 8 cached blocks, >= 8 new tokens
+    query_lens, seq_lens = [12, 1, 9, 40, 20], [50, 30, 9, 41, 52]
+    q, k, v, k_cache, v_cache, meta = mixed_step(query_lens, seq_lens, torch.bfloat16,
+                                                 contiguous, heads=heads, kv_heads=kv_heads,
+                                                 head_dim=head_dim)
+    calls = []
+    kernel = native.cascade_decode
+
+    def counted(q, *args):
+        calls.append(q.shape[0])
+        return kernel(q, *args)
+
+    monkeypatch.setattr(native, "cascade_decode", counted)
+    scale = head_dim ** -0.5
+    ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    fast = paged_attention_fast(q, k, v, k_cache, v_cache, meta, scale).float()
+    assert sorted(calls) == [12, 20]  # the two chunks with full cached blocks
+    assert_bf16_close(fast, ref)
+
+
+def test_a_long_prompt_chunk_keeps_sdpa(monkeypatch):
+    monkeypatch.setattr(cpu, "MAX_EXTEND_QUERIES", 8)
+    monkeypatch.setattr(native, "cascade_decode", no_torch_merge)
+    q, k, v, k_cache, v_cache, meta = mixed_step([12], [50], torch.bfloat16, False,
+                                                 heads=9, kv_heads=3, head_dim=64)
+    ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    assert_bf16_close(paged_attention_fast(q, k, v, k_cache, v_cache, meta, 0.125).float(), ref)

@@ -17,8 +17,15 @@ busy machine read the paired ratios, not the absolute times):
 --sweep-blocks 1,2,4,8 times cascade against unshared at those shared-prefix
 lengths instead (where MIN_CASCADE_BLOCKS should sit; --seqs for MIN_CASCADE_SEQS).
 
+--engine runs W5 end to end on one in-process engine instead (64 requests sharing a
+1,024-token prefix of random ids, seed 0, 64-token suffixes, 64 output tokens,
+ignore_eos, greedy, 16 in flight), the paths toggled between runs in alternating
+order; there `cascade` also sends the suffix prefills through the cascade call, and
+`merge` / `unshared` leave them to SDPA.
+
     .venv/bin/python benchmarks/cascade_decode.py
-    .venv/bin/python benchmarks/cascade_decode.py --sweep-blocks 1,2,3,4,6,8 --own-tokens 16
+    .venv/bin/python benchmarks/cascade_decode.py --sweep-blocks 1,2,3,4,6,8 --own-max 16
+    .venv/bin/python benchmarks/cascade_decode.py --engine --rounds 3
 """
 
 from __future__ import annotations
@@ -95,6 +102,55 @@ def time_paths(paths: list[str], args, prefix_blocks: int) -> dict[str, float]:
     return {p: statistics.median(t) for p, t in times.items()}
 
 
+def set_path(path: str) -> None:
+    """The engine-wide switches for `path` (thresholds back to the measured ones)."""
+    cpu.CASCADE_NATIVE = path != "merge"
+    unshared = path == "unshared"
+    cpu.MIN_CASCADE_BLOCKS = 1 << 30 if unshared else 8
+    cpu.MIN_SHARED_BLOCKS = 1 << 30 if unshared else 4
+
+
+def engine_ab(args) -> int:
+    """W5 on one in-process engine, each path once per round, alternating order."""
+    from tokenmill import LLM, SamplingParams
+
+    engine = LLM("smollm2-135m").engine
+    rng = random.Random(0)
+    prefix = [rng.randrange(100, 40000) for _ in range(args.prefix_tokens)]
+    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(64)]
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+
+    def run(tag: str, n: int) -> float:
+        t0 = time.perf_counter()
+        sent, in_flight = 0, set()
+        while sent < n or engine.has_unfinished_requests():
+            while sent < n and len(in_flight) < 16:
+                engine.add_request(f"{tag}-{sent}", prompts[sent], params)
+                in_flight.add(f"{tag}-{sent}")
+                sent += 1
+            for out in engine.step():
+                if out.finished:
+                    in_flight.discard(out.request_id)
+        return time.perf_counter() - t0
+
+    paths = ["cascade", "merge", "unshared"]
+    set_path(paths[0])
+    run("warm-up", min(16, args.requests))  # caches the prefix, builds the kernels
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for r in range(args.rounds):
+        for p in paths if r % 2 == 0 else paths[::-1]:
+            set_path(p)
+            times[p].append(run(f"{p}{r}", args.requests))
+            print(f"round {r}: {p} {times[p][-1]:.2f} s", flush=True)
+    set_path("cascade")
+    for p, t in times.items():
+        med = statistics.median(t)
+        print(f"{p:>9}: median {med:.2f} s (range {min(t):.2f}-{max(t):.2f}), "
+              f"{med / statistics.median(times['cascade']):.2f}x cascade's")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=16)
@@ -109,9 +165,18 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=10, help="calls per path per round")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--sweep-blocks", default="", help="shared-prefix lengths in blocks")
+    ap.add_argument("--engine", action="store_true", help="W5 end to end instead")
+    ap.add_argument("--requests", type=int, default=64, help="--engine: requests per run")
+    ap.add_argument("--output-tokens", type=int, default=64, help="--engine: tokens each")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine and cpu.native.available():
+        print(f"machine: {machine()}; torch threads {torch.get_num_threads()}; W5 in-process: "
+              f"{args.requests} requests, {args.prefix_tokens}-token shared prefix, 64-token "
+              f"suffixes, {args.output_tokens} output tokens, 16 in flight, "
+              f"{args.rounds} rounds")
+        return engine_ab(args)
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}; {args.seqs} seqs, "
           f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, block size "
           f"{args.block_size}, own tokens {args.own_min}..{args.own_max}, "

@@ -88,8 +88,10 @@ def test_fast_path_matches_reference(dtype, contiguous, query_lens, seq_lens):
     ([1, 6, 1, 1], [29, 26, 21, 33]),  # ... with a prompt chunk of a sibling in the step
 ])
 def test_decodes_sharing_prefix_blocks_attend_to_them_once_and_match_reference(
-        dtype, contiguous, query_lens, seq_lens):
+        dtype, contiguous, query_lens, seq_lens, monkeypatch):
     shared = 5  # blocks of 4: 20 tokens, >= MIN_SHARED_BLOCKS
+    monkeypatch.setattr(attention_fast, "MIN_CASCADE_BLOCKS", 1)  # the kernel at this size
+    monkeypatch.setattr(attention_fast, "MIN_CASCADE_SEQS", 1)
     q, k, v, k_cache, v_cache, meta = mixed_step(query_lens, seq_lens, dtype, contiguous,
                                                  shared=shared)
     decodes = [b for b, n in enumerate(query_lens) if n == 1]

@@ -55,7 +55,10 @@ def test_kernel_builds_where_a_compiler_exists():
 ])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("shared", [0, 5])
-def test_native_decode_matches_reference(heads, kv_heads, head_dim, contiguous, shared):
+def test_native_decode_matches_reference(heads, kv_heads, head_dim, contiguous, shared,
+                                        monkeypatch):
+    monkeypatch.setattr(attention_fast, "MIN_CASCADE_BLOCKS", 1)  # the kernel at this size
+    monkeypatch.setattr(attention_fast, "MIN_CASCADE_SEQS", 1)
     seq_lens = [23, 61, 21, 40, 33]  # not multiples of the block size
     q, k, v, k_cache, v_cache, meta = mixed_step([1] * 5, seq_lens, torch.bfloat16,
                                                  contiguous, shared=shared, heads=heads,

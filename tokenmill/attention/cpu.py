@@ -12,9 +12,13 @@ cheaper ops:
   head, and no flash-attention kernel (whose fixed cost dominates a single
   query);
 - blocks all decode rows share (a cached system prompt) are attended once for
-  the whole batch by one matmul, not read again per sequence;
+  the whole batch, not read again per sequence: with the native kernel inside its
+  one call (tm_cascade_decode_bf16: shared blocks, own blocks, the merge), else by
+  one matmul;
 - a prefill chunk with no cached prefix attends to this step's own K/V, not a
-  copy gathered back out of the cache;
+  copy gathered back out of the cache; one over a cached prefix goes through the
+  same native call as shared-prefix decode (each new token a row, the prefix's
+  full blocks read once for all of them);
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
   so only fragmented block tables pay for a gather.
 
@@ -27,6 +31,7 @@ built once per step.
 from __future__ import annotations
 
 import math
+import os
 from typing import ClassVar
 
 import torch
@@ -60,7 +65,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         qg = q.view(kv_heads, group, d).float()  # (kv, g, d)
         probs = torch.softmax(torch.bmm(qg, k.float().transpose(1, 2)).mul_(scale), dim=-1)
         return torch.bmm(probs, v.float()).view(1, heads, d).to(q.dtype)
-    if group > 1:
+    gqa: dict[str, bool] = {}
+    if group > 1 and _SDPA_GQA:
+        # the kernel maps query heads to kv heads itself: no repeated copy of K/V (the same
+        # bits, 1.1x faster on a 512-token prompt and 1.4x on 64 new tokens over a
+        # 1,024-token cached prefix, SmolLM2's heads, 1 thread, under load)
+        gqa = {"enable_gqa": True}
+    elif group > 1:
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
     # 4-D (1, heads, L, d): torch's CPU SDPA runs 3-D inputs 2-3x slower (measured
@@ -68,12 +79,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     qt, kt, vt = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]
     if causal_offset is None or causal_offset == 0 and num_q == k.shape[1]:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal_offset is not None,
-                                             scale=scale)
+                                             scale=scale, **gqa)
     else:
         q_pos = torch.arange(causal_offset, causal_offset + num_q, device=q.device)
         mask = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
     return out[0].transpose(0, 1)
+
+
+# scaled_dot_product_attention(enable_gqa=...) is torch 2.5's
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class _Workspace:
@@ -105,6 +120,24 @@ _workspace = _Workspace()
 # there are at least this many (below it the extra ops cost more than the gather)
 MIN_SHARED_BLOCKS = 4
 
+# with the native kernel the shared blocks, each sequence's own blocks and their merge
+# are one call (tm_cascade_decode_bf16); TOKENMILL_CASCADE_NATIVE=0 keeps the torch
+# matmul and torch merge for the shared part instead (for A/B runs)
+CASCADE_NATIVE = os.environ.get("TOKENMILL_CASCADE_NATIVE", "1") not in ("0", "false", "no",
+                                                                       "off")
+# ... taken over paged_decode reading each sequence's whole table only from this many
+# shared blocks and sequences: the same FLOPs either way, and its 16 query lanes part
+# empty below ~8 x 3 queries (benchmarks/cascade_decode.py --sweep-blocks, SmolLM2's
+# heads, block size 16, 1 thread, under load: 16 seqs 0.97x at 4 blocks, 1.06x at 8,
+# 1.45x at 64; 8 seqs 0.97x at 8, 1.03x at 16; 2-4 seqs 0.6-0.9x at any length)
+MIN_CASCADE_BLOCKS = 8
+MIN_CASCADE_SEQS = 8
+# a prompt chunk over a cached prefix goes the same way, from MIN_CASCADE_SEQS up to
+# this many new tokens (vs SDPA, 1 thread, under load: 2.3-2.9x at 16-128 new tokens
+# over 128-1,024 cached ones, 2.0x at 512 over 512, 1.5x at 1,024 over 1,024, its
+# causal part per row then growing; the scratch grows with the square)
+MAX_EXTEND_QUERIES = 512
+
 
 def use_native(k_cache: torch.Tensor) -> bool:
     """Whether decode rows go to the native kernel: a bf16 CPU cache and a kernel built."""
@@ -121,10 +154,11 @@ class _DecodePlan:
 
     Blocks that every sequence of the batch has at the same place in its table
     (a prefix-cache hit on a shared system prompt, or n > 1 siblings) are
-    attended once for all queries: one (kv, B * g, P) matmul instead of
-    gathering the same prefix B times; each sequence's own blocks after it are
-    gathered as before, and the two softmax parts are merged exactly (shared
-    maximum, one denominator)."""
+    attended once for all queries: by the native cascade call (from
+    MIN_CASCADE_BLOCKS blocks and MIN_CASCADE_SEQS sequences), else one
+    (kv, B * g, P) matmul (from MIN_SHARED_BLOCKS) instead of gathering the same
+    prefix B times; each sequence's own blocks after it are read as before, and
+    the two softmax parts are merged exactly (shared maximum, one denominator)."""
 
     def __init__(self, tables: torch.Tensor, seq_lens: list[int], k_cache: torch.Tensor
                  ) -> None:
@@ -137,12 +171,16 @@ class _DecodePlan:
             first = rows[0]
             while shared < limit and all(r[shared] == first[shared] for r in rows):
                 shared += 1
-        self.shared = shared if shared >= MIN_SHARED_BLOCKS else 0
+        self.native = use_native(k_cache)
+        if self.native and CASCADE_NATIVE:
+            enough = shared >= MIN_CASCADE_BLOCKS and len(rows) >= MIN_CASCADE_SEQS
+        else:
+            enough = shared >= MIN_SHARED_BLOCKS
+        self.shared = shared if enough else 0
         self.shared_table = rows[0][:self.shared]
         own = [n - self.shared * block_size for n in seq_lens]
         n_blocks = -(-max(own) // block_size)
         self.span = n_blocks * block_size
-        self.native = use_native(k_cache)
         if self.native:  # the kernel walks the block table itself
             self.tables = tables.to(torch.int32).contiguous()
             self.own_lens = torch.tensor(own, dtype=torch.int32)
@@ -225,15 +263,25 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_seqs, heads, d).to(q.dtype)
 
 
+def _cascade_scratch(numel: int) -> torch.Tensor:
+    return _workspace.get("cascade", (numel,), torch.float32, torch.device("cpu"))
+
+
 def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    plan: _DecodePlan, scale: float) -> torch.Tensor | None:
     """`_decode_batch` through the native kernel; None if the kernel declines the shapes.
-    A shared prefix is still attended once for the batch by one matmul, and merged
-    with the kernel's part through its row maxima and denominators."""
+    A shared prefix is attended once for the batch: with CASCADE_NATIVE inside the one
+    native call (shared blocks, own blocks and the merge); otherwise by one torch
+    matmul, merged with the kernel's part through its row maxima and denominators."""
     num_seqs, heads, d = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     max_len = plan.span
+    if plan.shared and CASCADE_NATIVE:
+        out = native.cascade_decode(q, k_cache, v_cache, plan.tables, plan.shared,
+                                    plan.own_lens, max_len, scale, _cascade_scratch)
+        if out is not None:
+            return out
     scratch = _workspace.get("scores", (num_seqs * heads * max_len,), torch.float32, q.device)
     part = native.paged_decode(q, k_cache, v_cache, plan.tables, plan.shared, plan.own_lens,
                                max_len, scale, scratch, with_lse=bool(plan.shared))
@@ -254,6 +302,26 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     own = out.view(num_seqs, kv_heads, group, d).transpose(0, 1)
     merged = shared.add_(own * own_scale).div_(denom)  # (kv, B, g, d)
     return merged.transpose(0, 1).reshape(num_seqs, heads, d).to(q.dtype)
+
+
+def _extend_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   table: list[int], seq_len: int, scale: float) -> torch.Tensor | None:
+    """A prompt chunk q (Q, heads, d) over its cached prefix through the cascade kernel,
+    or None where it does not pay (or the kernel declines): each new token is a row of
+    the batch whose shared blocks are the prefix's full blocks, read once for all Q
+    rows, and whose own tokens run from there up to itself (causal)."""
+    num_q = q.shape[0]
+    block_size = k_cache.shape[2]
+    shared = (seq_len - num_q) // block_size
+    if not (CASCADE_NATIVE and shared >= MIN_CASCADE_BLOCKS
+            and MIN_CASCADE_SEQS <= num_q <= MAX_EXTEND_QUERIES and use_native(k_cache)):
+        return None
+    n_blocks = -(-seq_len // block_size)
+    tables = torch.tensor(table[:n_blocks], dtype=torch.int32).expand(num_q, n_blocks)
+    before = seq_len - num_q - shared * block_size  # tokens of the partial block before q
+    lens = torch.arange(before + 1, before + num_q + 1, dtype=torch.int32)
+    return native.cascade_decode(q, k_cache, v_cache, tables, shared, lens, before + num_q,
+                                 scale, _cascade_scratch)
 
 
 def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan | _DecodePlan:
@@ -286,9 +354,13 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out[start:end] = _attend(q[start:end], k[start:end].transpose(0, 1),
                                      v[start:end].transpose(0, 1), scale, 0)
         else:
-            ks = _seq_kv(k_cache, plan.tables[b], seq_len)
-            vs = _seq_kv(v_cache, plan.tables[b], seq_len)
-            out[start:end] = _attend(q[start:end], ks, vs, scale, seq_len - query_len)
+            part = _extend_native(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
+                                  scale)
+            if part is None:
+                ks = _seq_kv(k_cache, plan.tables[b], seq_len)
+                vs = _seq_kv(v_cache, plan.tables[b], seq_len)
+                part = _attend(q[start:end], ks, vs, scale, seq_len - query_len)
+            out[start:end] = part
         start = end
     if plan.decode is not None:
         out[plan.decode_rows] = _decode_batch(q.index_select(0, plan.decode_rows), k_cache,

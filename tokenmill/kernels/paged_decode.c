@@ -25,6 +25,7 @@
  * ctypes with raw pointers (tokenmill/kernels/paged_decode.py).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -431,6 +432,54 @@ int tm_store_kv_q8(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64
     return 0;
 }
 
+/* One work item: the G query heads qb (G, D) bf16 of a kv head against its it->len
+ * tokens. s: G rows of it->s_stride fp32 scores (left holding the bf16-rounded softmax
+ * numerators). Out: acc (G, D) = sum_t exp(s_t - mx) v_t, the row maxima mx and the
+ * denominators sum (G). */
+static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *acc, float *mx,
+                        float *sum) {
+    const int quantized = it->k8 != NULL;
+    const int64_t G = it->G, D = it->D;
+#ifdef TM_AVX512BF16
+    const int vector_path = D % 32 == 0;
+    if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(it, qb, s, mx, 3, 4);
+    else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(it, qb, s, mx, G, D / 16);
+    else
+#endif
+    if (quantized) scores_q8(it, qb, s, mx);
+    else
+#ifdef TM_AVX512BF16
+    if (vector_path && G == 3 && D == 64) scores_tiled(it, qb, s, mx, 3, 2);
+    else if (vector_path && G == 4 && D == 128) scores_tiled(it, qb, s, mx, 4, 4);
+    else if (vector_path && G == 1 && D == 64) scores_tiled(it, qb, s, mx, 1, 2);
+    else if (vector_path) scores_tiled(it, qb, s, mx, G, D / 32);
+    else
+#endif
+        scores_generic(it, qb, s, mx);
+    for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
+        float *sg = s + g * it->s_stride;
+        const float m = mx[g];
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < it->len; t++) {
+            const float e = expf(sg[t] - m);
+            total += e;
+            sg[t] = bf16_to_f32(f32_to_bf16(e));
+        }
+        sum[g] = total;
+    }
+    if (quantized) weighted_v_q8(it, s, acc);
+    else
+#ifdef TM_AVX512BF16
+    if (vector_path && G == 3 && D == 64) weighted_v_pairs(it, s, acc, 3, 2);
+    else if (vector_path && G == 4 && D == 128) weighted_v_pairs(it, s, acc, 4, 4);
+    else if (vector_path && G == 1 && D == 64) weighted_v_pairs(it, s, acc, 1, 2);
+    else if (vector_path) weighted_v_pairs(it, s, acc, G, D / 32);
+    else
+#endif
+        weighted_v_generic(it, s, acc);
+}
+
 /* q: (B, H, D) bf16, rows q_stride elements apart. tables: (B, table_stride) int32;
  * sequence b attends to lens[b] tokens held in blocks tables[b][first_block:].
  * Output (B, H, D): with m_out and l_out NULL, normalised, into out_bf16 (rounded) if
@@ -453,9 +502,6 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     const int64_t G = H / KVH;
     for (int64_t b = 0; b < B; b++)
         if (lens[b] < 1 || lens[b] > max_len) return -1;
-#ifdef TM_AVX512BF16
-    const int vector_path = D % 32 == 0;
-#endif
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < B * KVH; item++) {
@@ -471,43 +517,7 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         float *s = scratch + (b * H + kh * G) * max_len; /* s[g * max_len + t] */
         float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
         float mx[MAX_GROUP], sum[MAX_GROUP];
-#ifdef TM_AVX512BF16
-        if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(&it, qb, s, mx, 3, 4);
-        else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(&it, qb, s, mx, G, D / 16);
-        else
-#endif
-        if (quantized) scores_q8(&it, qb, s, mx);
-        else
-#ifdef TM_AVX512BF16
-        if (vector_path && G == 3 && D == 64) scores_tiled(&it, qb, s, mx, 3, 2);
-        else if (vector_path && G == 4 && D == 128) scores_tiled(&it, qb, s, mx, 4, 4);
-        else if (vector_path && G == 1 && D == 64) scores_tiled(&it, qb, s, mx, 1, 2);
-        else if (vector_path) scores_tiled(&it, qb, s, mx, G, D / 32);
-        else
-#endif
-            scores_generic(&it, qb, s, mx);
-        for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
-            float *sg = s + g * max_len;
-            const float m = mx[g];
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < it.len; t++) {
-                const float e = expf(sg[t] - m);
-                total += e;
-                sg[t] = bf16_to_f32(f32_to_bf16(e));
-            }
-            sum[g] = total;
-        }
-        if (quantized) weighted_v_q8(&it, s, acc);
-        else
-#ifdef TM_AVX512BF16
-        if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
-        else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
-        else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
-        else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
-        else
-#endif
-            weighted_v_generic(&it, s, acc);
+        attend_item(&it, qb, s, acc, mx, sum);
         for (int64_t g = 0; g < G; g++) {
             float *o = out + (b * H + kh * G + g) * D;
             const float *ag = acc + g * D;
@@ -556,4 +566,332 @@ int tm_paged_decode_q8(const uint16_t *q, int64_t q_stride, const uint8_t *k_cac
     return paged_decode(q, q_stride, NULL, NULL, k_cache, v_cache, k_scale, v_scale, lut,
                         tables, table_stride, first_block, lens, B, H, KVH, NB, BS, D, scale,
                         out, out_bf16, m_out, l_out, scratch, max_len, num_threads);
+}
+
+/* ---- Shared-prefix (cascade) decode: one call for a batch whose sequences all start
+ * with the same blocks (a cached system prompt, n > 1 siblings).
+ *
+ * Phase 1, work items (kv head, chunk of the shared prefix): the chunk's K/V rows are
+ * read once for all B x G queries of that kv head (queries in vector lanes: one
+ * vdpbf16ps per 16 queries and pair of dims, no horizontal sums), softmax relative to
+ * the chunk's own maxima, weighted V; the chunk's part (B * G, D), maxima and
+ * denominators go to scratch. Phase 2, work items (sequence, kv head): the sequence's
+ * own blocks as in paged_decode, then the exact merge with every chunk's part
+ * (a shared maximum, one denominator). Both phases in one OpenMP region. */
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* tokens per chunk: a multiple of BS, 32..128 tokens, >= ~4 items per thread */
+static int64_t cascade_chunk(int64_t P, int64_t BS, int64_t KVH, int64_t threads) {
+    int64_t want = (P * KVH + 4 * threads - 1) / (4 * threads);
+    if (want < 32) want = 32;
+    if (want > 128) want = 128;
+    const int64_t ch = round_up(want, BS);
+    return ch < P ? ch : P;
+}
+
+typedef struct {
+    int64_t NQ, NQP, CH, nch, per_thread, own, parts;
+} cascade_layout_t;
+
+/* the scratch (fp32 words): own scores B * H * max_len, then per chunk its part
+ * (NQP, D), maxima (NQP) and denominators (NQP), then each thread's workspace:
+ * queries (D, NQP), scores (CH + 1, NQP), bf16 pairs of weights (CH / 2 + 1, NQP) */
+static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                                       int64_t shared_blocks, int64_t max_len,
+                                       int64_t threads) {
+    cascade_layout_t L;
+    L.NQ = B * (H / KVH);
+    L.NQP = round_up(L.NQ, 16);
+    L.CH = cascade_chunk(shared_blocks * BS, BS, KVH, threads);
+    L.nch = (shared_blocks * BS + L.CH - 1) / L.CH;
+    L.own = B * H * max_len;
+    L.parts = KVH * L.nch * L.NQP * (D + 2);
+    L.per_thread = round_up((D + L.CH + 1 + L.CH / 2 + 1) * L.NQP, 16);
+    return L;
+}
+
+int64_t tm_cascade_scratch_floats(int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                                  int64_t shared_blocks, int64_t max_len, int64_t num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || BS < 1 || shared_blocks < 1 || num_threads < 1) return -1;
+    const cascade_layout_t L =
+        cascade_layout(B, H, KVH, D, BS, shared_blocks, max_len, num_threads);
+    return L.own + L.parts + num_threads * L.per_thread;
+}
+
+typedef struct {
+    const uint16_t *q;     /* (B, H, D), rows q_stride apart */
+    int64_t q_stride, G, D, BS, NQ, NQP;
+    const uint16_t *k, *v; /* this kv head's pools (NB, BS, D) */
+    const int32_t *tab;    /* the shared blocks */
+    int64_t t0, n;         /* the chunk: tokens t0 .. t0 + n of the prefix */
+    float scale;
+} chunk_t;
+
+static inline const uint16_t *prefix_row(const chunk_t *c, const uint16_t *pool, int64_t t) {
+    const int64_t tok = c->t0 + t;
+    return pool + ((int64_t)c->tab[tok / c->BS] * c->BS + tok % c->BS) * c->D;
+}
+
+/* query n = b * G + g of kv head kh */
+static inline const uint16_t *query_row(const chunk_t *c, int64_t kh, int64_t n) {
+    return c->q + (n / c->G) * c->q_stride + (kh * c->G + n % c->G) * c->D;
+}
+
+/* S[t * NQP + n] = scale * q_n . k_t, fp32 products of the bf16 values */
+static void chunk_scores_generic(const chunk_t *c, int64_t kh, float *qf, float *S) {
+    const int64_t D = c->D, NQP = c->NQP;
+    memset(qf, 0, (size_t)(D * NQP) * sizeof(float));
+    for (int64_t n = 0; n < c->NQ; n++) {
+        const uint16_t *qr = query_row(c, kh, n);
+        for (int64_t d = 0; d < D; d++) qf[d * NQP + n] = bf16_to_f32(qr[d]);
+    }
+    for (int64_t t = 0; t < c->n; t++) {
+        const uint16_t *kr = prefix_row(c, c->k, t);
+        float *st = S + t * NQP;
+        memset(st, 0, (size_t)NQP * sizeof(float));
+        for (int64_t d = 0; d < D; d++) {
+            const float kd = bf16_to_f32(kr[d]);
+            const float *qd = qf + d * NQP;
+#pragma omp simd
+            for (int64_t n = 0; n < NQP; n++) st[n] += qd[n] * kd;
+        }
+#pragma omp simd
+        for (int64_t n = 0; n < NQP; n++) st[n] *= c->scale;
+    }
+}
+
+/* po[n * D + d] = sum_t P[t * NQP + n] v_t[d] */
+static void chunk_values_generic(const chunk_t *c, const float *P, float *po) {
+    const int64_t D = c->D, NQP = c->NQP;
+    float row[MAX_D] __attribute__((aligned(64)));
+    memset(po, 0, (size_t)(c->NQ * D) * sizeof(float));
+    for (int64_t t = 0; t < c->n; t++) {
+        const uint16_t *vr = prefix_row(c, c->v, t);
+        for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(vr[d]);
+        for (int64_t n = 0; n < c->NQ; n++) {
+            const float p = P[t * NQP + n];
+            float *o = po + n * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += p * row[d];
+        }
+    }
+}
+
+#ifdef TM_AVX512BF16
+/* scores of 4 tokens x NV vectors of 16 queries: qt[dp * NQP + n] holds query n's dims
+ * 2dp, 2dp + 1 as a bf16 pair; each K pair is broadcast against 16 queries at once */
+static inline __attribute__((always_inline)) void chunk_scores_tile(
+    const chunk_t *c, const uint32_t *qt, int64_t qv0, int64_t t, float *S, const int NV) {
+    const int64_t NQP = c->NQP, half = c->D / 2;
+    const int nt = c->n - t < 4 ? (int)(c->n - t) : 4;
+    const uint16_t *rows[4];
+    for (int i = 0; i < 4; i++) rows[i] = prefix_row(c, c->k, t + (i < nt ? i : 0));
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < half; dp++) {
+        __m512bh qq[4];
+        for (int j = 0; j < NV; j++)
+            qq[j] = (__m512bh)_mm512_loadu_si512((const void *)(qt + dp * NQP + 16 * (qv0 + j)));
+        for (int i = 0; i < 4; i++) {
+            int32_t pair;
+            memcpy(&pair, rows[i] + 2 * dp, sizeof pair);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qq[j], kb);
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(c->scale);
+    for (int i = 0; i < nt; i++)
+        for (int j = 0; j < NV; j++)
+            _mm512_storeu_ps(S + (t + i) * NQP + 16 * (qv0 + j), _mm512_mul_ps(acc[i][j], scale));
+}
+
+static void chunk_scores_avx(const chunk_t *c, int64_t kh, uint32_t *qt, float *S) {
+    const int64_t NQP = c->NQP, half = c->D / 2;
+    memset(qt, 0, (size_t)(half * NQP) * sizeof(uint32_t));
+    for (int64_t n = 0; n < c->NQ; n++) {
+        const uint16_t *qr = query_row(c, kh, n);
+        for (int64_t dp = 0; dp < half; dp++) memcpy(qt + dp * NQP + n, qr + 2 * dp, 4);
+    }
+    const int64_t NQV = NQP / 16;
+    for (int64_t qv0 = 0; qv0 < NQV; qv0 += 4) {
+        const int64_t nv = NQV - qv0 < 4 ? NQV - qv0 : 4;
+        for (int64_t t = 0; t < c->n; t += 4) {
+            if (nv == 4) chunk_scores_tile(c, qt, qv0, t, S, 4);
+            else if (nv == 3) chunk_scores_tile(c, qt, qv0, t, S, 3);
+            else if (nv == 2) chunk_scores_tile(c, qt, qv0, t, S, 2);
+            else chunk_scores_tile(c, qt, qv0, t, S, 1);
+        }
+    }
+}
+
+/* po[n * D + d] = sum_t p_t,n v_t[d] for 8 queries from n0, 32 dims at a time: rows t and
+ * t + 1 interleaved (as weighted_v_pairs), the weights' bf16 pairs p2[tp * NQP + n]
+ * broadcast; the lanes put back in d order by two permutes */
+static void chunk_values_avx(const chunk_t *c, const uint32_t *p2, float *po) {
+    const int64_t D = c->D, NQP = c->NQP, pairs = (c->n + 1) / 2;
+    const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx1 =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t n0 = 0; n0 < c->NQ; n0 += 8) {
+        for (int64_t cc = 0; cc < D / 32; cc++) {
+            __m512 lo[8], hi[8];
+            for (int j = 0; j < 8; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+            for (int64_t tp = 0; tp < pairs; tp++) {
+                const uint16_t *r0 = prefix_row(c, c->v, 2 * tp);
+                const uint16_t *r1 = 2 * tp + 1 < c->n ? prefix_row(c, c->v, 2 * tp + 1) : r0;
+                const __m512i x0 = _mm512_loadu_si512((const void *)(r0 + 32 * cc));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(r1 + 32 * cc));
+                const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                const __m512bh h = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+                const uint32_t *pw = p2 + tp * NQP + n0;
+                for (int j = 0; j < 8; j++) {
+                    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pw[j]);
+                    lo[j] = _mm512_dpbf16_ps(lo[j], l, pb);
+                    hi[j] = _mm512_dpbf16_ps(hi[j], h, pb);
+                }
+            }
+            const int64_t nt = c->NQ - n0 < 8 ? c->NQ - n0 : 8;
+            for (int64_t j = 0; j < nt; j++) {
+                float *o = po + (n0 + j) * D + 32 * cc;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo[j], idx0, hi[j]));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo[j], idx1, hi[j]));
+            }
+        }
+    }
+}
+#endif
+
+/* one chunk of the shared prefix for all queries of kv head kh: its unnormalised part
+ * po (NQ, D), maxima pm and denominators pl (NQ) */
+static void shared_chunk(const chunk_t *c, int64_t kh, float *ws, float *po, float *pm,
+                         float *pl) {
+    const int64_t NQP = c->NQP;
+    float *qbuf = ws, *S = ws + c->D * NQP;
+    uint32_t *p2 = (uint32_t *)(S + round_up(c->n, 2) * NQP);
+#ifdef TM_AVX512BF16
+    const int vector_path = c->D % 32 == 0;
+    if (vector_path) chunk_scores_avx(c, kh, (uint32_t *)qbuf, S);
+    else
+#endif
+        chunk_scores_generic(c, kh, qbuf, S);
+    for (int64_t n = 0; n < NQP; n++) pm[n] = -3.0e38f;
+    for (int64_t t = 0; t < c->n; t++) {
+        const float *st = S + t * NQP;
+#pragma omp simd
+        for (int64_t n = 0; n < NQP; n++) pm[n] = st[n] > pm[n] ? st[n] : pm[n];
+    }
+    for (int64_t n = 0; n < NQP; n++) pl[n] = 0.0f;
+    for (int64_t t = 0; t < c->n; t++) { /* numerators, rounded to bf16 as the own part's */
+        float *st = S + t * NQP;
+#pragma omp simd
+        for (int64_t n = 0; n < NQP; n++) {
+            const float e = expf(st[n] - pm[n]);
+            pl[n] += e;
+            st[n] = round_bf16(e);
+        }
+    }
+#ifdef TM_AVX512BF16
+    if (vector_path) {
+        if (c->n % 2) memset(S + c->n * NQP, 0, (size_t)NQP * sizeof(float)); /* p = 0 */
+        for (int64_t tp = 0; tp < (c->n + 1) / 2; tp++) {
+            const uint32_t *a = (const uint32_t *)(S + 2 * tp * NQP), *b = a + NQP;
+#pragma omp simd
+            for (int64_t n = 0; n < NQP; n++)
+                p2[tp * NQP + n] = (a[n] >> 16) | (b[n] & 0xFFFF0000u);
+        }
+        chunk_values_avx(c, p2, po);
+        return;
+    }
+#endif
+    (void)p2;
+    chunk_values_generic(c, S, po);
+}
+
+/* q: (B, H, D) bf16, rows q_stride elements apart; tables: (B, table_stride) int32 whose
+ * first shared_blocks entries are the same in every row. Sequence b attends to those
+ * shared_blocks * BS tokens, then to its own lens[b] tokens in tables[b][shared_blocks:].
+ * Output (B, H, D) normalised, into out_bf16 (rounded) if given, else into out (fp32).
+ * scratch: tm_cascade_scratch_floats(...) fp32 words (scratch_floats of them given).
+ * Returns 0, or -1 (nothing written) for inputs it does not take. */
+int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int32_t *tables, int64_t table_stride,
+                           int64_t shared_blocks, const int32_t *lens, int64_t B, int64_t H,
+                           int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale,
+                           float *out, uint16_t *out_bf16, float *scratch,
+                           int64_t scratch_floats, int64_t max_len, int64_t num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || D > MAX_D || D % 2 || (H / KVH) * D > MAX_GROUP_DIM ||
+        H / KVH > MAX_GROUP || num_threads < 1 || shared_blocks < 1 || BS < 1 || B < 1 ||
+        table_stride < shared_blocks)
+        return -1;
+    const int64_t G = H / KVH;
+    for (int64_t b = 0; b < B; b++) {
+        if (lens[b] < 1 || lens[b] > max_len) return -1;
+        for (int64_t j = 0; j < shared_blocks; j++)
+            if (tables[b * table_stride + j] != tables[j]) return -1;
+    }
+    const cascade_layout_t L =
+        cascade_layout(B, H, KVH, D, BS, shared_blocks, max_len, num_threads);
+    if (scratch_floats < L.own + L.parts + num_threads * L.per_thread) return -1;
+    const int64_t P = shared_blocks * BS, items = KVH * L.nch;
+    float *part_o = scratch + L.own, *part_m = part_o + items * L.NQP * D;
+    float *part_l = part_m + items * L.NQP, *thread_ws = scratch + L.own + L.parts;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *ws = thread_ws + (int64_t)omp_get_thread_num() * L.per_thread;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t kh = item / L.nch, t0 = (item % L.nch) * L.CH;
+            const chunk_t c = {q, q_stride, G, D, BS, L.NQ, L.NQP,
+                               k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
+                               tables, t0, P - t0 < L.CH ? P - t0 : L.CH, scale};
+            shared_chunk(&c, kh, ws, part_o + item * L.NQP * D, part_m + item * L.NQP,
+                         part_l + item * L.NQP);
+        }
+        /* the implicit barrier: every chunk's part is written before any merge */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * KVH; item++) {
+            const int64_t b = item / KVH, kh = item % KVH;
+            item_t it = {k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
+                         tables + b * table_stride + shared_blocks, lens[b], BS, D, G, max_len,
+                         scale, NULL, NULL, NULL, NULL, NULL};
+            float *s = scratch + (b * H + kh * G) * max_len;
+            float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
+            float mx[MAX_GROUP], sum[MAX_GROUP];
+            attend_item(&it, q + b * q_stride + kh * G * D, s, acc, mx, sum);
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t n = b * G + g;
+                float top = mx[g];
+                for (int64_t ci = 0; ci < L.nch; ci++) {
+                    const float m = part_m[(kh * L.nch + ci) * L.NQP + n];
+                    top = m > top ? m : top;
+                }
+                float *ag = acc + g * D;
+                const float w_own = expf(mx[g] - top);
+                float denom = sum[g] * w_own;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] *= w_own;
+                for (int64_t ci = 0; ci < L.nch; ci++) {
+                    const int64_t pi = (kh * L.nch + ci) * L.NQP + n;
+                    const float w = expf(part_m[pi] - top);
+                    const float *po = part_o + pi * D;
+                    denom += part_l[pi] * w;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) ag[d] += w * po[d];
+                }
+                const float inv = 1.0f / denom;
+                const int64_t o = (b * H + kh * G + g) * D;
+                if (out_bf16) {
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) out_bf16[o + d] = f32_to_bf16(ag[d] * inv);
+                } else {
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) out[o + d] = ag[d] * inv;
+                }
+            }
+        }
+    }
+    return 0;
 }

@@ -19,6 +19,10 @@ _lib = Library("paged_decode", {
     "tm_paged_decode_bf16": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64,
                               _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR,
                               _I64, _I64], ctypes.c_int),
+    "tm_cascade_decode_bf16": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64,
+                                _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _I64, _I64,
+                                _I64], ctypes.c_int),
+    "tm_cascade_scratch_floats": ([_I64] * 8, _I64),
     "tm_store_kv_bf16": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                           _I64], ctypes.c_int),
     "tm_paged_decode_q8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR,
@@ -53,6 +57,44 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return None
     return _decode(fn, q, (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.shape, tables,
                    first_block, lens, max_len, scale, scratch, with_lse)
+
+
+def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   tables: torch.Tensor, shared_blocks: int, lens: torch.Tensor, max_len: int,
+                   scale: float, workspace: Any) -> torch.Tensor | None:
+    """`paged_decode` for a batch whose tables all start with the same `shared_blocks`
+    blocks: those are read once for every query of the batch, each sequence's own
+    `lens[b]` tokens after them as `paged_decode` reads them, and the two parts merged,
+    all in one native call. Returns out (B, H, D), normalised, in q's dtype, or None
+    when the kernel is not available or does not take the inputs (tables that differ
+    in the shared blocks among them). workspace(numel) -> a float32 scratch tensor."""
+    fn, size = _lib.get("tm_cascade_decode_bf16"), _lib.get("tm_cascade_scratch_floats")
+    if (fn is None or size is None or k_cache.dtype != torch.bfloat16
+            or v_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or tables.dtype != torch.int32 or lens.dtype != torch.int32):
+        return None
+    num_seqs, heads, d = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    threads = torch.get_num_threads()
+    numel = size(num_seqs, heads, kv_heads, d, block_size, shared_blocks, max_len, threads)
+    if numel < 0:
+        return None
+    scratch = workspace(numel)
+    qb = q.to(torch.bfloat16)
+    if qb.stride(2) != 1 or qb.stride(1) != d:
+        qb = qb.contiguous()
+    tables, lens = tables.contiguous(), lens.contiguous()
+    bf16_out = q.dtype == torch.bfloat16
+    out = torch.empty(num_seqs, heads, d, dtype=q.dtype if bf16_out else torch.float32)
+    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), shared_blocks, lens.data_ptr(), num_seqs,
+            heads, kv_heads, num_blocks, block_size, d, scale,
+            None if bf16_out else out.data_ptr(), out.data_ptr() if bf16_out else None,
+            scratch.data_ptr(), scratch.numel(), max_len, threads)
+    if rc != 0:
+        return None
+    return out if bf16_out else out.to(q.dtype)
 
 
 def _decode(fn: Any, q: torch.Tensor, pools: tuple, pool_shape: torch.Size,

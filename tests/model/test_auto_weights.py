@@ -11,7 +11,7 @@ from tokenmill.engine import weights
 from tokenmill.loaders import resolve_model
 from tokenmill.quant import vnni
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
-from tokenmill.quant.model import DENSE_MIN_ROWS
+from tokenmill.quant.model import DENSE_MIN_ROWS, VNNI_DENSE_MIN_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,17 @@ def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, mon
     assert loaded.dtype == torch.bfloat16 and method == ("gguf-a16" if vnni.fast() else "gguf")
     linears = _linears(loaded.model)
     assert len(linears) == 9 and all(isinstance(m, Int4Linear) for m in linears)
-    # 1-7 rows: the int4 kernel; 8 and up: the bf16 weights, packed for oneDNN
-    assert DENSE_MIN_ROWS == 8
-    assert all(m.dense is not None and m.dense_min_rows == 8 for m in linears)
+    # below the threshold the low-bit kernel, from it the bf16 weights packed for
+    # oneDNN: 8 rows for torch's int4 kernel, VNNI_DENSE_MIN_ROWS for gguf-a16's
+    rows = VNNI_DENSE_MIN_ROWS if method == "gguf-a16" else DENSE_MIN_ROWS
+    assert DENSE_MIN_ROWS == 8 and VNNI_DENSE_MIN_ROWS > DENSE_MIN_ROWS
+    assert all(m.dense is not None and m.dense_min_rows == rows for m in linears)
     m = linears[0]
-    x = torch.randn(8, m.in_features, dtype=torch.bfloat16)
-    assert torch.equal(m(x), m.dense(x))  # 8 rows: the bf16 weights
-    assert torch.equal(m(x[:7]), m._lowbit(x[:7]))  # 7 rows: the int4 kernel
-    assert not torch.equal(m(x[:7]), m.dense(x[:7]))
+    x = torch.randn(rows, m.in_features, dtype=torch.bfloat16)
+    assert torch.equal(m(x), m.dense(x))  # from the threshold: the bf16 weights
+    below = x[:rows - 1]
+    assert torch.equal(m(below), m._lowbit(below))  # one row fewer: the low-bit kernel
+    assert not torch.equal(m(below), m.dense(below))
 
 
 def test_auto_elsewhere_keeps_float32_weights_and_float32_asks_for_the_reference(

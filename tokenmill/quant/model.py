@@ -63,6 +63,13 @@ TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # (23.8 vs 28.9 ms). Whole engine decode steps at 200 tokens of context: 4 rows
 # int4 29.3 vs packed 33.6 ms, 6 rows 36.4 vs 37.8, 8 rows a tie (41.0 vs 41.6).
 DENSE_MIN_ROWS = 8
+# gguf-a16 / gguf-a8 (q4q8_gemv.c): rows from which the packed bf16 weights take over
+# when the batched linears are bf16. Its kernel costs the same per row at any batch
+# (activations quantized per row), so the crossover is where oneDNN's matmul catches
+# up. Whole decode steps at 128-token contexts, quiet, 2 threads, VNNI ÷ bf16 step
+# time: 0.79 at 8 rows, 0.89 at 12, 0.91 at 16, 1.04 at 24, 1.03 at 31 (BENCHMARKS.md,
+# "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
+VNNI_DENSE_MIN_ROWS = 20
 BATCHED_LINEARS = ("bf16", "w8a8")  # the large-batch weight (module docstring)
 DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
@@ -78,14 +85,20 @@ class QuantizationSummary:
 
 
 def quantize_model(model: nn.Module, method: str,
-                   dense_min_rows: int | None = DENSE_MIN_ROWS,
+                   dense_min_rows: int | None | str = "auto",
                    batched_linears: str = "bf16") -> QuantizationSummary:
-    """Replace the model's target linears in place; see the module docstring."""
+    """Replace the model's target linears in place; see the module docstring.
+    dense_min_rows "auto": VNNI_DENSE_MIN_ROWS for gguf-a16 / gguf-a8 with bf16
+    batched linears, DENSE_MIN_ROWS otherwise."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; use one of {', '.join(METHODS)}")
     if batched_linears not in BATCHED_LINEARS:
         raise ValueError(f"unknown batched linears {batched_linears!r}; use one of "
                          f"{', '.join(BATCHED_LINEARS)}")
+    if dense_min_rows == "auto":
+        vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
+        dense_min_rows = (VNNI_DENSE_MIN_ROWS if vnni_kernel and batched_linears == "bf16"
+                          else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
     if method != "none":
         for name, module in list(model.named_modules()):
@@ -187,6 +200,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
     keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
+
     dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
     if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
         dense = Int8DynamicWeight(weight)

@@ -16,3 +16,13 @@ def assert_no_leak(engine) -> None:
     assert not engine.has_unfinished_requests()
     engine.check_kv_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
+
+
+def small_engine(**config):
+    """An LLMEngine on the embedded model with a 16 MiB KV cache, 4 sequences and no
+    prefix caching: for tests that compare kernels on a few short prompts."""
+    from tokenmill.config import CacheConfig, EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(max_num_seqs=4, cache=CacheConfig(
+        enable_prefix_caching=False, kv_cache_memory_bytes=16 * 2**20), **config))

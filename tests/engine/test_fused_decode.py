@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.conftest import small_engine
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine import fused_decode
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import decode_step, q4q8_gemv
@@ -22,15 +22,10 @@ PROMPTS = ["The capital of France is",  # 6 tokens: decode crosses the block at 
             "daughters. The youngest")]
 
 
-def _engine(**config) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=4, cache=CacheConfig(
-        enable_prefix_caching=False, kv_cache_memory_bytes=16 * 2**20), **config))
-
-
 @pytest.fixture(scope="module")
 def engines():
-    return {"gguf-a16": _engine(quantization="gguf-a16"),
-            "gguf-a8": _engine(quantization="gguf-a8")}
+    return {"gguf-a16": small_engine(quantization="gguf-a16"),
+            "gguf-a8": small_engine(quantization="gguf-a8")}
 
 
 class _Recorder:
@@ -129,7 +124,7 @@ def test_off_by_env_and_for_what_it_does_not_cover(engines, monkeypatch):
     monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
     assert fused_decode.unsupported_reason(*args) == "TOKENMILL_FUSED_DECODE=0"
     monkeypatch.delenv("TOKENMILL_FUSED_DECODE")
-    fp32 = _engine(dtype="float32")  # the exact reference keeps its modules
+    fp32 = small_engine(dtype="float32")  # the exact reference keeps its modules
     assert fp32.runner.fused_decode is None
     assert "gguf-a16" in fused_decode.unsupported_reason(
         fp32.runner.model, fp32.runner.backend, fp32.runner.kv_caches)
@@ -156,7 +151,7 @@ def test_the_threads_split_changes_no_result(engines, threads, monkeypatch):
 
 def test_async_scheduling_takes_it_with_the_same_tokens(monkeypatch):
     # the next step's input id is the previous step's sample, patched in on the device
-    engine = _engine(quantization="gguf-a16", async_scheduling=True)
+    engine = small_engine(quantization="gguf-a16", async_scheduling=True)
     rec = _Recorder(engine, monkeypatch)
     fused_ids = _greedy(engine, PROMPTS[0], 20, fused=True)
     assert rec.fused_steps == 19

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.config import CacheConfig, EngineConfig
+from tests.engine.conftest import small_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear
@@ -19,16 +19,11 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "opticks_book1.txt"
 pytestmark = pytest.mark.skipif(not q4q8_gemv.available(), reason="q4q8_gemv not built")
 
 
-def _engine(**config) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=4, cache=CacheConfig(
-        enable_prefix_caching=False, kv_cache_memory_bytes=16 * 2**20), **config))
-
-
 @pytest.fixture(scope="module")
 def engines():
-    return {"gguf-a16": _engine(quantization="gguf-a16"),
-            "gguf-a8": _engine(quantization="gguf-a8"),
-            "fp32": _engine(dtype="float32")}
+    return {"gguf-a16": small_engine(quantization="gguf-a16"),
+            "gguf-a8": small_engine(quantization="gguf-a8"),
+            "fp32": small_engine(dtype="float32")}
 
 
 def _greedy(engine: LLMEngine, prompt: str, n: int) -> str:

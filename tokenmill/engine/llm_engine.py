@@ -218,15 +218,33 @@ class LLMEngine:
                           device: torch.device) -> None:
         """The pool's pages are touched as blocks are first used, so RSS climbs
         under load up to this figure; saying so at start-up tells an operator
-        that the climb is expected and where it stops."""
+        that the climb is expected and where it stops. Measured, not estimated:
+        what the process holds now, less the pool's pages already touched, plus the
+        whole pool. "runtime" is what loading added besides the weights (libraries
+        initialised on first use, the tokenizer, kernel builds)."""
+        from tokenmill.quant.linear import QuantizedLinear
+
         weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
-        kv = self.runner.kv_cache_bytes if device.type == "cpu" else 0
-        weights_host = weights if device.type == "cpu" else 0
+        params = {p.data_ptr() for p in model.parameters()}
+        weights += sum(  # packed copies for large batches: plain attributes, not buffers
+            m.dense.nbytes for m in model.modules() if isinstance(m, QuantizedLinear)
+            and m.dense is not None
+            and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
+        on_cpu = device.type == "cpu"
+        kv = self.runner.kv_cache_bytes if on_cpu else 0
+        weights_host = weights if on_cpu else 0
+        now = process_rss_bytes()
+        touched = kv * self.block_manager.num_touched_blocks // max(
+            1, self.block_manager.num_total_blocks)
+        runtime = max(0, now - touched - baseline_bytes - weights_host)
         logger.info("expected steady-state RSS %.0f MiB = baseline %.0f MiB + weights "
-                    "%.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool is touched as it "
-                    "fills, or at once with --kv-cache-prefault)",
-                    (baseline_bytes + weights_host + kv) / 2**20, baseline_bytes / 2**20,
-                    weights_host / 2**20, kv / 2**20, process_rss_bytes() / 2**20)
+                    "%.0f MiB + runtime %.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool "
+                    "is touched as it fills, or at once with --kv-cache-prefault; under "
+                    "load a working heap for the batch shapes comes on top, README: "
+                    "memory arithmetic)",
+                    (baseline_bytes + weights_host + runtime + kv) / 2**20,
+                    baseline_bytes / 2**20, weights_host / 2**20, runtime / 2**20,
+                    kv / 2**20, now / 2**20)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

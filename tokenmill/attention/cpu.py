@@ -15,8 +15,10 @@ cheaper ops:
   the whole batch, not read again per sequence: with the native kernel inside its
   one call (tm_cascade_decode_bf16: shared blocks, own blocks, the merge), else by
   one matmul;
-- a prefill chunk with no cached prefix attends to this step's own K/V, not a
-  copy gathered back out of the cache; one over a cached prefix goes through the
+- a prompt chunk whose keys are all cached (a whole prompt, or a chunk over a prefix
+  too short for the cascade call) goes through the same native decode kernel, each new
+  token a row over the tokens up to itself; past its size limits (and on fp32) it
+  attends with SDPA to this step's own K/V, not a copy gathered back out of the cache; one over a cached prefix goes through the
   same native call as shared-prefix decode (each new token a row, the prefix's
   full blocks read once for all of them);
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,

@@ -288,13 +288,15 @@ def test_disconnect_mid_stream_frees_kv_cache(server):
 def test_disconnect_while_waiting_for_a_full_response_frees_kv_cache(server):
     aborted = _metric(server, "tokenmill:request_success_total", 'finished_reason="abort"')
     generated = _metric(server, "tokenmill:generation_tokens_total")
-    body = {"messages": CHAT, "max_tokens": 1500, "ignore_eos": True}
+    body = {"messages": CHAT, "max_tokens": 6000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=1.5)
     _wait_idle(server)
     assert _wait_for_aborts(server, aborted + 1) == aborted + 1
-    # 1.5 s of decoding, then the abort: far fewer than the 1,500 asked for
-    assert _metric(server, "tokenmill:generation_tokens_total") - generated < 500
+    # 1.5 s of decoding, then the abort: far fewer than the 6,000 asked for (batch-1
+    # decode is ~2.3 ms a token here, ~650 tokens in 1.5 s; the bound holds down to
+    # 0.5 ms a token)
+    assert _metric(server, "tokenmill:generation_tokens_total") - generated < 3000
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 

@@ -15,12 +15,13 @@ cheaper ops:
   the whole batch, not read again per sequence: with the native kernel inside its
   one call (tm_cascade_decode_bf16: shared blocks, own blocks, the merge), else by
   one matmul;
-- a prompt chunk whose keys are all cached (a whole prompt, or a chunk over a prefix
-  too short for the cascade call) goes through the same native decode kernel, each new
-  token a row over the tokens up to itself; past its size limits (and on fp32) it
-  attends with SDPA to this step's own K/V, not a copy gathered back out of the cache; one over a cached prefix goes through the
-  same native call as shared-prefix decode (each new token a row, the prefix's
-  full blocks read once for all of them);
+- a prompt chunk over a cached prefix goes through the same native call as
+  shared-prefix decode (each new token a row, the prefix's full blocks read once for
+  all of them); any other chunk whose keys are all cached (a whole prompt, or a
+  chunk over a prefix too short for that) through the native decode kernel, each new
+  token a row over the tokens up to itself; past their size limits (and on fp32) a
+  whole prompt attends with SDPA to this step's own K/V, not a copy gathered back out
+  of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
   so only fragmented block tables pay for a gather.
 
@@ -321,12 +322,21 @@ def _extend_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if not (CASCADE_NATIVE and shared >= MIN_CASCADE_BLOCKS
             and MIN_CASCADE_SEQS <= num_q <= MAX_EXTEND_QUERIES and use_native(k_cache)):
         return None
-    n_blocks = -(-seq_len // block_size)
-    tables = torch.tensor(table[:n_blocks], dtype=torch.int32).expand(num_q, n_blocks)
-    before = seq_len - num_q - shared * block_size  # tokens of the partial block before q
-    lens = torch.arange(before + 1, before + num_q + 1, dtype=torch.int32)
-    return native.cascade_decode(q, k_cache, v_cache, tables, shared, lens, before + num_q,
+    tables, lens = _causal_rows(table, seq_len, num_q, shared, block_size)
+    return native.cascade_decode(q, k_cache, v_cache, tables, shared, lens, int(lens[-1]),
                                  scale, _cascade_scratch)
+
+
+def _causal_rows(table: list[int], seq_len: int, num_q: int, first_block: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's last num_q tokens as rows of one batch: each row's table is the
+    sequence's (num_q, blocks) and its length the tokens from block first_block up to
+    and including its own (causal)."""
+    n_blocks = -(-seq_len // block_size)
+    tables = torch.tensor(table[:n_blocks], dtype=torch.int32)[None].expand(
+        num_q, n_blocks).contiguous()
+    last = seq_len - first_block * block_size  # the last row's length
+    return tables, torch.arange(last - num_q + 1, last + 1, dtype=torch.int32)
 
 
 def _prompt_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -341,11 +351,7 @@ def _prompt_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if not (2 <= num_q <= MAX_EXTEND_QUERIES and num_q * seq_len <= MAX_PROMPT_SCORES
             and use_native(k_cache)):
         return None
-    block_size = k_cache.shape[2]
-    n_blocks = -(-seq_len // block_size)
-    tables = torch.tensor(table[:n_blocks], dtype=torch.int32)[None].expand(
-        num_q, n_blocks).contiguous()
-    lens = torch.arange(seq_len - num_q + 1, seq_len + 1, dtype=torch.int32)
+    tables, lens = _causal_rows(table, seq_len, num_q, 0, k_cache.shape[2])
     scratch = _workspace.get("prompt_scores", (num_q * q.shape[1] * seq_len,),
                              torch.float32, q.device)
     part = native.paged_decode(q, k_cache, v_cache, tables, 0, lens, seq_len, scale, scratch)

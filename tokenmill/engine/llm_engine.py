@@ -222,14 +222,10 @@ class LLMEngine:
         what the process holds now, less the pool's pages already touched, plus the
         whole pool. "runtime" is what loading added besides the weights (libraries
         initialised on first use, the tokenizer, kernel builds)."""
-        from tokenmill.quant.linear import QuantizedLinear
+        from tokenmill.quant.model import dense_copy_bytes
 
         weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
-        params = {p.data_ptr() for p in model.parameters()}
-        weights += sum(  # packed copies for large batches: plain attributes, not buffers
-            m.dense.nbytes for m in model.modules() if isinstance(m, QuantizedLinear)
-            and m.dense is not None
-            and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
+        weights += dense_copy_bytes(model)  # plain attributes, not buffers
         on_cpu = device.type == "cpu"
         kv = self.runner.kv_cache_bytes if on_cpu else 0
         weights_host = weights if on_cpu else 0

@@ -116,14 +116,18 @@ def quantize_model(model: nn.Module, method: str,
         _fuse_silu_into_down(model)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
-    # plain dense weights that are still model parameters (a tied embedding) cost
-    # nothing extra; packed ones are always copies
-    params = {p.data_ptr() for p in model.parameters()}
-    summary.dense_bytes = sum(
-        m.dense.nbytes for m in model.modules()
-        if isinstance(m, QuantizedLinear) and m.dense is not None
-        and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
+    summary.dense_bytes = dense_copy_bytes(model)
     return summary
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized linears' large-batch weights that are not model
+    parameters: plain dense weights that still are (a tied embedding) cost nothing
+    extra; packed ones are always copies."""
+    params = {p.data_ptr() for p in model.parameters()}
+    return sum(m.dense.nbytes for m in model.modules()
+               if isinstance(m, QuantizedLinear) and m.dense is not None
+               and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
 
 
 def _fuse_silu_into_down(model: nn.Module) -> None:

@@ -23,12 +23,18 @@ def chat_run(server, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_client_and_server_means_agree_within_five_percent(chat_run):
+def test_client_and_server_means_agree_but_for_the_transport(chat_run):
     srv = chat_run["server"]
     assert srv["available"] and srv["scheme"] == "tokenmill"
     rows = {r["what"]: r for r in srv["reconciliation"]}
     for what in ("TTFT mean (ms)", "ITL mean (ms)", "E2E mean (ms)"):
-        assert abs(rows[what]["diff_pct"]) < 5.0, rows[what]
+        r = rows[what]  # within 5%, or within the 10 ms the transport costs (no warning)
+        assert not r["warn"], r
+        assert abs(r["diff_pct"]) < 5.0 or abs(r["client"] - r["server"]) < 10.0, r
+    for what in ("TTFT mean (ms)", "E2E mean (ms)"):
+        # the client's interval holds the server's: it sends before the server receives
+        # and reads each token after the server made it
+        assert rows[what]["client"] >= rows[what]["server"], rows[what]
     # counts agree exactly, and the warmup conversation fell outside the scrapes
     assert rows["requests finished"]["server"] == rows["requests finished"]["client"] == 6
     assert rows["output tokens"]["server"] == rows["output tokens"]["client"] == 6 * 8

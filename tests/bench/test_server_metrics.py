@@ -123,7 +123,8 @@ def test_reconciliation_against_a_stub_with_vllm_metrics(vllm_fake):
         r = rows[what]  # the client's clock adds the transport (and this machine's load)
         assert r["client"] >= r["server"] * 0.99, r
         assert r["diff_pct"] == pytest.approx(100 * (r["client"] - r["server"]) / r["server"])
-        assert r["warn"] == (abs(r["diff_pct"]) > 5)
+        gap = r["client"] - r["server"]  # ms
+        assert r["warn"] == (abs(r["diff_pct"]) > 5 and abs(gap) > 10)
     assert rows["output tokens"]["diff_pct"] == 0 and not rows["output tokens"]["warn"]
     assert rows["requests finished"]["client"] == rows["requests finished"]["server"] == 12
     # sampled during the run: requests were running on the server
@@ -209,3 +210,17 @@ def test_llama_server_metrics_borrow_ttft_from_its_timings():
     assert lat["tpot"]["mean_ms"] == pytest.approx(20.0)  # 0.64 s / 32 tokens
     assert lat["ttft"]["metric"] == "timings.prompt_ms" and lat["ttft"]["mean_ms"] >= 30
     assert "TTFT mean (ms)" in {r["what"] for r in res["server"]["reconciliation"]}
+
+
+def test_a_latency_gap_warns_only_past_five_percent_and_ten_ms():
+    from tokenmill.bench.reconcile import reconcile
+    summary = {"ttft_ms": {"mean": 84.7}, "e2e_ms": {"mean": 2_200.0},
+               "itl_ms": {"mean": 30.0}, "total_output_tokens": 51, "total_input_tokens": 9}
+    server = {"latency": {"ttft": {"mean_ms": 80.2}, "e2e": {"mean_ms": 2_000.0},
+                          "itl": {"mean_ms": 10.0}},
+              "counters": {"generation_tokens": 48, "prompt_tokens": 9}}
+    rows = {r["what"]: r for r in reconcile(summary, server)}
+    assert not rows["TTFT mean (ms)"]["warn"]  # +5.6% but 4.5 ms: the transport
+    assert rows["E2E mean (ms)"]["warn"]  # +10% and 200 ms
+    assert rows["ITL mean (ms)"]["warn"]  # +200% and 20 ms
+    assert rows["output tokens"]["warn"]  # a count: +6.2% warns with no floor

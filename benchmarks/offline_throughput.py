@@ -98,7 +98,8 @@ def main() -> None:
                     help="subset size for the slow one-at-a-time peer")
     ap.add_argument("--static-batch-requests", type=int, default=32,
                     help="subset size for the static-batch-16 peer")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="as the LLM class (default 256, vLLM's on a CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     add_peer_args(ap, PEERS)
     args = ap.parse_args()

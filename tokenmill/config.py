@@ -162,7 +162,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
     # off: a prompt is admitted only when all of it fits in one step's budget
@@ -187,7 +187,8 @@ class EngineConfig:
     batched_linears: str = "auto"
     load_format: str = "auto"  # auto | dummy (random weights, the checkpoint's shapes)
     max_model_len: int | None = None  # None: the model's context, capped by the KV cache
-    max_num_seqs: int = 64
+    # vLLM's CPU defaults: 256 for the LLM class (offline), 128 for `serve` (its flag)
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
     seed: int = 0

@@ -35,7 +35,9 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True,
+                    max_num_seqs: int = 256) -> None:
+    """max_num_seqs: the flag's default, vLLM's on a CPU: 256 offline, 128 for a server."""
     if model_positional:
         parser.add_argument("model", nargs="?", default="smollm2-135m",
                             help="smollm2-135m (embedded), a .gguf file or an HF checkpoint dir")
@@ -56,7 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's own context, capped by what the KV cache holds")
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                   help=f"sequences in one step (default {max_num_seqs}, as vLLM on a CPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="tokens per step (with --no-enable-chunked-prefill raised to "
                    "max-model-len, as vLLM)")

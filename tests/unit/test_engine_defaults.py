@@ -1,0 +1,21 @@
+"""The batch a user gets without flags: vLLM's CPU defaults (256 sequences a step
+offline, 128 for a server), one source for the CLI and the LLM class."""
+
+from tokenmill.cli import build_parser
+from tokenmill.config import EngineConfig
+from tokenmill.engine.args import engine_config_from_args
+
+
+def config_for(argv: list[str]) -> EngineConfig:
+    return engine_config_from_args(build_parser(argv).parse_args(argv))
+
+
+def test_serve_runs_up_to_128_sequences_a_step():
+    assert config_for(["serve"]).max_num_seqs == 128
+    assert config_for(["serve", "--max-num-seqs", "8"]).max_num_seqs == 8
+
+
+def test_offline_commands_and_the_llm_class_run_up_to_256():
+    assert EngineConfig().max_num_seqs == 256
+    assert config_for(["generate", "hi"]).max_num_seqs == 256
+    assert config_for(["bench", "--offline", "smollm2-135m"]).max_num_seqs == 256

@@ -7,14 +7,21 @@ windows of `context + 1` tokens; every position of a window after its first is s
 teacher-forced by a decode step reading the whole KV cache written so far
 (tokenmill/engine/teacher_forced.py), so a quantized KV cache is read at up to
 `context` tokens (with --score-last N only each window's last N positions are scored, the
-rest is its prompt: a long context for N decode steps). Per context: perplexity of the path and of the baseline, their
-ratio, and the share of the first --positions positions where the path's argmax
-equals the fp32 reference's (and the baseline's).
+rest is its prompt: a long context for N decode steps). With --mode prefill every
+position is scored from one prefill of its window instead (vLLM's prompt_logprobs), so
+the prompt-attention kernels are what is checked: the whole-prompt one for a first
+chunk, the chunk-over-cached-prefix (cascade) one after it (the path's
+--max-num-batched-tokens sets the chunks). Per context: perplexity of the path and of
+the baseline, their ratio, and the share of the first --positions positions where the
+path's argmax equals the fp32 reference's (and the baseline's).
 
     .venv/bin/python benchmarks/accuracy.py                      # KV int8 vs bf16 cache
     .venv/bin/python benchmarks/accuracy.py --path "--kv-cache-dtype fp8"
     .venv/bin/python benchmarks/accuracy.py --path "--quantization int8" \\
         --baseline "--quantization none" --contexts 512          # a weight path (issue 21)
+    .venv/bin/python benchmarks/accuracy.py --mode prefill \
+        --path "--max-num-batched-tokens 256" \
+        --baseline "--max-num-batched-tokens 256 --attention-backend torch"  # prompt kernels
 
 Last line: `accuracy: <path> perplexity <x> (bf16 <y>, ratio <r>), top-1 agreement
 with fp32 <a>%` (the longest context). Targets (PERFORMANCE.md, issue 22): within 1%
@@ -50,12 +57,16 @@ def windows_of(ids: list[int], context: int, limit: int | None) -> list[list[int
     return out[:limit] if limit else out
 
 
-def score(model: str, flags: str, windows: list[list[int]], score_last: int | None):
-    from tokenmill.engine.teacher_forced import score_windows
+def score(model: str, flags: str, windows: list[list[int]], score_last: int | None,
+          mode: str = "decode"):
+    from tokenmill.engine.teacher_forced import score_prompts, score_windows
 
     engine = build_engine(model, flags)
     t0 = time.perf_counter()
-    scores = score_windows(engine, windows, score_last)
+    if mode == "prefill":
+        scores = score_prompts(engine, windows)
+    else:
+        scores = score_windows(engine, windows, score_last)
     described = (f"{engine.dtype}".removeprefix("torch.") + f", weights {engine.quantization}, "
                  f"KV {engine.config.cache.kv_cache_dtype}")
     del engine
@@ -80,8 +91,14 @@ def main() -> int:
     ap.add_argument("--score-last", type=int, default=None,
                     help="score only the last N positions of each window, the rest its "
                          "prompt (default: every position, each a decode step)")
+    ap.add_argument("--mode", choices=["decode", "prefill"], default="decode",
+                    help="score each position by a decode step (default) or from one "
+                         "prefill of its window (the prompt-attention kernels)")
     ap.add_argument("--output", help="write the figures as JSON")
     args = ap.parse_args()
+    if args.mode == "prefill" and args.score_last:
+        ap.error("--score-last applies to --mode decode only (a prefill scores every "
+                 "position of its window)")
 
     from common import machine
 
@@ -101,12 +118,12 @@ def main() -> int:
         last = args.score_last
         per_window = min(last, context) if last else context
         ref_windows = windows[:-(-args.positions // per_window)]  # enough for --positions
-        path, path_desc, path_s = score(args.model, args.path, windows, last)
-        base, base_desc, base_s = score(args.model, args.baseline, windows, last)
-        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows, last)
+        path, path_desc, path_s = score(args.model, args.path, windows, last, args.mode)
+        base, base_desc, base_s = score(args.model, args.baseline, windows, last, args.mode)
+        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows, last, args.mode)
         n_ref = min(args.positions, sum(len(w) for w in ref.argmax))
         row = {
-            "context": context, "windows": len(windows),
+            "context": context, "windows": len(windows), "mode": args.mode,
             "positions": sum(len(w) for w in path.logprobs),
             "path": args.path, "path_engine": path_desc, "baseline": args.baseline,
             "baseline_engine": base_desc, "reference": args.reference,
@@ -129,7 +146,8 @@ def main() -> int:
         Path(args.output).write_text(json.dumps({"machine": machine(), "results": results},
                                                 indent=2))
     for row in results:
-        print(f"accuracy: {args.path} @ {row['context']} perplexity {row['perplexity']:.4f} "
+        mode = " (prefill)" if args.mode == "prefill" else ""
+        print(f"accuracy: {args.path}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "
               f"(bf16 {row['baseline_perplexity']:.4f}, ratio {row['perplexity_ratio']:.4f}), "
               f"top-1 agreement with fp32 {100 * row['top1_vs_reference']:.1f}%")
     return 0

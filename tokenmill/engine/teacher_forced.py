@@ -1,12 +1,19 @@
-"""Teacher-forced scoring through the real engine: every position a decode step.
+"""Teacher-forced scoring through the real engine: every position a decode step, or
+every position of one prefill.
 
-Each text window becomes one request whose prompt is its first token; every step after
-that the engine runs as in serving (scheduler, KV cache, attention backend), but the
-token appended is the text's next token instead of a sampled one, and the logits of
-that step are kept: the log-probability of the true token (for perplexity) and the
-argmax (for greedy top-1 agreement between two configurations). Every position past
-the first is thus scored by a decode step that reads the whole cache written so far,
-which is where a quantized KV cache shows.
+`score_windows`: each text window becomes one request whose prompt is its first token;
+every step after that the engine runs as in serving (scheduler, KV cache, attention
+backend), but the token appended is the text's next token instead of a sampled one, and
+the logits of that step are kept: the log-probability of the true token (for perplexity)
+and the argmax (for greedy top-1 agreement between two configurations). Every position
+past the first is thus scored by a decode step that reads the whole cache written so
+far, which is where a quantized KV cache shows.
+
+`score_prompts`: each window is one prompt, scored by vLLM's `prompt_logprobs` (the
+true token's logprob and the top 1 at every position), so every position goes through
+prompt attention instead: the whole-prompt kernel for a first chunk, the chunk-over-
+cached-prefix (cascade) kernel for the chunks after it (chunked at the engine's
+--max-num-batched-tokens).
 """
 
 from __future__ import annotations
@@ -57,6 +64,32 @@ class _ForcingSampler:
             amax.append(best[row])
             tokens.append(nxt)
         return SamplerOutput(token_ids=tokens, logprobs=[None] * len(seqs))
+
+
+def score_prompts(engine, windows: list[list[int]]) -> Scores:
+    """Scores of each window's positions 1..n-1 from one prefill of the whole window
+    (all windows submitted together), the same positions score_windows scores."""
+    ids = {f"pf-{i}": w for i, w in enumerate(windows)}
+    for rid, window in ids.items():
+        engine.add_request(rid, window, SamplingParams(temperature=0.0, max_tokens=1,
+                                                       prompt_logprobs=1))
+    got: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.prompt_logprobs
+    scores = Scores()
+    for rid, window in ids.items():
+        entries = got[rid]
+        assert entries is not None and len(entries) == len(window), rid
+        lps, amax = [], []
+        for pos in range(1, len(window)):
+            entry = entries[pos]  # {token: Logprob}: the true token and the top 1
+            lps.append(entry[window[pos]].logprob)
+            amax.append(next(t for t, lp in entry.items() if lp.rank == 1))
+        scores.logprobs.append(lps)
+        scores.argmax.append(amax)
+    return scores
 
 
 def score_windows(engine, windows: list[list[int]], score_last: int | None = None) -> Scores:

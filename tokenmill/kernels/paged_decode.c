@@ -102,6 +102,50 @@ static inline const uint8_t *block_rows8(const item_t *it, const uint8_t *pool,
     return pool + (int64_t)it->tab[j] * it->BS * it->D;
 }
 
+/* the rows of the sequence's j-th block in `pool` (its K or V), and how many it holds */
+static inline const uint16_t *block_rows(const item_t *it, const uint16_t *pool, int64_t j,
+                                         int64_t *n) {
+    const int64_t t0 = j * it->BS;
+    *n = it->len - t0 < it->BS ? it->len - t0 : it->BS;
+    return pool + (int64_t)it->tab[j] * it->BS * it->D;
+}
+
+/* always_inline: a function whose only effect is a prefetch is "const" to gcc, which then
+ * drops every call to it (it did, until 2026-12-01: no prefetch was in the library) */
+static inline __attribute__((always_inline)) void prefetch_block(const void *blk,
+                                                                 int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)blk + off, 0, 3);
+}
+
+/* Blocks read ahead of the one in use. The blocks of a sequence are scattered over the
+ * pool, so the hardware's stream prefetchers do not find them; at 64 sequences x 350
+ * tokens (SmolLM2's heads, 30 layers' pools, so from DRAM) decode attention read
+ * 13.5 GB/s with none, 20.5 with the next block, 22.5 with three (four: the same). */
+#define PREFETCH_BLOCKS 3
+
+/* at block j of the pool's nblocks: the one PREFETCH_BLOCKS on (at j = 0 those between
+ * too); an 8-bit pool's block with its scales */
+static inline __attribute__((always_inline)) void prefetch_ahead(const item_t *it,
+                                                                 const uint16_t *pool,
+                                                                 int64_t j, int64_t nblocks) {
+    int64_t unused;
+    for (int64_t a = j == 0 ? 1 : PREFETCH_BLOCKS; a <= PREFETCH_BLOCKS; a++)
+        if (j + a < nblocks)
+            prefetch_block(block_rows(it, pool, j + a, &unused), it->BS * it->D * 2);
+}
+
+static inline __attribute__((always_inline)) void prefetch_ahead8(const item_t *it,
+                                                                  const uint8_t *pool,
+                                                                  const float *scales,
+                                                                  int64_t j, int64_t nblocks) {
+    for (int64_t a = j == 0 ? 1 : PREFETCH_BLOCKS; a <= PREFETCH_BLOCKS; a++)
+        if (j + a < nblocks) {
+            const int64_t blk = it->tab[j + a];
+            prefetch_block(pool + blk * it->BS * it->D, it->BS * it->D);
+            prefetch_block(scales + blk * it->BS, it->BS * 4);
+        }
+}
+
 /* a row of bytes widened to fp32 (not yet scaled) */
 static inline void widen(const uint8_t *src, const float *lut, float *row, int64_t D) {
     if (lut) {
@@ -122,6 +166,7 @@ static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx)
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        prefetch_ahead8(it, it->k8, it->ks, j, (it->len + BS - 1) / BS);
         for (int64_t i = 0; i < n; i++) {
             widen(blk + i * D, it->lut, row, D);
             const float f = it->scale * sc[i];
@@ -147,6 +192,7 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->v8, it->vs, j, &n, &sc);
+        prefetch_ahead8(it, it->v8, it->vs, j, (it->len + BS - 1) / BS);
         for (int64_t i = 0; i < n; i++) {
             widen(blk + i * D, it->lut, row, D);
             for (int64_t g = 0; g < G; g++) {
@@ -159,14 +205,6 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
     }
 }
 
-/* the rows of the sequence's j-th block in `pool` (its K or V), and how many it holds */
-static inline const uint16_t *block_rows(const item_t *it, const uint16_t *pool, int64_t j,
-                                         int64_t *n) {
-    const int64_t t0 = j * it->BS;
-    *n = it->len - t0 < it->BS ? it->len - t0 : it->BS;
-    return pool + (int64_t)it->tab[j] * it->BS * it->D;
-}
-
 /* scores s[g * s_stride + t] = scale * q_g . k_t, and each row's maximum */
 static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float *mx) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
@@ -176,6 +214,7 @@ static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float
     for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->k, j, &n);
+        prefetch_ahead(it, it->k, j, (it->len + BS - 1) / BS);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -199,6 +238,7 @@ static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->v, j, &n);
+        prefetch_ahead(it, it->v, j, (it->len + BS - 1) / BS);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -213,29 +253,6 @@ static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
 }
 
 #ifdef TM_AVX512BF16
-/* always_inline: a function whose only effect is a prefetch is "const" to gcc, which then
- * drops every call to it (it did, until 2026-12-01: no prefetch was in the library) */
-static inline __attribute__((always_inline)) void prefetch_block(const uint16_t *blk,
-                                                                 int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)blk + off, _MM_HINT_T0);
-}
-
-/* Blocks read ahead of the one in use. The blocks of a sequence are scattered over the
- * pool, so the hardware's stream prefetchers do not find them; at 64 sequences x 350
- * tokens (SmolLM2's heads, 30 layers' pools, so from DRAM) decode attention read
- * 13.5 GB/s with none, 20.5 with the next block, 22.5 with three (four: the same). */
-#define PREFETCH_BLOCKS 3
-
-/* at block j of the pool's nblocks: the one PREFETCH_BLOCKS on (at j = 0 those between too) */
-static inline __attribute__((always_inline)) void prefetch_ahead(const item_t *it,
-                                                                 const uint16_t *pool,
-                                                                 int64_t j, int64_t nblocks) {
-    int64_t unused;
-    for (int64_t a = j == 0 ? 1 : PREFETCH_BLOCKS; a <= PREFETCH_BLOCKS; a++)
-        if (j + a < nblocks)
-            prefetch_block(block_rows(it, pool, j + a, &unused), it->BS * it->D * 2);
-}
-
 /* lane j = sum of the 16 lanes of a[j]: a 16 x 16 transpose folded into adds */
 static inline __m512 hsum16(const __m512 *a) {
     __m512 b[8], c[4];
@@ -366,6 +383,7 @@ static inline __attribute__((always_inline)) void scores_q8_tiled(const item_t *
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        prefetch_ahead8(it, it->k8, it->ks, j, (it->len + BS - 1) / BS);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t nt = n - i0 < 16 ? n - i0 : 16;
             const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);

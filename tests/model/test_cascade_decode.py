@@ -67,6 +67,7 @@ def cascade_at_any_size(monkeypatch):
     test_the_kernel_takes_batches_that_fill_its_lanes holds them)."""
     monkeypatch.setattr(cpu, "MIN_CASCADE_BLOCKS", 1)
     monkeypatch.setattr(cpu, "MIN_CASCADE_SEQS", 1)
+    monkeypatch.setattr(cpu, "PROMPT_TILED", False)  # prompt chunks: the cascade call
 
 
 def no_torch_merge(*args, **kwargs):
@@ -189,6 +190,7 @@ def test_prompt_chunks_over_a_cached_prefix_go_through_the_kernel_and_match(
     # one), a decode, a whole prompt, a 40-token chunk over 1 cached token (no full
     # block: SDPA), a 20-token chunk over exactly 32 cached tokens (8 blocks)
     monkeypatch.undo()  # the measured thresholds: >= 8 cached blocks, >= 8 new tokens
+    monkeypatch.setattr(cpu, "PROMPT_TILED", False)  # what the tiled kernel stands before
     query_lens, seq_lens = [12, 1, 9, 40, 20], [50, 30, 9, 41, 52]
     q, k, v, k_cache, v_cache, meta = mixed_step(query_lens, seq_lens, torch.bfloat16,
                                                  contiguous, heads=heads, kv_heads=kv_heads,

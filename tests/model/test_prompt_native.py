@@ -1,7 +1,8 @@
 """Prompt chunks through the native decode kernel (cpu._prompt_native): each new token
 is a row over the cached tokens up to itself, read in place from its blocks. A whole
 prompt, and a chunk over a prefix too short for the cascade call, must match the torch
-reference backend within bf16 rounding, and must not call SDPA."""
+reference backend within bf16 rounding, and must not call SDPA. The tiled prompt kernel
+(test_prompt_tiled.py) goes first where it applies; these tests turn it off."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from tokenmill.attention.torch_ref import paged_attention_reference
 from tokenmill.kernels import paged_decode as native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernel not built here")
+
+
+@pytest.fixture(autouse=True)
+def rows_kernel(monkeypatch):
+    monkeypatch.setattr(cpu, "PROMPT_TILED", False)  # TOKENMILL_PROMPT_TILED=0
 
 
 @pytest.mark.parametrize("contiguous", [True, False])

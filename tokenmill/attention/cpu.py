@@ -143,6 +143,15 @@ MAX_EXTEND_QUERIES = 512
 # _prompt_native's scores scratch is Q x heads x seq_len fp32: at most this many Q x
 # seq_len (a 512-token prompt over a 128-token prefix: ~12 MB with 9 heads)
 MAX_PROMPT_SCORES = 512 * 640
+# every prompt chunk, whole prompt or over a cached prefix, goes first to the tiled
+# kernel (tm_prompt_attend_bf16: 16-query tiles, queries in vector lanes), up to this
+# many keys (its scratch: ~0.3 KB per key and thread with 9 / 3 heads). SmolLM2's heads,
+# 2 threads, against the row-by-row decode kernel: 1.6x at 32 tokens, 2.2x at 256-512;
+# against the cascade kernel over a cached prefix: 1.25x at 16 new tokens over 1,024,
+# 1.9-2.0x at 256-512; against SDPA 3.3x at 1,024 over 1,024 (BENCHMARKS.md).
+# TOKENMILL_PROMPT_TILED=0 keeps the paths below it (for A/B runs)
+PROMPT_TILED = os.environ.get("TOKENMILL_PROMPT_TILED", "1") not in ("0", "false", "no", "off")
+MAX_TILED_KEYS = 16384
 
 
 def use_native(k_cache: torch.Tensor) -> bool:
@@ -310,6 +319,23 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return merged.transpose(0, 1).reshape(num_seqs, heads, d).to(q.dtype)
 
 
+def _prompt_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  table: list[int], seq_len: int, scale: float) -> torch.Tensor | None:
+    """A prompt chunk q (Q, heads, d), the sequence's last Q of its seq_len tokens, all
+    in the cache, through the tiled native kernel, read in place from the blocks; None
+    where it does not apply (not a bf16 CPU cache, too many keys, the kernel declines)."""
+    if not (PROMPT_TILED and q.dtype == torch.bfloat16 and seq_len <= MAX_TILED_KEYS
+            and use_native(k_cache)):
+        return None
+    n_blocks = -(-seq_len // k_cache.shape[2])
+    blocks = torch.tensor(table[:n_blocks], dtype=torch.int32)
+    return native.prompt_attend(q, k_cache, v_cache, blocks, seq_len, scale, _prompt_scratch)
+
+
+def _prompt_scratch(numel: int) -> torch.Tensor:
+    return _workspace.get("prompt_tiled", (numel,), torch.float32, torch.device("cpu"))
+
+
 def _extend_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    table: list[int], seq_len: int, scale: float) -> torch.Tensor | None:
     """A prompt chunk q (Q, heads, d) over its cached prefix through the cascade kernel,
@@ -385,14 +411,20 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if b in plan.batched_decodes:
             pass
         elif query_len == seq_len:  # a whole prompt: its K/V are this step's
-            part = _prompt_native(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
-                                  scale)
+            part = _prompt_tiled(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
+                                 scale)
+            if part is None:
+                part = _prompt_native(q[start:end], k_cache, v_cache, plan.tables[b],
+                                      seq_len, scale)
             out[start:end] = part if part is not None else _attend(
                 q[start:end], k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                 scale, 0)
         else:
-            part = _extend_native(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
-                                  scale)
+            part = _prompt_tiled(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
+                                 scale)
+            if part is None:
+                part = _extend_native(q[start:end], k_cache, v_cache, plan.tables[b],
+                                      seq_len, scale)
             if part is None:
                 part = _prompt_native(q[start:end], k_cache, v_cache, plan.tables[b],
                                       seq_len, scale)

@@ -820,9 +820,10 @@ static void chunk_values_avx(const chunk_t *c, const uint32_t *p2, float *po) {
 #endif
 
 /* one chunk of the shared prefix for all queries of kv head kh: its unnormalised part
- * po (NQ, D), maxima pm and denominators pl (NQ) */
+ * po (NQ, D), maxima pm and denominators pl (NQ). causal >= 0: query n = b * G + g sits
+ * at chunk token causal + b and sees no token after it (a prompt tile); -1: no mask */
 static void shared_chunk(const chunk_t *c, int64_t kh, float *ws, float *po, float *pm,
-                         float *pl) {
+                         float *pl, int64_t causal) {
     const int64_t NQP = c->NQP;
     float *qbuf = ws, *S = ws + c->D * NQP;
     uint32_t *p2 = (uint32_t *)(S + round_up(c->n, 2) * NQP);
@@ -832,6 +833,10 @@ static void shared_chunk(const chunk_t *c, int64_t kh, float *ws, float *po, flo
     else
 #endif
         chunk_scores_generic(c, kh, qbuf, S);
+    if (causal >= 0)
+        for (int64_t t = causal + 1; t < c->n; t++)
+            for (int64_t n = 0; n < c->NQ; n++)
+                if (t > causal + n / c->G) S[t * NQP + n] = -3.0e38f; /* exp -> 0 */
     for (int64_t n = 0; n < NQP; n++) pm[n] = -3.0e38f;
     for (int64_t t = 0; t < c->n; t++) {
         const float *st = S + t * NQP;
@@ -904,7 +909,7 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                                k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
                                tables, t0, P - t0 < L.CH ? P - t0 : L.CH, scale};
             shared_chunk(&c, kh, ws, part_o + item * L.NQP * D, part_m + item * L.NQP,
-                         part_l + item * L.NQP);
+                         part_l + item * L.NQP, -1);
         }
         /* the implicit barrier: every chunk's part is written before any merge */
 #pragma omp for schedule(dynamic, 1)
@@ -946,6 +951,71 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 #pragma omp simd
                     for (int64_t d = 0; d < D; d++) out[o + d] = ag[d] * inv;
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- Prompt attention, tiled: a chunk of num_q new tokens of one sequence, whose keys
+ * (seq_len of them, the chunk's own last) are all in the cache; query i sits at token
+ * seq_len - num_q + i and sees the tokens up to itself. Work items (kv head, tile of
+ * PROMPT_TILE queries): the tile's G * PROMPT_TILE query heads in vector lanes against
+ * every key up to its last query, as a shared-prefix chunk is (one vdpbf16ps per 16
+ * queries and dim pair, no horizontal sums), masked after the diagonal, one softmax,
+ * normalised. Per query the same arithmetic as the row-by-row decode kernel but for the
+ * order of the fp32 sums within q . k. */
+
+#define PROMPT_TILE 16
+
+static int64_t prompt_per_thread(int64_t G, int64_t D, int64_t seq_len) {
+    const int64_t NQP = round_up(PROMPT_TILE * G, 16), n = round_up(seq_len, 2);
+    return round_up((D + n + 1 + n / 2 + 1) * NQP + NQP * (D + 2), 16);
+}
+
+int64_t tm_prompt_scratch_floats(int64_t H, int64_t KVH, int64_t D, int64_t seq_len,
+                                 int64_t num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || seq_len < 1 || num_threads < 1) return -1;
+    return num_threads * prompt_per_thread(H / KVH, D, seq_len);
+}
+
+/* q (num_q, H, D) bf16, rows q_stride apart; table: the sequence's blocks; out
+ * (num_q, H, D) bf16. Returns 0, or -1 (nothing written) for inputs it does not take. */
+int tm_prompt_attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                          const uint16_t *v_cache, const int32_t *table, int64_t num_q,
+                          int64_t seq_len, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
+                          int64_t D, float scale, uint16_t *out, float *scratch,
+                          int64_t scratch_floats, int64_t num_threads) {
+    if (KVH <= 0 || H % KVH != 0 || D > MAX_D || D % 2 || num_q < 1 || num_q > seq_len ||
+        BS < 1 || num_threads < 1)
+        return -1;
+    const int64_t G = H / KVH, per_thread = prompt_per_thread(G, D, seq_len);
+    if (scratch_floats < num_threads * per_thread) return -1;
+    for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
+        if (table[j] < 0 || table[j] >= NB) return -1;
+    const int64_t tiles = (num_q + PROMPT_TILE - 1) / PROMPT_TILE, first = seq_len - num_q;
+    const int64_t NQP = round_up(PROMPT_TILE * G, 16);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *ws = scratch + (int64_t)omp_get_thread_num() * per_thread;
+        float *po = ws + per_thread - NQP * (D + 2), *pm = po + NQP * D, *pl = pm + NQP;
+        /* the last tiles (the most keys) first: a dynamic schedule then balances */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < KVH * tiles; item++) {
+            const int64_t kh = item % KVH, tile = tiles - 1 - item / KVH;
+            const int64_t i0 = tile * PROMPT_TILE;
+            const int64_t rows = num_q - i0 < PROMPT_TILE ? num_q - i0 : PROMPT_TILE;
+            const chunk_t c = {q + i0 * q_stride, q_stride, G, D, BS, rows * G, NQP,
+                               k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
+                               table, 0, first + i0 + rows, scale};
+            shared_chunk(&c, kh, ws, po, pm, pl, first + i0);
+            for (int64_t n = 0; n < rows * G; n++) {
+                const int64_t b = n / G, g = n % G;
+                const float inv = 1.0f / pl[n];
+                uint16_t *o = out + ((i0 + b) * H + kh * G + g) * D;
+                const float *src = po + n * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(src[d] * inv);
             }
         }
     }

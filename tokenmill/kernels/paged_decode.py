@@ -23,6 +23,9 @@ _lib = Library("paged_decode", {
                                 _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _I64, _I64,
                                 _I64], ctypes.c_int),
     "tm_cascade_scratch_floats": ([_I64] * 8, _I64),
+    "tm_prompt_attend_bf16": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                               _I64, _I64, _F32, _PTR, _PTR, _I64, _I64], ctypes.c_int),
+    "tm_prompt_scratch_floats": ([_I64] * 5, _I64),
     "tm_store_kv_bf16": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                           _I64], ctypes.c_int),
     "tm_paged_decode_q8": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR,
@@ -95,6 +98,36 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if rc != 0:
         return None
     return out if bf16_out else out.to(q.dtype)
+
+
+def prompt_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  table: torch.Tensor, seq_len: int, scale: float, workspace: Any
+                  ) -> torch.Tensor | None:
+    """Causal attention of a prompt chunk q (Q, H, D) bf16, the sequence's last Q tokens,
+    over its seq_len tokens, all in the cache (table: its blocks, int32), read in place;
+    query tiles against their keys with the queries in vector lanes. Returns out
+    (Q, H, D) bf16, or None when the kernel is not available or does not take the
+    inputs. workspace(numel) -> a float32 scratch tensor."""
+    fn, size = _lib.get("tm_prompt_attend_bf16"), _lib.get("tm_prompt_scratch_floats")
+    if (fn is None or size is None or q.dtype != torch.bfloat16
+            or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
+            or k_cache.device.type != "cpu" or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or table.dtype != torch.int32):
+        return None
+    num_q, heads, d = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    threads = torch.get_num_threads()
+    numel = size(heads, kv_heads, d, seq_len, threads)
+    if numel < 0 or table.numel() * block_size < seq_len:
+        return None
+    scratch = workspace(numel)
+    qb = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
+    table = table.contiguous()
+    out = torch.empty(num_q, heads, d, dtype=torch.bfloat16)
+    rc = fn(qb.data_ptr(), qb.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            table.data_ptr(), num_q, seq_len, heads, kv_heads, num_blocks, block_size, d,
+            scale, out.data_ptr(), scratch.data_ptr(), scratch.numel(), threads)
+    return out if rc == 0 else None
 
 
 def _decode(fn: Any, q: torch.Tensor, pools: tuple, pool_shape: torch.Size,

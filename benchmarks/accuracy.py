@@ -147,7 +147,7 @@ def main() -> int:
                                                 indent=2))
     for row in results:
         mode = " (prefill)" if args.mode == "prefill" else ""
-        print(f"accuracy: {args.path}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "
+        print(f"accuracy: {args.path or 'default flags'}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "
               f"(bf16 {row['baseline_perplexity']:.4f}, ratio {row['perplexity_ratio']:.4f}), "
               f"top-1 agreement with fp32 {100 * row['top1_vs_reference']:.1f}%")
     return 0

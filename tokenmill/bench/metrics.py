@@ -61,7 +61,8 @@ run and every --scrape-interval seconds during it (--no-scrape: off):
   gauges    requests running and waiting, KV-cache usage (0..1): each scrape as
             [seconds since the first scrape, value], with mean and max.
   diff      100 x (client - server) / server for the TTFT, ITL, TPOT and E2E means,
-            output and input tokens, finished requests; |diff| > 5% is a warning. The
+            output and input tokens, finished requests; |diff| > 5% is a warning (for a
+            latency mean only when the gap is also over 10 ms: the transport). The
             client's ITL there is itl_pooled_ms = sum(last - first content chunk) /
             sum(output tokens - 1) over completed requests, which counts the tokens a
             stream never showed as text (special tokens under ignore_eos) as the server's

@@ -1,6 +1,7 @@
 """The accuracy gate's prefill mode (benchmarks/accuracy.py --mode prefill): every
 position of a window scored from one chunked prefill, through the prompt-attention
-kernels, against the fp32 reference scored a decode step at a time."""
+kernel (whole prompts and chunks over the cached part alike), against the fp32
+reference scored a decode step at a time."""
 
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ def test_prefill_scores_agree_with_the_fp32_reference_through_the_prompt_kernels
             return out
         return call
 
-    monkeypatch.setattr(cpu, "_prompt_native", counted("prompt", cpu._prompt_native))
-    monkeypatch.setattr(cpu, "_extend_native", counted("cascade", cpu._extend_native))
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("a prompt chunk took SDPA")
+
+    monkeypatch.setattr(cpu, "_prompt_tiled", counted("tiled", cpu._prompt_tiled))
+    monkeypatch.setattr(cpu, "_attend", no_sdpa)
     got = score_prompts(fast, windows)
-    # each window's first chunks: the whole-prompt kernel; from 128 cached tokens (8
-    # blocks) on, the chunk-over-prefix one: both in every layer for both windows
-    assert ran["prompt"] >= 2 * 30 and ran["cascade"] >= 2 * 30, ran
+    # every chunk of both windows (at least 4 of 64 tokens and the last one each) in
+    # every layer: the tiled prompt kernel
+    assert ran["tiled"] >= 2 * 5 * 30, ran
     assert [len(w) for w in got.logprobs] == [256, 256]
     assert all(lp <= 0 for w in got.logprobs for lp in w)
 

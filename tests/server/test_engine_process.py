@@ -86,9 +86,13 @@ def test_kill_9_of_the_core_is_503_at_once_and_ends_streams_with_an_error():
 
 @pytest.fixture(scope="module")
 def hang_server():
+    # fp32 (the reference path, torch's kernels): its 2,000-token prefill step takes ~3 s
+    # here, twice the hang timeout; the default bf16 path's took 1.2 s once its prompt
+    # attention got faster, too short to tell a slow step from a hung one
     srv = start_server("smollm2-135m", "--max-num-seqs", "4", "--engine-hang-timeout",
                        str(HANG_TIMEOUT_S), "--max-num-batched-tokens", "2048",
-                       "--max-model-len", "4096", "--shutdown-timeout", "120")
+                       "--max-model-len", "4096", "--shutdown-timeout", "120",
+                       "--dtype", "float32")
     yield srv
     srv.stop()
 

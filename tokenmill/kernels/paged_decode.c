@@ -117,6 +117,12 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *blk
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)blk + off, 0, 3);
 }
 
+/* the same into L2 only (a work item ahead, below) */
+static inline __attribute__((always_inline)) void prefetch_block_l2(const void *blk,
+                                                                    int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)blk + off, 0, 2);
+}
+
 /* Blocks read ahead of the one in use. The blocks of a sequence are scattered over the
  * pool, so the hardware's stream prefetchers do not find them; at 64 sequences x 350
  * tokens (SmolLM2's heads, 30 layers' pools, so from DRAM) decode attention read
@@ -124,25 +130,19 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *blk
 #define PREFETCH_BLOCKS 3
 
 /* at block j of the pool's nblocks: the one PREFETCH_BLOCKS on (at j = 0 those between
- * too); an 8-bit pool's block with its scales */
+ * too). pool: elem_bytes per value (2: bf16, 1: an 8-bit pool, whose scales come along;
+ * NULL for bf16) */
 static inline __attribute__((always_inline)) void prefetch_ahead(const item_t *it,
-                                                                 const uint16_t *pool,
+                                                                 const void *pool,
+                                                                 int64_t elem_bytes,
+                                                                 const float *scales,
                                                                  int64_t j, int64_t nblocks) {
-    int64_t unused;
-    for (int64_t a = j == 0 ? 1 : PREFETCH_BLOCKS; a <= PREFETCH_BLOCKS; a++)
-        if (j + a < nblocks)
-            prefetch_block(block_rows(it, pool, j + a, &unused), it->BS * it->D * 2);
-}
-
-static inline __attribute__((always_inline)) void prefetch_ahead8(const item_t *it,
-                                                                  const uint8_t *pool,
-                                                                  const float *scales,
-                                                                  int64_t j, int64_t nblocks) {
+    const int64_t block_bytes = it->BS * it->D * elem_bytes;
     for (int64_t a = j == 0 ? 1 : PREFETCH_BLOCKS; a <= PREFETCH_BLOCKS; a++)
         if (j + a < nblocks) {
             const int64_t blk = it->tab[j + a];
-            prefetch_block(pool + blk * it->BS * it->D, it->BS * it->D);
-            prefetch_block(scales + blk * it->BS, it->BS * 4);
+            prefetch_block((const char *)pool + blk * block_bytes, block_bytes);
+            if (scales) prefetch_block(scales + blk * it->BS, it->BS * 4);
         }
 }
 
@@ -163,10 +163,11 @@ static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx)
     float row[MAX_D] __attribute__((aligned(64)));
     for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
     for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
-        prefetch_ahead8(it, it->k8, it->ks, j, (it->len + BS - 1) / BS);
+        prefetch_ahead(it, it->k8, 1, it->ks, j, nblocks);
         for (int64_t i = 0; i < n; i++) {
             widen(blk + i * D, it->lut, row, D);
             const float f = it->scale * sc[i];
@@ -189,10 +190,11 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float row[MAX_D] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->v8, it->vs, j, &n, &sc);
-        prefetch_ahead8(it, it->v8, it->vs, j, (it->len + BS - 1) / BS);
+        prefetch_ahead(it, it->v8, 1, it->vs, j, nblocks);
         for (int64_t i = 0; i < n; i++) {
             widen(blk + i * D, it->lut, row, D);
             for (int64_t g = 0; g < G; g++) {
@@ -212,9 +214,10 @@ static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float
     float row[MAX_D] __attribute__((aligned(64)));
     for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
     for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->k, j, &n);
-        prefetch_ahead(it, it->k, j, (it->len + BS - 1) / BS);
+        prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -236,9 +239,10 @@ static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float row[MAX_D] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->v, j, &n);
-        prefetch_ahead(it, it->v, j, (it->len + BS - 1) / BS);
+        prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
         for (int64_t i = 0; i < n; i++) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) row[d] = bf16_to_f32(blk[i * D + d]);
@@ -285,7 +289,7 @@ static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
     const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; j < nblocks; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->k, j, &n);
-        prefetch_ahead(it, it->k, j, nblocks);
+        prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t nt = n - i0 < 16 ? n - i0 : 16;
             const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
@@ -322,7 +326,7 @@ static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t 
     const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; j < nblocks; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->v, j, &n);
-        prefetch_ahead(it, it->v, j, nblocks);
+        prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
         for (int64_t i = 0; i < n; i += 2) {
             const int pair = i + 1 < n; /* a lone last token pairs with itself at p = 0 */
             const uint16_t *r0 = blk + i * D, *r1 = pair ? r0 + D : r0;
@@ -380,10 +384,11 @@ static inline __attribute__((always_inline)) void scores_q8_tiled(const item_t *
     __m512 vmax[8];
     for (int64_t g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
     const __m512 scale = _mm512_set1_ps(it->scale);
+    const int64_t nblocks = (it->len + BS - 1) / BS;
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
-        prefetch_ahead8(it, it->k8, it->ks, j, (it->len + BS - 1) / BS);
+        prefetch_ahead(it, it->k8, 1, it->ks, j, nblocks);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t nt = n - i0 < 16 ? n - i0 : 16;
             const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
@@ -553,12 +558,8 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
             const int32_t *tab = tables + nb_ * table_stride + first_block;
             const int64_t nblk = (lens[nb_] + BS - 1) / BS;
             for (int64_t j = 0; j < nblk; j++) {
-                const char *kb = (const char *)(k_cache + ((nk * NB) + tab[j]) * BS * D);
-                const char *vb = (const char *)(v_cache + ((nk * NB) + tab[j]) * BS * D);
-                for (int64_t off = 0; off < BS * D * 2; off += 64) {
-                    _mm_prefetch(kb + off, _MM_HINT_T1);
-                    _mm_prefetch(vb + off, _MM_HINT_T1);
-                }
+                prefetch_block_l2(k_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
+                prefetch_block_l2(v_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
             }
         }
 #endif

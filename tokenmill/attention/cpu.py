@@ -320,16 +320,15 @@ def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _prompt_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  table: list[int], seq_len: int, scale: float) -> torch.Tensor | None:
+                  table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor | None:
     """A prompt chunk q (Q, heads, d), the sequence's last Q of its seq_len tokens, all
-    in the cache, through the tiled native kernel, read in place from the blocks; None
-    where it does not apply (not a bf16 CPU cache, too many keys, the kernel declines)."""
+    in the cache, through the tiled native kernel, read in place from the blocks (table:
+    the sequence's row of the step's int32 block tables); None where it does not apply
+    (not a bf16 CPU cache, too many keys, the kernel declines)."""
     if not (PROMPT_TILED and q.dtype == torch.bfloat16 and seq_len <= MAX_TILED_KEYS
             and use_native(k_cache)):
         return None
-    n_blocks = -(-seq_len // k_cache.shape[2])
-    blocks = torch.tensor(table[:n_blocks], dtype=torch.int32)
-    return native.prompt_attend(q, k_cache, v_cache, blocks, seq_len, scale, _prompt_scratch)
+    return native.prompt_attend(q, k_cache, v_cache, table, seq_len, scale, _prompt_scratch)
 
 
 def _prompt_scratch(numel: int) -> torch.Tensor:
@@ -409,30 +408,23 @@ def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + query_len
         if b in plan.batched_decodes:
-            pass
-        elif query_len == seq_len:  # a whole prompt: its K/V are this step's
-            part = _prompt_tiled(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
-                                 scale)
-            if part is None:
-                part = _prompt_native(q[start:end], k_cache, v_cache, plan.tables[b],
-                                      seq_len, scale)
-            out[start:end] = part if part is not None else _attend(
-                q[start:end], k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                scale, 0)
-        else:
-            part = _prompt_tiled(q[start:end], k_cache, v_cache, plan.tables[b], seq_len,
-                                 scale)
-            if part is None:
-                part = _extend_native(q[start:end], k_cache, v_cache, plan.tables[b],
-                                      seq_len, scale)
-            if part is None:
-                part = _prompt_native(q[start:end], k_cache, v_cache, plan.tables[b],
-                                      seq_len, scale)
-            if part is None:
-                ks = _seq_kv(k_cache, plan.tables[b], seq_len)
-                vs = _seq_kv(v_cache, plan.tables[b], seq_len)
-                part = _attend(q[start:end], ks, vs, scale, seq_len - query_len)
-            out[start:end] = part
+            start = end
+            continue
+        qs, table, whole = q[start:end], plan.tables[b], query_len == seq_len
+        # the first kernel that takes the chunk; a whole prompt skips the cascade call,
+        # which needs a cached prefix
+        part = _prompt_tiled(qs, k_cache, v_cache, meta.block_tables[b], seq_len, scale)
+        if part is None and not whole:
+            part = _extend_native(qs, k_cache, v_cache, table, seq_len, scale)
+        if part is None:
+            part = _prompt_native(qs, k_cache, v_cache, table, seq_len, scale)
+        if part is None and whole:  # its K/V are this step's: no gather out of the cache
+            part = _attend(qs, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                           scale, 0)
+        elif part is None:
+            part = _attend(qs, _seq_kv(k_cache, table, seq_len),
+                           _seq_kv(v_cache, table, seq_len), scale, seq_len - query_len)
+        out[start:end] = part
         start = end
     if plan.decode is not None:
         out[plan.decode_rows] = _decode_batch(q.index_select(0, plan.decode_rows), k_cache,

@@ -9,9 +9,9 @@ teacher-forced by a decode step reading the whole KV cache written so far
 `context` tokens (with --score-last N only each window's last N positions are scored, the
 rest is its prompt: a long context for N decode steps). With --mode prefill every
 position is scored from one prefill of its window instead (vLLM's prompt_logprobs), so
-the prompt-attention kernels are what is checked: the whole-prompt one for a first
-chunk, the chunk-over-cached-prefix (cascade) one after it (the path's
---max-num-batched-tokens sets the chunks). Per context: perplexity of the path and of
+prompt attention is what is checked: the tiled prompt kernel for a first chunk and
+for the chunks over the cached part after it (the path's --max-num-batched-tokens sets
+the chunks; with TOKENMILL_PROMPT_TILED=0, the row-by-row and cascade kernels). Per context: perplexity of the path and of
 the baseline, their ratio, and the share of the first --positions positions where the
 path's argmax equals the fp32 reference's (and the baseline's).
 

@@ -15,13 +15,13 @@ cheaper ops:
   the whole batch, not read again per sequence: with the native kernel inside its
   one call (tm_cascade_decode_bf16: shared blocks, own blocks, the merge), else by
   one matmul;
-- a prompt chunk over a cached prefix goes through the same native call as
-  shared-prefix decode (each new token a row, the prefix's full blocks read once for
-  all of them); any other chunk whose keys are all cached (a whole prompt, or a
-  chunk over a prefix too short for that) through the native decode kernel, each new
-  token a row over the tokens up to itself; past their size limits (and on fp32) a
-  whole prompt attends with SDPA to this step's own K/V, not a copy gathered back out
-  of the cache;
+- a prompt chunk, a whole prompt or one over a cached prefix, goes through the tiled
+  native kernel (tm_prompt_attend_bf16: 16 queries' heads in vector lanes against
+  their keys, read in place, masked after the diagonal); past its key limit, or with
+  TOKENMILL_PROMPT_TILED=0, one over a cached prefix takes the shared-prefix decode
+  call (each new token a row) and any chunk the native decode kernel row by row; past
+  their size limits (and on fp32) a whole prompt attends with SDPA to this step's own
+  K/V, not a copy gathered back out of the cache;
 - a sequence whose blocks are consecutive reads its K/V as a view of the pool,
   so only fragmented block tables pay for a gather.
 

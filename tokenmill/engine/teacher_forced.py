@@ -11,8 +11,8 @@ far, which is where a quantized KV cache shows.
 
 `score_prompts`: each window is one prompt, scored by vLLM's `prompt_logprobs` (the
 true token's logprob and the top 1 at every position), so every position goes through
-prompt attention instead: the whole-prompt kernel for a first chunk, the chunk-over-
-cached-prefix (cascade) kernel for the chunks after it (chunked at the engine's
+prompt attention instead (the tiled prompt kernel on a bf16 CPU cache, for a first
+chunk and for the chunks over the cached part after it, chunked at the engine's
 --max-num-batched-tokens).
 """
 

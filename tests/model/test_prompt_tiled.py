@@ -48,6 +48,21 @@ def test_prompt_tiles_match_the_reference(heads, kv_heads, head_dim, contiguous,
     assert_bf16_close(out.float(), ref)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 32)])
+def test_peaked_scores_whose_weights_underflow_match_the_reference(heads, kv_heads,
+                                                                   head_dim, monkeypatch):
+    """Scores spread over hundreds (q x 4, scale 1): most softmax weights underflow to 0
+    and a few keys carry each row, which a wrong exponential or maximum would miss."""
+    q, k, v, k_cache, v_cache, meta = mixed_step([70, 33], [70, 90], torch.bfloat16, False,
+                                                 heads=heads, kv_heads=kv_heads,
+                                                 head_dim=head_dim)
+    q = q * 4
+    ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 1.0)
+    for name in ("_attend", "_prompt_native", "_extend_native"):
+        monkeypatch.setattr(cpu, name, refuse(name))
+    assert_bf16_close(paged_attention_fast(q, k, v, k_cache, v_cache, meta, 1.0).float(), ref)
+
+
 def test_past_its_key_limit_and_off_the_paths_before_it_run(monkeypatch):
     q, k, v, k_cache, v_cache, meta = mixed_step([40], [40], torch.bfloat16, False,
                                                  heads=9, kv_heads=3, head_dim=64)

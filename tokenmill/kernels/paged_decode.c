@@ -653,7 +653,8 @@ typedef struct {
 
 /* the scratch (fp32 words): own scores B * H * max_len, then per chunk its part
  * (NQP, D), maxima (NQP) and denominators (NQP), then each thread's workspace:
- * queries (D, NQP), scores (CH + 1, NQP), bf16 pairs of weights (CH / 2 + 1, NQP) */
+ * queries (D, NQP), scores (CH + 1, NQP), bf16 pairs of weights (CH / 2 + 1, NQP), the
+ * tokens' pool rows (CH int32) */
 static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                        int64_t shared_blocks, int64_t max_len,
                                        int64_t threads) {
@@ -664,7 +665,7 @@ static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_
     L.nch = (shared_blocks * BS + L.CH - 1) / L.CH;
     L.own = B * H * max_len;
     L.parts = KVH * L.nch * L.NQP * (D + 2);
-    L.per_thread = round_up((D + L.CH + 1 + L.CH / 2 + 1) * L.NQP, 16);
+    L.per_thread = round_up((D + L.CH + 1 + L.CH / 2 + 1) * L.NQP + L.CH, 16);
     return L;
 }
 
@@ -683,11 +684,11 @@ typedef struct {
     const int32_t *tab;    /* the shared blocks */
     int64_t t0, n;         /* the chunk: tokens t0 .. t0 + n of the prefix */
     float scale;
+    const int32_t *rows;   /* chunk token t's row in the pools, filled by shared_chunk */
 } chunk_t;
 
 static inline const uint16_t *prefix_row(const chunk_t *c, const uint16_t *pool, int64_t t) {
-    const int64_t tok = c->t0 + t;
-    return pool + ((int64_t)c->tab[tok / c->BS] * c->BS + tok % c->BS) * c->D;
+    return pool + (int64_t)c->rows[t] * c->D;
 }
 
 /* query n = b * G + g of kv head kh */
@@ -736,10 +737,38 @@ static void chunk_values_generic(const chunk_t *c, const float *P, float *po) {
 }
 
 #ifdef TM_AVX512BF16
+/* r[i] lane j <- r[j] lane i: a 16 x 16 transpose of 32-bit words */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4a + b] lane 4k + m: row 4a + m, column 4k + b */
+    for (int a = 0; a < 16; a += 8)
+        for (int b = 0; b < 4; b++) {
+            t[a + b] = _mm512_shuffle_i32x4(r[a + b], r[a + b + 4], 0x88);
+            t[a + b + 4] = _mm512_shuffle_i32x4(r[a + b], r[a + b + 4], 0xdd);
+        }
+    for (int b = 0; b < 8; b++) {
+        r[b] = _mm512_shuffle_i32x4(t[b], t[b + 8], 0x88);
+        r[b + 8] = _mm512_shuffle_i32x4(t[b], t[b + 8], 0xdd);
+    }
+}
+
 /* scores of 4 tokens x NV vectors of 16 queries: qt[dp * NQP + n] holds query n's dims
- * 2dp, 2dp + 1 as a bf16 pair; each K pair is broadcast against 16 queries at once */
+ * 2dp, 2dp + 1 as a bf16 pair; each K pair is broadcast against 16 queries at once. A
+ * score of a token past its query's last (t > lim[j] lane-wise) is -3e38 (exp -> 0); the
+ * rows' maxima so far in mx */
 static inline __attribute__((always_inline)) void chunk_scores_tile(
-    const chunk_t *c, const uint32_t *qt, int64_t qv0, int64_t t, float *S, const int NV) {
+    const chunk_t *c, const uint32_t *qt, int64_t qv0, int64_t t, float *S, const __m512i *lim,
+    __m512 *mx, const int NV) {
     const int64_t NQP = c->NQP, half = c->D / 2;
     const int nt = c->n - t < 4 ? (int)(c->n - t) : 4;
     const uint16_t *rows[4];
@@ -758,28 +787,59 @@ static inline __attribute__((always_inline)) void chunk_scores_tile(
             for (int j = 0; j < NV; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qq[j], kb);
         }
     }
-    const __m512 scale = _mm512_set1_ps(c->scale);
-    for (int i = 0; i < nt; i++)
-        for (int j = 0; j < NV; j++)
-            _mm512_storeu_ps(S + (t + i) * NQP + 16 * (qv0 + j), _mm512_mul_ps(acc[i][j], scale));
+    const __m512 scale = _mm512_set1_ps(c->scale), masked = _mm512_set1_ps(-3.0e38f);
+    for (int i = 0; i < nt; i++) {
+        const __m512i tok = _mm512_set1_epi32((int32_t)(t + i));
+        for (int j = 0; j < NV; j++) {
+            const __m512 sc = _mm512_mask_mov_ps(_mm512_mul_ps(acc[i][j], scale),
+                                                 _mm512_cmpgt_epi32_mask(tok, lim[j]), masked);
+            mx[j] = _mm512_max_ps(mx[j], sc);
+            _mm512_storeu_ps(S + (t + i) * NQP + 16 * (qv0 + j), sc);
+        }
+    }
 }
 
-static void chunk_scores_avx(const chunk_t *c, int64_t kh, uint32_t *qt, float *S) {
+/* S as chunk_scores_generic's, masked after the diagonal as shared_chunk says, and
+ * each query's maximum into pm */
+static void chunk_scores_avx(const chunk_t *c, int64_t kh, uint32_t *qt, float *S, float *pm,
+                             int64_t causal) {
     const int64_t NQP = c->NQP, half = c->D / 2;
-    memset(qt, 0, (size_t)(half * NQP) * sizeof(uint32_t));
-    for (int64_t n = 0; n < c->NQ; n++) {
+    int64_t n = 0;
+    if (half % 16 == 0) /* 16 queries x 16 dim pairs at a time, transposed in registers */
+        for (; n + 16 <= c->NQ; n += 16)
+            for (int64_t dp = 0; dp < half; dp += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_loadu_si512((const void *)(query_row(c, kh, n + i) + 2 * dp));
+                transpose16_epi32(r);
+                for (int i = 0; i < 16; i++)
+                    _mm512_storeu_si512((void *)(qt + (dp + i) * NQP + n), r[i]);
+            }
+    for (int64_t dp = 0; dp < half; dp++) /* the padding lanes: queries 0 */
+        memset(qt + dp * NQP + n, 0, (size_t)(NQP - n) * sizeof(uint32_t));
+    for (; n < c->NQ; n++) {
         const uint16_t *qr = query_row(c, kh, n);
         for (int64_t dp = 0; dp < half; dp++) memcpy(qt + dp * NQP + n, qr + 2 * dp, 4);
     }
     const int64_t NQV = NQP / 16;
     for (int64_t qv0 = 0; qv0 < NQV; qv0 += 4) {
         const int64_t nv = NQV - qv0 < 4 ? NQV - qv0 : 4;
-        for (int64_t t = 0; t < c->n; t += 4) {
-            if (nv == 4) chunk_scores_tile(c, qt, qv0, t, S, 4);
-            else if (nv == 3) chunk_scores_tile(c, qt, qv0, t, S, 3);
-            else if (nv == 2) chunk_scores_tile(c, qt, qv0, t, S, 2);
-            else chunk_scores_tile(c, qt, qv0, t, S, 1);
+        __m512i lim[4];
+        __m512 mx[4];
+        for (int64_t j = 0; j < nv; j++) { /* query n's last token: causal + n / G */
+            int32_t l[16];
+            for (int64_t k = 0; k < 16; k++)
+                l[k] = causal < 0 ? INT32_MAX : (int32_t)(causal + (16 * (qv0 + j) + k) / c->G);
+            lim[j] = _mm512_loadu_si512((const void *)l);
+            mx[j] = _mm512_set1_ps(-3.0e38f);
         }
+        for (int64_t t = 0; t < c->n; t += 4) {
+            if (nv == 4) chunk_scores_tile(c, qt, qv0, t, S, lim, mx, 4);
+            else if (nv == 3) chunk_scores_tile(c, qt, qv0, t, S, lim, mx, 3);
+            else if (nv == 2) chunk_scores_tile(c, qt, qv0, t, S, lim, mx, 2);
+            else chunk_scores_tile(c, qt, qv0, t, S, lim, mx, 1);
+        }
+        for (int64_t j = 0; j < nv; j++) _mm512_storeu_ps(pm + 16 * (qv0 + j), mx[j]);
     }
 }
 
@@ -820,24 +880,83 @@ static void chunk_values_avx(const chunk_t *c, const uint32_t *p2, float *po) {
 }
 #endif
 
+#ifdef TM_AVX512BF16
+/* exp(x) for 16 lanes, x <= 0 (a score less its row's maximum): Cephes' expf
+ * (range reduction by ln 2 in two parts, degree-5 polynomial, within 2 ulp of expf),
+ * exactly 0 below -87 as expf underflows there (a masked score is -3e38) */
+static inline __attribute__((always_inline)) __m512 exp_ps(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+/* softmax numerators of a chunk's scores S (n rows of NQP) against the maxima pm, as
+ * bf16 pairs of rows 2tp, 2tp + 1 (p2[tp * NQP + n], the odd row's partner 0), and their
+ * fp32 sums into pl: one pass, the numerators never written back as floats */
+static void softmax_pairs_avx(const chunk_t *c, const float *S, const float *pm, float *pl,
+                              uint32_t *p2) {
+    const int64_t NQP = c->NQP, pairs = (c->n + 1) / 2;
+    for (int64_t v = 0; v < NQP; v += 16) {
+        const __m512 m = _mm512_loadu_ps(pm + v);
+        __m512 l = _mm512_setzero_ps();
+        for (int64_t tp = 0; tp < pairs; tp++) {
+            const __m512 ea = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(S + 2 * tp * NQP + v), m));
+            const __m512 eb = 2 * tp + 1 < c->n
+                ? exp_ps(_mm512_sub_ps(_mm512_loadu_ps(S + (2 * tp + 1) * NQP + v), m))
+                : _mm512_setzero_ps();
+            l = _mm512_add_ps(l, _mm512_add_ps(ea, eb));
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(ea));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(eb));
+            _mm512_storeu_si512((void *)(p2 + tp * NQP + v),
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        _mm512_storeu_ps(pl + v, l);
+    }
+}
+#endif
+
 /* one chunk of the shared prefix for all queries of kv head kh: its unnormalised part
  * po (NQ, D), maxima pm and denominators pl (NQ). causal >= 0: query n = b * G + g sits
  * at chunk token causal + b and sees no token after it (a prompt tile); -1: no mask */
-static void shared_chunk(const chunk_t *c, int64_t kh, float *ws, float *po, float *pm,
+static void shared_chunk(const chunk_t *chunk, int64_t kh, float *ws, float *po, float *pm,
                          float *pl, int64_t causal) {
-    const int64_t NQP = c->NQP;
-    float *qbuf = ws, *S = ws + c->D * NQP;
-    uint32_t *p2 = (uint32_t *)(S + round_up(c->n, 2) * NQP);
+    const int64_t NQP = chunk->NQP;
+    float *qbuf = ws, *S = ws + chunk->D * NQP;
+    uint32_t *p2 = (uint32_t *)(S + round_up(chunk->n, 2) * NQP);
+    int32_t *rows = (int32_t *)(p2 + (chunk->n + 1) / 2 * NQP);
+    /* each token's pool row once, walking the block table (no division per row) */
+    for (int64_t t = 0, blk = chunk->t0 / chunk->BS, off = chunk->t0 % chunk->BS; t < chunk->n;
+         t++) {
+        rows[t] = (int32_t)((int64_t)chunk->tab[blk] * chunk->BS + off);
+        if (++off == chunk->BS) off = 0, blk++;
+    }
+    chunk_t cc = *chunk;
+    cc.rows = rows;
+    const chunk_t *c = &cc;
 #ifdef TM_AVX512BF16
     const int vector_path = c->D % 32 == 0;
-    if (vector_path) chunk_scores_avx(c, kh, (uint32_t *)qbuf, S);
-    else
+    if (vector_path) { /* masked, maxima and numerators in the vector loops */
+        chunk_scores_avx(c, kh, (uint32_t *)qbuf, S, pm, causal);
+        softmax_pairs_avx(c, S, pm, pl, p2);
+        chunk_values_avx(c, p2, po);
+        return;
+    }
 #endif
-        chunk_scores_generic(c, kh, qbuf, S);
-    if (causal >= 0)
-        for (int64_t t = causal + 1; t < c->n; t++)
-            for (int64_t n = 0; n < c->NQ; n++)
-                if (t > causal + n / c->G) S[t * NQP + n] = -3.0e38f; /* exp -> 0 */
+    chunk_scores_generic(c, kh, qbuf, S);
+    if (causal >= 0) /* query row b's heads b * G .. b * G + G - 1 see no token past causal + b */
+        for (int64_t b = 0; b * c->G < c->NQ; b++)
+            for (int64_t t = causal + b + 1; t < c->n; t++)
+                for (int64_t g = 0; g < c->G; g++) S[t * NQP + b * c->G + g] = -3.0e38f;
     for (int64_t n = 0; n < NQP; n++) pm[n] = -3.0e38f;
     for (int64_t t = 0; t < c->n; t++) {
         const float *st = S + t * NQP;
@@ -854,19 +973,6 @@ static void shared_chunk(const chunk_t *c, int64_t kh, float *ws, float *po, flo
             st[n] = round_bf16(e);
         }
     }
-#ifdef TM_AVX512BF16
-    if (vector_path) {
-        if (c->n % 2) memset(S + c->n * NQP, 0, (size_t)NQP * sizeof(float)); /* p = 0 */
-        for (int64_t tp = 0; tp < (c->n + 1) / 2; tp++) {
-            const uint32_t *a = (const uint32_t *)(S + 2 * tp * NQP), *b = a + NQP;
-#pragma omp simd
-            for (int64_t n = 0; n < NQP; n++)
-                p2[tp * NQP + n] = (a[n] >> 16) | (b[n] & 0xFFFF0000u);
-        }
-        chunk_values_avx(c, p2, po);
-        return;
-    }
-#endif
     (void)p2;
     chunk_values_generic(c, S, po);
 }
@@ -908,7 +1014,7 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             const int64_t kh = item / L.nch, t0 = (item % L.nch) * L.CH;
             const chunk_t c = {q, q_stride, G, D, BS, L.NQ, L.NQP,
                                k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
-                               tables, t0, P - t0 < L.CH ? P - t0 : L.CH, scale};
+                               tables, t0, P - t0 < L.CH ? P - t0 : L.CH, scale, NULL};
             shared_chunk(&c, kh, ws, part_o + item * L.NQP * D, part_m + item * L.NQP,
                          part_l + item * L.NQP, -1);
         }
@@ -971,7 +1077,7 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 
 static int64_t prompt_per_thread(int64_t G, int64_t D, int64_t seq_len) {
     const int64_t NQP = round_up(PROMPT_TILE * G, 16), n = round_up(seq_len, 2);
-    return round_up((D + n + 1 + n / 2 + 1) * NQP + NQP * (D + 2), 16);
+    return round_up((D + n + 1 + n / 2 + 1) * NQP + n + NQP * (D + 2), 16);
 }
 
 int64_t tm_prompt_scratch_floats(int64_t H, int64_t KVH, int64_t D, int64_t seq_len,
@@ -1008,7 +1114,7 @@ int tm_prompt_attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
             const int64_t rows = num_q - i0 < PROMPT_TILE ? num_q - i0 : PROMPT_TILE;
             const chunk_t c = {q + i0 * q_stride, q_stride, G, D, BS, rows * G, NQP,
                                k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
-                               table, 0, first + i0 + rows, scale};
+                               table, 0, first + i0 + rows, scale, NULL};
             shared_chunk(&c, kh, ws, po, pm, pl, first + i0);
             for (int64_t n = 0; n < rows * G; n++) {
                 const int64_t b = n / G, g = n % G;

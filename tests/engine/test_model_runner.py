@@ -1,7 +1,9 @@
-"""The model runner's KV pools: allocated empty, zeroed block by block on first use."""
+"""The model runner's KV pools: on the CPU zero pages that cost nothing until written;
+elsewhere allocated empty and zeroed block by block on first use."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -10,13 +12,41 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledSeq
 from tokenmill.engine.sequence import Sequence
+from tokenmill.kvcache import pool as kv_pool
 from tokenmill.sampling_params import SamplingParams
 
 
-def test_blocks_a_step_uses_are_zeroed_before_attention_reads_them():
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8,
-                         intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=4)
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_pool_reads_zeros_and_costs_memory_only_where_written():
+    before = rss_bytes()
+    cache = kv_pool.zero_pages((4, 1024, 16, 1024), torch.bfloat16, torch.device("cpu"))
+    assert cache.nbytes == 128 << 20
+    assert rss_bytes() - before < 16 << 20  # nothing resident yet
+    assert cache[:, 700].abs().max().item() == 0  # a block never written reads zeros
+    cache[:, 3:35] = 1.0  # 32 blocks of 4 heads: 4 MiB
+    grown = rss_bytes() - before
+    assert 4 << 20 <= grown < 24 << 20
+    assert cache.data_ptr() % 4096 == 0  # page-aligned, as the vector kernels like it
+    cpu_runner = ModelRunner(SimpleNamespace(attention_layers=lambda: [SimpleNamespace()]),
+                             tiny_config(1), block_size=4, num_blocks=8,
+                             kv_dtype=torch.float32, device=torch.device("cpu"))
+    assert cpu_runner.pool.fresh is None  # no block is zeroed by a step
+
+
+def tiny_config(num_layers: int) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8,
+                       intermediate_size=16, num_hidden_layers=num_layers,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+
+
+def test_blocks_a_step_uses_are_zeroed_before_attention_reads_them(monkeypatch):
+    # a device whose fresh memory is not zeros (on the CPU it is: see above)
+    monkeypatch.setattr(kv_pool, "allocator", lambda device, zeroed: (torch.empty, False))
+    config = tiny_config(2)
     layers = [SimpleNamespace(), SimpleNamespace()]
     model = SimpleNamespace(attention_layers=lambda: layers)
     runner = ModelRunner(model, config, block_size=4, num_blocks=8, kv_dtype=torch.float32,

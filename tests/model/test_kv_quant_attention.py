@@ -30,7 +30,7 @@ def _step(fmt, query_lens, seq_lens, shared=0, contiguous=False, seed=0):
     common = [free.pop(0) for _ in range(shared)]
     tables = [common + [free.pop(0) for _ in range(-(-n // BLOCK) - shared)] for n in seq_lens]
     shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
-    kc, vc = (quantized.QuantizedPool.allocate(fmt, shape, torch.device("cpu"), zeroed=True)
+    kc, vc = (quantized.QuantizedPool.allocate(fmt, shape, torch.device("cpu"), torch.zeros)
               for _ in range(2))
     backend = quantized.QuantizedKVBackend(CpuBackend(torch.device("cpu"), torch.bfloat16), fmt)
     prefix_slots = sorted({t[p // BLOCK] * BLOCK + p % BLOCK

@@ -17,6 +17,7 @@ path on that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -65,8 +66,9 @@ class QuantizedPool:
 
     @classmethod
     def allocate(cls, fmt: KVFormat, shape: tuple[int, ...], device: torch.device,
-                 zeroed: bool = False) -> QuantizedPool:
-        alloc = torch.zeros if zeroed else torch.empty
+                 alloc: Callable[..., torch.Tensor] = torch.empty) -> QuantizedPool:
+        """alloc(shape, dtype=, device=) for the bytes (torch.empty, torch.zeros or the
+        pool's zero pages)."""
         # scales: zeros always (1/head_dim of the bytes), so a never-written slot reads 0
         return cls(fmt, alloc(shape, dtype=fmt.dtype, device=device),
                    torch.zeros(shape[:3], device=device))

@@ -1,15 +1,19 @@
 """The KV pool: every layer's K and V tensors, in the attention backend's layout.
 
 The one place that allocates KV-cache memory (the block manager only counts
-blocks; this holds them). Memory is `empty`, not zeros: pages are touched only
-as blocks fill, so RSS tracks use. A backend that reads whole blocks and masks
-afterwards (`needs_zeroed_blocks`) gets each block zeroed the first time a step
-uses it, since a zero weight on a NaN left in fresh memory is still NaN.
+blocks; this holds them). Pages are touched only as blocks fill, so RSS tracks
+use. A backend that reads whole blocks and masks afterwards
+(`needs_zeroed_blocks`) must never see what fresh memory held, since a zero
+weight on a NaN is still NaN: on the CPU the pool is anonymous mmap pages, which
+read as zeros until written (the kernel zeroes each as it is first touched); on
+another device each block is zeroed the first time a step uses it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import mmap
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -28,13 +32,13 @@ class KVPool:
         self.block_size = block_size
         self.device = device
         shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        alloc = torch.zeros if zeroed else torch.empty
+        alloc, zeroed = allocator(device, zeroed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
             for _ in range(num_layers)] if kv_format is None else [
             # --kv-cache-dtype int8 / fp8: bytes and their per-(token, head) scales
-            (QuantizedPool.allocate(kv_format, shape, device, zeroed),  # type: ignore[misc]
-             QuantizedPool.allocate(kv_format, shape, device, zeroed))
+            (QuantizedPool.allocate(kv_format, shape, device, alloc),  # type: ignore[misc]
+             QuantizedPool.allocate(kv_format, shape, device, alloc))
             for _ in range(num_layers)]
         # fresh[b]: block b was never zeroed; None when the backend does not care.
         # The model runner reads it while it lays out a step (ModelRunner.prepare).
@@ -74,3 +78,20 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
+
+def allocator(device: torch.device, zeroed: bool) -> tuple[Callable[..., torch.Tensor], bool]:
+    """How the pool allocates on `device` (alloc(shape, dtype=, device=)), and whether
+    what it allocates reads as zeros."""
+    if device.type == "cpu":
+        return zero_pages, True
+    return (torch.zeros if zeroed else torch.empty), zeroed
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU tensor of zeros that costs nothing until written: anonymous mmap pages
+    (page-aligned), each zeroed by the kernel as it is first touched. The tensor holds
+    the mapping; it is unmapped when the tensor is freed."""
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)

@@ -55,7 +55,10 @@ class BlockManager:
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # free, never-cached blocks
+        # free, never-cached blocks, taken last-freed first: a block freed a moment ago is
+        # still in cache and its pages resident, where the pool's oldest free block may
+        # never have been touched (its pages faulted in, and zeroed, on first use)
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         # blocks ever handed out: the pool's memory is touched lazily, block by block
         self._touched = bytearray(num_blocks)
         self.num_touched_blocks = 0
@@ -249,7 +252,7 @@ class BlockManager:
 
     def _take_fresh_block(self) -> int:
         if self._free:
-            block_id = self._free.popleft()
+            block_id = self._free.pop()
         else:
             assert self.prefix_cache is not None
             evicted = self.prefix_cache.evict()

@@ -42,6 +42,20 @@ def test_allocate_free_round_trip_leaves_every_block_free():
     assert bm.ref_counts == [0] * 10
 
 
+def test_requests_one_after_another_reuse_the_same_blocks():
+    """A freed block is the next one taken, so the pool's memory in use (and RSS: the pool
+    is touched lazily) stays at the peak demand instead of creeping through every block."""
+    bm = BlockManager(num_blocks=100, block_size=4, enable_prefix_caching=False)
+    for n in range(20):
+        seq = make_seq(range(100 * n, 100 * n + 10))  # 3 blocks each
+        admit(bm, seq)
+        bm.free(seq)
+    assert bm.num_touched_blocks == 3
+    first = make_seq(range(8))
+    admit(bm, first)
+    assert first.block_table == [0, 1]  # the blocks just freed, in their order
+
+
 def test_slots_grow_one_block_at_a_time_in_decode():
     bm = BlockManager(num_blocks=4, block_size=4)
     seq = make_seq(range(4))

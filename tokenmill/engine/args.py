@@ -36,8 +36,11 @@ def _kv_events_config(text: str) -> KVEventsConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True,
-                    max_num_seqs: int = 256) -> None:
-    """max_num_seqs: the flag's default, vLLM's on a CPU: 256 offline, 128 for a server."""
+                    max_num_seqs: int = 256, max_num_batched_tokens: int = 1024) -> None:
+    """max_num_seqs: the flag's default, vLLM's on a CPU: 256 offline, 128 for a server.
+    max_num_batched_tokens: 1024 offline; a server's is smaller (256), so that prompts
+    arriving together are prefilled a few a step, each streaming its first token early,
+    instead of all of them in one long step (BENCHMARKS.md, "Token budget")."""
     if model_positional:
         parser.add_argument("model", nargs="?", default="smollm2-135m",
                             help="smollm2-135m (embedded), a .gguf file or an HF checkpoint dir")
@@ -60,9 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="default: the model's own context, capped by what the KV cache holds")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"sequences in one step (default {max_num_seqs}, as vLLM on a CPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="tokens per step (with --no-enable-chunked-prefill raised to "
-                   "max-model-len, as vLLM)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help=f"tokens per step (default {max_num_batched_tokens}; with "
+                   "--no-enable-chunked-prefill raised to max-model-len, as vLLM)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts over steps (default on)")
     g.add_argument("--block-size", type=int, default=16)

@@ -17,7 +17,7 @@ from tokenmill.engine.args import add_engine_args, engine_config_from_args, pars
 
 def register(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server (completions, chat, SSE)")
-    add_engine_args(serve, max_num_seqs=128)
+    add_engine_args(serve, max_num_seqs=128, max_num_batched_tokens=256)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default loopback; 0.0.0.0 exposes it)")

@@ -1071,7 +1071,8 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
  * every key up to its last query, as a shared-prefix chunk is (one vdpbf16ps per 16
  * queries and dim pair, no horizontal sums), masked after the diagonal, one softmax,
  * normalised. Per query the same arithmetic as the row-by-row decode kernel but for the
- * order of the fp32 sums within q . k. */
+ * order of the fp32 sums within q . k and the exponential (exp_ps, within 1.2e-7 of expf
+ * where the decode kernel calls libmvec's: 0.88 -> 0.54 ms a 512-token layer). */
 
 #define PROMPT_TILE 16
 

@@ -3,12 +3,12 @@ elsewhere allocated empty and zeroed block by block on first use."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.engine.llm_engine import process_rss_bytes
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.scheduler import ScheduledSeq
 from tokenmill.engine.sequence import Sequence
@@ -16,19 +16,14 @@ from tokenmill.kvcache import pool as kv_pool
 from tokenmill.sampling_params import SamplingParams
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_a_cpu_pool_reads_zeros_and_costs_memory_only_where_written():
-    before = rss_bytes()
+    before = process_rss_bytes()
     cache = kv_pool.zero_pages((4, 1024, 16, 1024), torch.bfloat16, torch.device("cpu"))
     assert cache.nbytes == 128 << 20
-    assert rss_bytes() - before < 16 << 20  # nothing resident yet
+    assert process_rss_bytes() - before < 16 << 20  # nothing resident yet
     assert cache[:, 700].abs().max().item() == 0  # a block never written reads zeros
     cache[:, 3:35] = 1.0  # 32 blocks of 4 heads: 4 MiB
-    grown = rss_bytes() - before
+    grown = process_rss_bytes() - before
     assert 4 << 20 <= grown < 24 << 20
     assert cache.data_ptr() % 4096 == 0  # page-aligned, as the vector kernels like it
     cpu_runner = ModelRunner(SimpleNamespace(attention_layers=lambda: [SimpleNamespace()]),

@@ -40,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     """max_num_seqs: the flag's default, vLLM's on a CPU: 256 offline, 128 for a server.
     max_num_batched_tokens: 1024 offline; a server's is smaller (256), so that prompts
     arriving together are prefilled a few a step, each streaming its first token early,
-    instead of all of them in one long step (BENCHMARKS.md, "Token budget")."""
+    instead of all of them in one long step (BENCHMARKS.md, "A server's token budget")."""
     if model_positional:
         parser.add_argument("model", nargs="?", default="smollm2-135m",
                             help="smollm2-135m (embedded), a .gguf file or an HF checkpoint dir")

@@ -7,12 +7,43 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "vec_math.h"
 
 /* out <- weight * bf16(r * rsqrt(mean(r^2) + eps)) for one row of `hidden`, with r = x
  * (res_in NULL), or r = bf16(x + res_in) written to res_out (res_out may be res_in). */
 static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint16_t *res_out,
                                 const uint16_t *weight, uint16_t *orow, int64_t hidden,
                                 float eps) {
+#if TM_VEC_MATH
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 k = hidden - i >= 16 ? 0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+        __m512 v = f32x16(_mm256_maskz_loadu_epi16(k, xr + i));
+        if (res_in) {
+            const __m256i r = bf16x16(_mm512_add_round_ps(
+                v, f32x16(_mm256_maskz_loadu_epi16(k, res_in + i)), TM_RN));
+            _mm256_mask_storeu_epi16(res_out + i, k, r);
+            v = f32x16(r);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const uint16_t *src = res_in ? res_out : xr;
+    const __m128 mean = _mm_div_round_ss(_mm_set_ss(lane_sum(acc)), _mm_set_ss((float)hidden),
+                                         TM_RN);
+    const float inv = _mm_cvtss_f32(_mm_div_round_ss(
+        _mm_set_ss(1.0f),
+        _mm_sqrt_round_ss(_mm_setzero_ps(), _mm_add_round_ss(mean, _mm_set_ss(eps), TM_RN),
+                          TM_RN),
+        TM_RN));
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 k = hidden - i >= 16 ? 0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+        const __m512 x = f32x16(bf16x16(_mm512_mul_round_ps(
+            f32x16(_mm256_maskz_loadu_epi16(k, src + i)), vinv, TM_RN)));
+        _mm256_mask_storeu_epi16(orow + i, k, bf16x16(_mm512_mul_round_ps(
+            f32x16(_mm256_maskz_loadu_epi16(k, weight + i)), x, TM_RN)));
+    }
+#else
     float ss = 0.0f;
     if (res_in) {
         for (int64_t i = 0; i < hidden; i++) {
@@ -21,7 +52,6 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
             ss += v * v;
         }
     } else {
-#pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < hidden; i++) {
             const float v = bf16_to_f32(xr[i]);
             ss += v * v;
@@ -29,9 +59,9 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
     }
     const uint16_t *src = res_in ? res_out : xr;
     const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-#pragma omp simd
     for (int64_t i = 0; i < hidden; i++)
         orow[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(src[i]) * inv));
+#endif
 }
 
 /* Neox rotary of one head v (D,) in place with that position's rows c, s of the tables */
@@ -52,11 +82,22 @@ static inline void rotary_head(uint16_t *v, const float *c, const float *s, int6
 /* o <- bf16(silu(g)) * u, rounded, for one row of `inter` */
 static inline void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o,
                                 int64_t inter) {
-#pragma omp simd
+#if TM_VEC_MATH
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 k = inter - i >= 16 ? 0xFFFF : (__mmask16)((1u << (inter - i)) - 1);
+        const __m512 gv = f32x16(_mm256_maskz_loadu_epi16(k, g + i));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 silu = f32x16(bf16x16(_mm512_div_round_ps(
+            gv, _mm512_add_round_ps(_mm512_set1_ps(1.0f), e, TM_RN), TM_RN)));
+        const __m512 uv = f32x16(_mm256_maskz_loadu_epi16(k, u + i));
+        _mm256_mask_storeu_epi16(o + i, k, bf16x16(_mm512_mul_round_ps(silu, uv, TM_RN)));
+    }
+#else
     for (int64_t i = 0; i < inter; i++) {
         const float gv = bf16_to_f32(g[i]);
         const float silu = round_bf16(gv / (1.0f + expf(-gv)));
         o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
     }
+#endif
 }
 #endif

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TM_AVX512BF16 1
@@ -501,14 +502,17 @@ static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *a
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * it->s_stride;
         const float m = mx[g];
+#if TM_VEC_MATH
+        sum[g] = softmax_numerators(sg, it->len, m);
+#else
         float total = 0.0f;
-#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < it->len; t++) {
             const float e = expf(sg[t] - m);
             total += e;
             sg[t] = bf16_to_f32(f32_to_bf16(e));
         }
         sum[g] = total;
+#endif
     }
     if (quantized) weighted_v_q8(it, s, acc);
     else
@@ -881,25 +885,6 @@ static void chunk_values_avx(const chunk_t *c, const uint32_t *p2, float *po) {
 #endif
 
 #ifdef TM_AVX512BF16
-/* exp(x) for 16 lanes, x <= 0 (a score less its row's maximum): Cephes' expf
- * (range reduction by ln 2 in two parts, degree-5 polynomial, within 2 ulp of expf),
- * exactly 0 below -87 as expf underflows there (a masked score is -3e38) */
-static inline __attribute__((always_inline)) __m512 exp_ps(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps(live, p, n);
-}
-
 /* softmax numerators of a chunk's scores S (n rows of NQP) against the maxima pm, as
  * bf16 pairs of rows 2tp, 2tp + 1 (p2[tp * NQP + n], the odd row's partner 0), and their
  * fp32 sums into pl: one pass, the numerators never written back as floats */
@@ -910,9 +895,9 @@ static void softmax_pairs_avx(const chunk_t *c, const float *S, const float *pm,
         const __m512 m = _mm512_loadu_ps(pm + v);
         __m512 l = _mm512_setzero_ps();
         for (int64_t tp = 0; tp < pairs; tp++) {
-            const __m512 ea = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(S + 2 * tp * NQP + v), m));
+            const __m512 ea = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + 2 * tp * NQP + v), m));
             const __m512 eb = 2 * tp + 1 < c->n
-                ? exp_ps(_mm512_sub_ps(_mm512_loadu_ps(S + (2 * tp + 1) * NQP + v), m))
+                ? exp16(_mm512_sub_ps(_mm512_loadu_ps(S + (2 * tp + 1) * NQP + v), m))
                 : _mm512_setzero_ps();
             l = _mm512_add_ps(l, _mm512_add_ps(ea, eb));
             const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(ea));
@@ -1071,7 +1056,7 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
  * every key up to its last query, as a shared-prefix chunk is (one vdpbf16ps per 16
  * queries and dim pair, no horizontal sums), masked after the diagonal, one softmax,
  * normalised. Per query the same arithmetic as the row-by-row decode kernel but for the
- * order of the fp32 sums within q . k and the exponential (exp_ps, within 1.2e-7 of expf
+ * order of the fp32 sums within q . k and the exponential (exp16, within 1.2e-7 of expf
  * where the decode kernel calls libmvec's: 0.88 -> 0.54 ms a 512-token layer). */
 
 #define PROMPT_TILE 16

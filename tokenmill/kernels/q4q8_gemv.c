@@ -32,18 +32,25 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TM_VNNI 1
+/* The fp32 steps use the explicitly rounded intrinsics (TM_RN, vec_math.h: round to
+ * nearest even, as the plain ones): gcc keeps those as written under -ffast-math, where
+ * it may reassociate a plain product (or divide by a reciprocal) differently in each
+ * caller it inlines into, and decode_step.c's fused steps must match the module path
+ * bit for bit. */
 #else
 #define TM_VNNI 0
 #endif
 
 #include "bf16.h"
 #include "layer_ops.h" /* silu_mul_row */
+#include "vec_math.h"  /* TM_RN */
 
 #define QK 32                       /* inputs per block */
 #define ROWS 16                     /* output rows per group */
 #define Q4_RECORD (ROWS * 16 + ROWS * 4) /* 320 bytes */
 #define Q8_RECORD (ROWS * 32 + ROWS * 2) /* 544 bytes */
-#define MR 4                        /* activation rows per pass over a group's weights */
+#define MR 8                        /* activation rows per pass over a group's weights */
+#define PF_RECORDS 6                /* records ahead the first pass over a group prefetches */
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
@@ -65,45 +72,88 @@ static inline float half_to_f32(uint16_t h) {
     return c.f;
 }
 
-/* Each row of x (M, K) bf16 -> per block of 32: x = dx * v, v an integer, |v| <= vmax:
+/* Block b of row m of x (M, K) bf16 -> per block of 32: x = dx * v, v an integer,
+ * |v| <= vmax:
  *   bits 8:  vmax 127, v = q (one int8 plane q);
  *   bits 16: vmax 32512 = 127 * 256, v = 256 qh + ql with qh in -127..127 and ql in
  *            -128..127 (planes q = qh and q + M * K = ql), so each plane is int8.
- * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). */
-void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, int8_t *q,
-                         float *d, float *s, int32_t *sum) {
+ * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). The AVX-512
+ * version computes exactly what the plain one does (the same fp32 products, rounded to
+ * nearest even). */
+static inline void quantize_block(const uint16_t *x, int64_t M, int64_t K, int64_t bits,
+                                  int8_t *q, float *d, float *s, int32_t *sum, int64_t m,
+                                  int64_t b) {
     const int64_t nb = K / QK;
     const float vmax = bits == 16 ? 32512.0f : 127.0f;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const uint16_t *xb = x + m * K + b * QK;
-            float v[QK], amax = 0.0f;
-            for (int i = 0; i < QK; i++) {
-                v[i] = bf16_to_f32(xb[i]);
-                const float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float dd = amax / vmax, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            int8_t *qh = q + m * K + b * QK, *ql = qh + M * K;
-            int32_t total = 0;
-            for (int i = 0; i < QK; i++) {
-                float r = nearbyintf(v[i] * id);
-                r = r > vmax ? vmax : (r < -vmax ? -vmax : r);
-                const int32_t vi = (int32_t)r;
-                total += vi;
-                if (bits == 16) {
-                    const int32_t lo = ((vi + 128) & 255) - 128;
-                    qh[i] = (int8_t)((vi - lo) / 256);
-                    ql[i] = (int8_t)lo;
-                } else {
-                    qh[i] = (int8_t)vi;
-                }
-            }
-            d[m * nb + b] = dd;
-            sum[m * nb + b] = total;
-            s[m * nb + b] = dd * (float)total;
+    const uint16_t *xb = x + m * K + b * QK;
+    int8_t *qh = q + m * K + b * QK, *ql = qh + M * K;
+    int32_t total = 0;
+    float dd;
+#if TM_VNNI
+    const __m512i raw = _mm512_loadu_si512((const void *)xb);
+    const __m512 v0 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    const __m512 v1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    dd = _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(amax), _mm_set_ss(vmax), TM_RN));
+    const float id =
+        dd > 0.0f ? _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(1.0f), _mm_set_ss(dd), TM_RN))
+                  : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(vmax), lo = _mm512_set1_ps(-vmax);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(
+        _mm512_roundscale_ps(_mm512_mul_round_ps(v0, vid, TM_RN), TM_RN), hi), lo));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(
+        _mm512_roundscale_ps(_mm512_mul_round_ps(v1, vid, TM_RN), TM_RN), hi), lo));
+    total = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    if (bits == 16) {
+        const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+        const __m512i l0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i0, c128), c255), c128);
+        const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i1, c128), c255), c128);
+        _mm_storeu_si128((__m128i *)qh, _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(i0, l0), 8)));
+        _mm_storeu_si128((__m128i *)(qh + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(i1, l1), 8)));
+        _mm_storeu_si128((__m128i *)ql, _mm512_cvtepi32_epi8(l0));
+        _mm_storeu_si128((__m128i *)(ql + 16), _mm512_cvtepi32_epi8(l1));
+    } else {
+        _mm_storeu_si128((__m128i *)qh, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(qh + 16), _mm512_cvtepi32_epi8(i1));
+    }
+#else
+    float v[QK], amax = 0.0f;
+    for (int i = 0; i < QK; i++) {
+        v[i] = bf16_to_f32(xb[i]);
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    dd = amax / vmax;
+    const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
+    for (int i = 0; i < QK; i++) {
+        float r = nearbyintf(v[i] * id);
+        r = r > vmax ? vmax : (r < -vmax ? -vmax : r);
+        const int32_t vi = (int32_t)r;
+        total += vi;
+        if (bits == 16) {
+            const int32_t low = ((vi + 128) & 255) - 128;
+            qh[i] = (int8_t)((vi - low) / 256);
+            ql[i] = (int8_t)low;
+        } else {
+            qh[i] = (int8_t)vi;
         }
     }
+#endif
+    d[m * nb + b] = dd;
+    sum[m * nb + b] = total;
+#if TM_VNNI
+    s[m * nb + b] = _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(dd), _mm_set_ss((float)total), TM_RN));
+#else
+    s[m * nb + b] = dd * (float)total;
+#endif
+}
+
+void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, int8_t *q,
+                         float *d, float *s, int32_t *sum) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / QK; b++) quantize_block(x, M, K, bits, q, d, s, sum, m, b);
 }
 
 #if TM_VNNI
@@ -117,34 +167,36 @@ static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every
  * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. */
 static inline __attribute__((always_inline)) __m512i q4_dots(
     const __m512i *lo, const __m512i *hi, const int8_t *xb, const int8_t *xl, int planes) {
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    __m512i s = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
-        s0 = _mm512_dpbusd_epi32(s0, lo[c], bcast4(xb + 4 * c));
-        s1 = _mm512_dpbusd_epi32(s1, hi[c], bcast4(xb + 16 + 4 * c));
+        s = _mm512_dpbusd_epi32(s, lo[c], bcast4(xb + 4 * c));
+        s = _mm512_dpbusd_epi32(s, hi[c], bcast4(xb + 16 + 4 * c));
     }
-    __m512i dot = _mm512_add_epi32(s0, s1);
     if (planes == 2) {
-        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        __m512i t = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            t0 = _mm512_dpbusd_epi32(t0, lo[c], bcast4(xl + 4 * c));
-            t1 = _mm512_dpbusd_epi32(t1, hi[c], bcast4(xl + 16 + 4 * c));
+            t = _mm512_dpbusd_epi32(t, lo[c], bcast4(xl + 4 * c));
+            t = _mm512_dpbusd_epi32(t, hi[c], bcast4(xl + 16 + 4 * c));
         }
-        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), t);
     }
-    return dot;
+    return s;
 }
 
 /* out[i][r] = row r of the group . activation row i, for i < mr (a constant at each
  * call site, so the loops over i unroll and acc stays in registers). */
 static inline __attribute__((always_inline)) void q4_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
     (void)sum;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = wg + b * Q4_RECORD;
+        if (pf)
+            for (int l = 0; l < Q4_RECORD; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(rec + 64 * c));
@@ -156,9 +208,9 @@ static inline __attribute__((always_inline)) void q4_group(
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
             const __m512 dot = _mm512_cvtepi32_ps(q4_dots(lo, hi, xb, xb + plane, planes));
-            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])),
-                                     acc[i]);
-            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(s[i * nb + b]), acc[i]);
+            acc[i] = _mm512_fmadd_round_ps(
+                dot, _mm512_mul_round_ps(wd, _mm512_set1_ps(d[i * nb + b]), TM_RN), acc[i], TM_RN);
+            acc[i] = _mm512_fmadd_round_ps(wm, _mm512_set1_ps(s[i * nb + b]), acc[i], TM_RN);
         }
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
@@ -168,35 +220,32 @@ static inline __attribute__((always_inline)) void q4_group(
  * is 256 * sum((w + 128) qh) + sum((w + 128) ql), each < 32 * 255 * 128. */
 static inline __attribute__((always_inline)) void q8_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, float *out) {
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
     (void)s;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = wg + b * Q8_RECORD;
+        if (pf)
+            for (int l = 0; l < Q8_RECORD + 64; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(rec + 64 * c));
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, w[c], bcast4(xb + 4 * c));
-                s1 = _mm512_dpbusd_epi32(s1, w[c + 1], bcast4(xb + 4 * c + 4));
-            }
-            __m512i dot = _mm512_add_epi32(s0, s1);
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, w[c], bcast4(xb + 4 * c));
             if (planes == 2) {
                 const int8_t *xl = xb + plane;
-                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-                for (int c = 0; c < 8; c += 2) {
-                    t0 = _mm512_dpbusd_epi32(t0, w[c], bcast4(xl + 4 * c));
-                    t1 = _mm512_dpbusd_epi32(t1, w[c + 1], bcast4(xl + 4 * c + 4));
-                }
-                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(t0, t1));
+                __m512i t = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++) t = _mm512_dpbusd_epi32(t, w[c], bcast4(xl + 4 * c));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), t);
             }
             dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum[i * nb + b]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                     _mm512_mul_ps(wd, _mm512_set1_ps(d[i * nb + b])), acc[i]);
+            acc[i] = _mm512_fmadd_round_ps(
+                _mm512_cvtepi32_ps(dot),
+                _mm512_mul_round_ps(wd, _mm512_set1_ps(d[i * nb + b]), TM_RN), acc[i], TM_RN);
         }
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
@@ -208,7 +257,8 @@ static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int
 
 static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
                             int64_t plane, const float *d, const float *s, const int32_t *sum,
-                            int mr, int planes, float *out) {
+                            int mr, int planes, int pf, float *out) {
+    (void)pf;
     (void)sum;
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
@@ -236,7 +286,8 @@ static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
 
 static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
                             int64_t plane, const float *d, const float *s, const int32_t *sum,
-                            int mr, int planes, float *out) {
+                            int mr, int planes, int pf, float *out) {
+    (void)pf;
     (void)s;
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
@@ -259,13 +310,17 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
 #endif
 
 #define TM_GROUP(fn, mr, planes) \
-    fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, out)
+    fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, m0 == 0, out)
 #define TM_ROWS(fn, planes)                                          \
     switch (mr) {                                                    \
     case 1: TM_GROUP(fn, 1, planes); break;                          \
     case 2: TM_GROUP(fn, 2, planes); break;                          \
     case 3: TM_GROUP(fn, 3, planes); break;                          \
-    default: TM_GROUP(fn, 4, planes); break;                         \
+    case 4: TM_GROUP(fn, 4, planes); break;                          \
+    case 5: TM_GROUP(fn, 5, planes); break;                          \
+    case 6: TM_GROUP(fn, 6, planes); break;                          \
+    case 7: TM_GROUP(fn, 7, planes); break;                          \
+    default: TM_GROUP(fn, 8, planes); break;                         \
     }
 
 /* Group g (16 output rows) of y (M, N) from the quantized activations q, d, s, sum
@@ -319,11 +374,15 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(scratch + qbytes), *s = d + M * nb;
     int32_t *sum = (int32_t *)(s + M * nb);
-    tm_q8_quantize_bf16(x, M, K, bits, q, d, s, sum);
-#pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (groups >= PARALLEL_GROUPS && num_threads > 1)
-    for (int64_t g = 0; g < groups; g++)
-        linear_group(w, g, M, K, N, format, bits, q, d, s, sum, y, y_f32);
+#pragma omp parallel num_threads(num_threads) if (groups >= PARALLEL_GROUPS && num_threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * nb; i++)
+            quantize_block(x, M, K, bits, q, d, s, sum, i / nb, i % nb);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            linear_group(w, g, M, K, N, format, bits, q, d, s, sum, y, y_f32);
+    }
     free(scratch);
     return 0;
 }

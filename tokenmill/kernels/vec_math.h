@@ -1,0 +1,80 @@
+/* e^x and softmax numerators on 16 fp32 lanes that every caller computes alike.
+ *
+ * The kernels are built with -ffast-math, under which gcc vectorises a loop of expf()
+ * with libmvec's vector expf but runs the elements it peels for alignment through
+ * scalar expf, and the two differ in the last bit: the same row then gets different
+ * numerators in different callers (the module path's kernels and decode_step.c's fused
+ * steps), depending on where its buffer lies. Here every fp32 step is a fused or an
+ * explicitly rounded intrinsic (round to nearest even, as the plain operators), which
+ * gcc keeps as written, so the value depends on the inputs alone. Sums (a norm's sum of
+ * squares too, which gcc would otherwise split across lanes by the buffer's alignment)
+ * run in 16 lanes and then in lane order. */
+#ifndef TOKENMILL_VEC_MATH_H
+#define TOKENMILL_VEC_MATH_H
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TM_VEC_MATH 1
+#ifndef TM_RN
+#define TM_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#endif
+
+/* e^x (Cephes' expf: x = n ln2 + r with ln 2 in two parts, a degree-5 polynomial in r,
+ * scaled by 2^n; within 2 ulp of expf), exactly 0 below -87 as expf underflows there
+ * (a masked score is -3e38), +inf past 88.7 */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_round_ps(x, _mm512_set1_ps(1.44269504f),
+                                                              TM_RN), TM_RN);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_round_ps(r, r, TM_RN),
+                        _mm512_add_round_ps(r, _mm512_set1_ps(1.0f), TM_RN));
+    return _mm512_maskz_scalef_ps(live, p, _mm512_min_ps(n, _mm512_set1_ps(128.0f)));
+}
+
+/* 16 floats -> bf16, rounded to nearest even as f32_to_bf16 */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16));
+}
+
+static inline __m512 f32x16(__m256i h) { /* 16 bf16 -> floats */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* the 16 lanes of v summed in lane order */
+static inline float lane_sum(__m512 v) {
+    float lanes[16], sum = 0.0f;
+    _mm512_storeu_ps(lanes, v);
+    for (int i = 0; i < 16; i++)
+        sum = _mm_cvtss_f32(_mm_add_round_ss(_mm_set_ss(sum), _mm_set_ss(lanes[i]), TM_RN));
+    return sum;
+}
+
+/* s[t] <- bf16(e^(s[t] - m)) as floats for t < len; returns the sum of the unrounded
+ * numerators (16 lane sums, then their fixed-order total) */
+static inline float softmax_numerators(float *s, int64_t len, float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 k = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+        const __m512 e = exp16(_mm512_sub_round_ps(_mm512_maskz_loadu_ps(k, s + t), vm, TM_RN));
+        total = _mm512_mask_add_round_ps(total, k, total, e, TM_RN);
+        _mm512_mask_storeu_ps(s + t, k, f32x16(bf16x16(e)));
+    }
+    return lane_sum(total);
+}
+#else
+#define TM_VEC_MATH 0
+#endif
+#endif

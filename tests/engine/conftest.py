@@ -19,10 +19,11 @@ def assert_no_leak(engine) -> None:
 
 
 def small_engine(**config):
-    """An LLMEngine on the embedded model with a 16 MiB KV cache, 4 sequences and no
-    prefix caching: for tests that compare kernels on a few short prompts."""
+    """An LLMEngine on the embedded model with a 16 MiB KV cache, 4 sequences (unless
+    config says) and no prefix caching: for tests that compare kernels on a few short
+    prompts."""
     from tokenmill.config import CacheConfig, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(max_num_seqs=4, cache=CacheConfig(
-        enable_prefix_caching=False, kv_cache_memory_bytes=16 * 2**20), **config))
+    return LLMEngine(EngineConfig(**{"max_num_seqs": 4, **config}, cache=CacheConfig(
+        enable_prefix_caching=False, kv_cache_memory_bytes=16 * 2**20)))

@@ -1,6 +1,6 @@
-"""Issue 21 (W3): a batch-1 decode step in one native call (engine/fused_decode.py,
-kernels/decode_step.c) gives the module path's tokens and logits, and is taken only
-where it does."""
+"""Issue 21 (W2, W3): a decode step in one native call (engine/fused_decode.py,
+kernels/decode_step.c), for one sequence or a batch of them, gives the module path's
+tokens and logits, and is taken only where it does."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ PROMPTS = ["The capital of France is",  # 6 tokens: decode crosses the block at 
 
 @pytest.fixture(scope="module")
 def engines():
-    return {"gguf-a16": small_engine(quantization="gguf-a16"),
-            "gguf-a8": small_engine(quantization="gguf-a8")}
+    return {"gguf-a16": small_engine(quantization="gguf-a16", max_num_seqs=8),
+            "gguf-a8": small_engine(quantization="gguf-a8", max_num_seqs=8)}
 
 
 class _Recorder:
@@ -33,9 +33,10 @@ class _Recorder:
 
     def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.logits: list[torch.Tensor] = []
-        self.fused_steps = 0
+        self.fused_steps = 0  # batch-1 calls
+        self.batch_rows: list[int] = []  # rows of each batched call
         runner = engine.runner
-        forward, step = runner.forward, decode_step.step
+        forward, step, step_batch = runner.forward, decode_step.step, decode_step.step_batch
 
         def record(*args):
             out = forward(*args)
@@ -46,8 +47,13 @@ class _Recorder:
             self.fused_steps += 1
             return step(*args)
 
+        def count_batch(model, tokens, *args):
+            self.batch_rows.append(tokens.shape[0])
+            return step_batch(model, tokens, *args)
+
         monkeypatch.setattr(runner, "forward", record)
         monkeypatch.setattr(decode_step, "step", count)
+        monkeypatch.setattr(decode_step, "step_batch", count_batch)
 
 
 def _greedy(engine: LLMEngine, prompt: str, n: int, fused: bool) -> list[int]:
@@ -85,19 +91,60 @@ def test_fused_decode_gives_the_module_paths_tokens_and_logits(engines, method, 
         rec.logits.clear()
 
 
-def test_two_sequences_run_the_module_path_and_match_batch_one(engines, monkeypatch):
-    engine = engines["gguf-a16"]
-    alone = _greedy(engine, PROMPTS[0], 12, fused=True)
+def _greedy_batch(engine: LLMEngine, prompts: list[str], n: int, fused: bool
+                  ) -> dict[str, list[int]]:
+    engine.runner.fused_decode.enabled = fused
+    try:
+        for i, prompt in enumerate(prompts):  # ragged: 2 to 24 new tokens each
+            engine.add_request(str(i), prompt, SamplingParams(
+                temperature=0, max_tokens=max(2, n - 5 * i), ignore_eos=True))
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        return done
+    finally:
+        engine.runner.fused_decode.enabled = True
+
+
+# five sequences of different lengths (one crosses a block while the others decode)
+BATCH = PROMPTS + ["Write a haiku about the sea.", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
+
+
+@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8"])
+def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, method,
+                                                                     monkeypatch):
+    engine = engines[method]
     rec = _Recorder(engine, monkeypatch)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine.add_request("a", PROMPTS[0], params)
-    engine.add_request("b", PROMPTS[1], params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = list(out.outputs[0].token_ids)
-    assert rec.fused_steps == 0  # two rows per step: the modules
-    assert done["a"] == alone
+    fused_ids = _greedy_batch(engine, BATCH, 24, fused=True)
+    fused_logits, fused_rows = list(rec.logits), list(rec.batch_rows)
+    rec.logits.clear()
+    rec.batch_rows.clear()
+    rec.fused_steps = 0
+    module_ids = _greedy_batch(engine, BATCH, 24, fused=False)
+    assert rec.batch_rows == [] and rec.fused_steps == 0
+    # every step with no prompt in it took the batched call: 5 rows, then fewer as
+    # the ragged requests finish
+    assert 5 in fused_rows and 2 in fused_rows and max(fused_rows) == 5
+    assert fused_ids == module_ids
+    assert len(fused_logits) == len(rec.logits)
+    for a, b in zip(fused_logits, rec.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_more_rows_than_the_kernel_serves_run_the_module_path(engines, monkeypatch):
+    engine = engines["gguf-a16"]
+    fused = engine.runner.fused_decode
+    assert fused.max_rows == fused_decode.MAX_ROWS >= 64  # W2 and most of W1 run fused
+    assert fused.takes([1] * fused.max_rows, list(range(fused.max_rows)))
+    assert not fused.takes([1] * (fused.max_rows + 1), list(range(fused.max_rows + 1)))
+    assert not fused.takes([1, 3], [0, 1])  # a prompt chunk or a verification
+    assert not fused.takes([1, 1], [1])  # a row not sampled
+    monkeypatch.setattr(fused, "max_rows", 2)
+    rec = _Recorder(engine, monkeypatch)
+    fused_ids = _greedy_batch(engine, BATCH[:3], 12, fused=True)
+    assert rec.batch_rows and max(rec.batch_rows) == 2  # three rows: the modules
+    assert fused_ids == _greedy_batch(engine, BATCH[:3], 12, fused=False)
 
 
 def test_an_out_of_range_input_is_refused_with_nothing_written(engines):
@@ -114,6 +161,15 @@ def test_an_out_of_range_input_is_refused_with_nothing_written(engines):
             max_query_len=1, max_seq_len=4, query_lens_list=[1], seq_lens_list=[4])
         assert fused.run(torch.tensor([token]), torch.tensor([3]), meta) is None
     # bytes, not values: never-used blocks hold whatever memory held (NaN != NaN)
+    assert torch.equal(runner.kv_caches[0][0].view(torch.int16), k0.view(torch.int16))
+    # a batch with one bad row writes nothing for any row
+    for token, slot, table in [(5, num_slots, 1), (10**6, 3, 1), (5, 3, runner.num_blocks)]:
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([2, slot]), query_start_loc=torch.tensor([0, 1, 2]),
+            seq_lens=torch.tensor([3, 4], dtype=torch.int32),
+            block_tables=torch.tensor([[1], [table]], dtype=torch.int32), block_size=16,
+            max_query_len=1, max_seq_len=4, query_lens_list=[1, 1], seq_lens_list=[3, 4])
+        assert fused.run(torch.tensor([7, token]), torch.tensor([2, 3]), meta) is None
     assert torch.equal(runner.kv_caches[0][0].view(torch.int16), k0.view(torch.int16))
 
 
@@ -135,16 +191,18 @@ def test_the_threads_split_changes_no_result(engines, threads, monkeypatch):
     engine = engines["gguf-a16"]
     rec = _Recorder(engine, monkeypatch)
     module_ids = _greedy(engine, PROMPTS[1], 10, fused=False)
+    module_batch = _greedy_batch(engine, BATCH[:4], 10, fused=False)
     module_logits = list(rec.logits)
     rec.logits.clear()
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # uneven shares of heads and row groups at 3
+    torch.set_num_threads(threads)  # uneven shares of heads, rows and row groups at 3
     try:
         fused_ids = _greedy(engine, PROMPTS[1], 10, fused=True)
+        fused_batch = _greedy_batch(engine, BATCH[:4], 10, fused=True)
     finally:
         torch.set_num_threads(before)
-    assert rec.fused_steps == 9
-    assert fused_ids == module_ids
+    assert rec.fused_steps >= 9 and 4 in rec.batch_rows  # batch 1 and the batch of 4
+    assert fused_ids == module_ids and fused_batch == module_batch
     for a, b in zip(rec.logits, module_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -157,3 +215,23 @@ def test_async_scheduling_takes_it_with_the_same_tokens(monkeypatch):
     assert rec.fused_steps == 19
     assert engine.stats.num_async_steps > 0
     assert fused_ids == _greedy(engine, PROMPTS[0], 20, fused=False)
+
+
+def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
+    # 24 rows: the module path would run its linears on dense bf16 weights (from
+    # VNNI_DENSE_MIN_ROWS = 20); the fused step keeps every row on the kernel, as alone
+    engine = small_engine(quantization="gguf-a16", max_num_seqs=24)
+    rec = _Recorder(engine, monkeypatch)
+    # prompts of 20+ tokens: alone or together, each prompt runs on the dense weights
+    prompts = [f"Note {i}: on a clear summer day, seen from the top of a hill far from "
+               "any town, the colour of the sky is" for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = list(out.outputs[0].token_ids)
+    assert max(rec.batch_rows) > 20  # (the 16 MiB cache holds 22 of them at once)
+    for i in (0, 13, 23):
+        assert done[str(i)] == _greedy(engine, prompts[i], 6, fused=True)

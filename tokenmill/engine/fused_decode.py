@@ -1,15 +1,21 @@
-"""A batch-1 decode step as one native call (tokenmill/kernels/decode_step.c).
+"""A decode step as one native call (tokenmill/kernels/decode_step.c).
 
 At batch 1 the module path spends about as long in Python glue and OpenMP
-fork/joins (~8 native calls per layer) as in arithmetic. `FusedDecode` names every
-weight, norm and KV pool of a loaded Llama-family model to the kernel once, and then
-runs a whole decode step (all layers, the final norm, the LM head) in one call and one
-parallel region, with the module path's own arithmetic: the same greedy tokens and the
-same logits to fp32 rounding.
+fork/joins (~8 native calls per layer) as in arithmetic, and at batch 16 they are
+still a third of the step. `FusedDecode` names every weight, norm and KV pool of a
+loaded Llama-family model to the kernel once, and then runs a whole decode step (all
+layers, the final norm, the LM head) in one call and one parallel region, with the
+module path's own arithmetic: the same greedy tokens and the same logits to fp32
+rounding. One sequence takes tm_decode_step; 2 up to `max_rows` sequences of one new
+token each take tm_decode_batch (all rows through each group of weights at once). The
+one difference: from VNNI_DENSE_MIN_ROWS (20) rows, where the module path's linears
+switch to their dense bf16 weights, the fused step stays on the quantized-activation
+kernel (see MAX_ROWS), each row computed as it is at any smaller batch.
 
 It covers what it can prove identical, and `FusedDecode.build` returns None (the
-model runner keeps the module path) for anything else: a step of more than one row
-(prefill, batches, speculative verification) runs the module path per step. Covered:
+model runner keeps the module path) for anything else; a step with a prompt chunk or
+speculative verification (a row of more than one token), or more than `max_rows`
+rows, runs the module path. Covered:
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
 kernel), a bf16 model and KV cache on the `cpu` attention backend, no tensor
 parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
@@ -35,6 +41,16 @@ from tokenmill.quant.linear import Int4Linear
 
 logger = logging.getLogger(__name__)
 ENV = "TOKENMILL_FUSED_DECODE"
+# The most rows a fused decode step takes. Past VNNI_DENSE_MIN_ROWS (20) the module
+# path runs the linears on packed bf16 weights, which beat the kernel there one call
+# at a time; a whole step in one call on the kernel beats them up to here. In-process
+# decode of n requests x (128 prompt + 128 new tokens), quiet, 2 threads, output tok/s
+# fused on the kernel vs the modules' packed bf16: 1,024 vs 892 at 32 rows, 1,033 vs 706
+# at 64, 900 vs 781 at 96, 935 vs 981 at 128 (BENCHMARKS.md, "Batched decode in one
+# call"). Those rows get the kernel's quantized activations, whose accuracy the gate
+# measures per row (independent of the batch: benchmarks/accuracy.py's decode mode);
+# prompt chunks keep the module path and its dense weights.
+MAX_ROWS = 111
 
 
 def enabled_by_env() -> bool:
@@ -147,6 +163,7 @@ class FusedDecode:
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
             lm_head=head.vnni_packed.data_ptr() if self.lm_head_fused else None,
             lm_head_fmt=head.vnni_format if self.lm_head_fused else 0, layers=layers)
+        self.max_rows = MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive
 
@@ -161,26 +178,37 @@ class FusedDecode:
         return cls(model, kv_caches)
 
     def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
-        """A single-sequence decode step that samples its one row (the model runner asks
-        before it plans the step: this one needs no attention plan)."""
-        return self.enabled and query_lens == [1] and logit_rows == [0]
+        """A decode step of one token per sequence, at most `max_rows` of them, that
+        samples every row (the model runner asks before it plans the step: this one
+        needs no attention plan)."""
+        n = len(query_lens)
+        return (self.enabled and 1 <= n <= self.max_rows and logit_rows == list(range(n))
+                and all(q == 1 for q in query_lens))
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """(logits (1, vocab) fp32 or None, final hidden state (1, hidden) bf16); None when
-        the kernel refuses an input (nothing written: the module path then runs and
-        reports it)."""
+        """(logits (B, vocab) fp32 or None, final hidden states (B, hidden) bf16) for the
+        step's B rows; None when the kernel refuses an input (nothing written: the
+        module path then runs and reports it)."""
         tables = meta.block_tables
-        seq_len = meta.seq_lens_list[0]
-        if (tables.dtype != torch.int32 or not tables.is_contiguous() or ids.numel() != 1
-                or tables.shape[-1] * meta.block_size < seq_len):
+        n = ids.numel()
+        if (tables.dtype != torch.int32 or not tables.is_contiguous() or tables.dim() != 2
+                or tables.shape[0] != n
+                or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
             return None
-        hidden = torch.empty((1, self.hidden), dtype=torch.bfloat16)
-        logits = torch.empty((1, self.vocab), dtype=torch.float32) if self.lm_head_fused \
+        hidden = torch.empty((n, self.hidden), dtype=torch.bfloat16)
+        logits = torch.empty((n, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
-        rc = native.step(self.record, int(ids.item()), int(pos.item()),
-                         int(meta.slot_mapping.item()), tables,
-                         seq_len, hidden, logits)
+        if n == 1:
+            rc = native.step(self.record, int(ids.item()), int(pos.item()),
+                             int(meta.slot_mapping.item()), tables,
+                             meta.seq_lens_list[0], hidden, logits)
+        else:
+            def i64(t: torch.Tensor) -> torch.Tensor:
+                return t.to(torch.int64).contiguous()
+            rc = native.step_batch(self.record, i64(ids), i64(pos), i64(meta.slot_mapping),
+                                   tables, torch.tensor(meta.seq_lens_list, dtype=torch.int64),
+                                   hidden, logits)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")
         return None if rc else (logits, hidden)

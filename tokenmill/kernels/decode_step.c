@@ -112,14 +112,17 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * len;
         const float m = mx[g];
+#if TM_VEC_MATH
+        sum[g] = softmax_numerators(sg, len, m);
+#else
         float total = 0.0f;
-#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) {
             const float e = expf(sg[t] - m);
             total += e;
             sg[t] = bf16_to_f32(f32_to_bf16(e));
         }
         sum[g] = total;
+#endif
     }
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
@@ -268,6 +271,165 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                     logits[g * ROWS + r] = round_bf16(logits[g * ROWS + r]);
             }
         }
+    }
+    free(buf);
+    return 0;
+}
+
+/* A decode step of B sequences, one new token each (B >= 1), in one call and one
+ * parallel region: the batched form of tm_decode_step, with the module path's
+ * arithmetic row by row (linear_group's rows are independent of the batch, and each
+ * (row, kv head) attends as paged_decode.c's item does). Per layer, with T threads:
+ *   1. rows split: residual add + RMSNorm, the rows' activations quantized;    barrier
+ *   2. QKV groups (all B rows per pass over a group's weights);                barrier
+ *   3. (row, kv head) items, dynamically: K head rotated and stored, V head stored,
+ *      the kv head's query heads rotated and attending;                        barrier
+ *   4. rows split: attention output quantized;                                 barrier
+ *      o_proj groups;                                                          barrier
+ *   5. rows split: residual add + norm, quantized;                             barrier
+ *      gate_up groups;                                                         barrier
+ *   6. rows split: silu * up, quantized;                                       barrier
+ *      down groups;                                                            barrier
+ * then the final norm, hidden_out, and the LM head's groups (fp32 logits of
+ * bf16-rounded values). tokens, positions, slots, seq_lens: (B,) int64; tables
+ * (B, table_stride) int32 block-table rows; hidden_out (B, hidden) bf16; logits
+ * (B, vocab) fp32 or NULL. Returns 0; -1 when an input is out of range (nothing
+ * written), -2 when the scratch cannot be allocated. */
+int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
+                        const int64_t *positions, const int64_t *slots, const int32_t *tables,
+                        int64_t table_stride, const int64_t *seq_lens, uint16_t *hidden_out,
+                        float *logits, int64_t num_threads) {
+    const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
+    if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
+        NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
+        (NH * D) % QK || (m->bits != 8 && m->bits != 16))
+        return -1;
+    int64_t max_len = 1;
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t len = seq_lens[r];
+        if (tokens[r] < 0 || tokens[r] >= m->vocab || positions[r] < 0 ||
+            positions[r] >= m->max_pos || slots[r] < 0 || slots[r] >= NB * BS || len < 1 ||
+            (len + BS - 1) / BS > table_stride)
+            return -1;
+        for (int64_t j = 0; j < (len + BS - 1) / BS; j++)
+            if (tables[r * table_stride + j] < 0 || tables[r * table_stride + j] >= NB)
+                return -1;
+        max_len = len > max_len ? len : max_len;
+    }
+    const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
+    const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX, nbk = K_ATTN / QK;
+    /* shared, B rows each: down output, residual, o_proj output, the linears' input
+     * rows (the attention output too), qkv, gate_up; the quantized activations (two planes) */
+    const size_t rows_bytes = up64(2 * (size_t)B * (3 * H + K_ATTN + QKV + 2 * I));
+    const size_t act_bytes = up64(2 * (size_t)B * K_ATTN) + up64(12 * (size_t)B * nbk);
+    const size_t thread_bytes = up64(4 * (size_t)(G * max_len));
+    char *buf = aligned_alloc(64, rows_bytes + act_bytes + (size_t)num_threads * thread_bytes);
+    if (!buf) return -2;
+    uint16_t *x = (uint16_t *)buf, *res = x + B * H, *o_out = res + B * H;
+    uint16_t *xn = o_out + B * H, *qkv = xn + B * K_ATTN, *gu = qkv + B * QKV;
+    int8_t *aq = (int8_t *)(buf + rows_bytes);
+    float *ad = (float *)(buf + rows_bytes + up64(2 * (size_t)B * K_ATTN));
+    float *as = ad + B * nbk;
+    int32_t *asum = (int32_t *)(as + B * nbk);
+    for (int64_t r = 0; r < B; r++)
+        memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        float *scores = (float *)(buf + rows_bytes + act_bytes + (size_t)tid * thread_bytes);
+        int64_t r0, r1; /* this thread's rows for the row-wise phases */
+        share(B, tid, nth, &r0, &r1);
+/* the rows r0..r1 of the (B, K) linear input xn, quantized in the layout of B rows */
+#define TM_QUANTIZE_MINE(K)                                                           \
+    for (int64_t r = r0; r < r1; r++)                                                 \
+        for (int64_t b = 0; b < (K) / QK; b++)                                        \
+            quantize_block(xn, B, (K), m->bits, aq, ad, as, asum, r, b);
+/* this thread's share of the groups of w (N rows, K inputs) on all B rows into y */
+#define TM_GROUPS(w, fmt, K, N, y, f32)                                               \
+    {                                                                                 \
+        int64_t g0, g1;                                                               \
+        share(((N) + ROWS - 1) / ROWS, tid, nth, &g0, &g1);                           \
+        for (int64_t g = g0; g < g1; g++)                                             \
+            linear_group((w), g, B, (K), (N), (fmt), m->bits, aq, ad, as, asum, (y), (f32)); \
+    }
+
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const tm_layer_t *L = m->layers + l;
+            /* 1. norm (layer 0: of the embedding itself, which is the residual) */
+            for (int64_t r = r0; r < r1; r++) {
+                if (l == 0)
+                    rms_norm_row(res + r * H, NULL, NULL, L->input_norm, xn + r * H, H, m->eps);
+                else
+                    rms_norm_row(x + r * H, res + r * H, res + r * H, L->input_norm, xn + r * H,
+                                 H, m->eps);
+            }
+            TM_QUANTIZE_MINE(H)
+#pragma omp barrier
+            /* 2. QKV */
+            TM_GROUPS(L->qkv, L->qkv_fmt, H, QKV, qkv, 0)
+#pragma omp barrier
+            /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < B * KVH; item++) {
+                const int64_t r = item / KVH, kh = item % KVH, pos = positions[r];
+                const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
+                const int64_t blk = slots[r] / BS, off = slots[r] % BS;
+                uint16_t *row = qkv + r * QKV;
+                uint16_t *k_head = row + (NH + kh) * D, *v_head = row + (NH + KVH + kh) * D;
+                rotary_head(k_head, c, sn, D);
+                memcpy(L->k_cache + ((kh * NB + blk) * BS + off) * D, k_head, (size_t)D * 2);
+                memcpy(L->v_cache + ((kh * NB + blk) * BS + off) * D, v_head, (size_t)D * 2);
+                for (int64_t h = kh * G; h < (kh + 1) * G; h++) rotary_head(row + h * D, c, sn, D);
+                attend_heads(row + kh * G * D, G, L->k_cache + kh * NB * BS * D,
+                             L->v_cache + kh * NB * BS * D, tables + r * table_stride,
+                             seq_lens[r], BS, D, m->scale, scores, xn + r * NH * D + kh * G * D);
+            }
+            /* 4. o_proj (its input: the attention rows, written into xn) */
+            TM_QUANTIZE_MINE(NH * D)
+#pragma omp barrier
+            TM_GROUPS(L->o, L->o_fmt, NH * D, H, o_out, 0)
+#pragma omp barrier
+            /* 5. residual add + norm, gate_up */
+            for (int64_t r = r0; r < r1; r++)
+                rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
+                             H, m->eps);
+            TM_QUANTIZE_MINE(H)
+#pragma omp barrier
+            TM_GROUPS(L->gate_up, L->gate_up_fmt, H, 2 * I, gu, 0)
+#pragma omp barrier
+            /* 6. silu * up, down */
+            for (int64_t r = r0; r < r1; r++)
+                silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
+            TM_QUANTIZE_MINE(I)
+#pragma omp barrier
+            TM_GROUPS(L->down, L->down_fmt, I, H, x, 0)
+#pragma omp barrier
+        }
+        /* the final norm, then the LM head */
+        for (int64_t r = r0; r < r1; r++) {
+            rms_norm_row(x + r * H, res + r * H, res + r * H, m->final_norm, xn + r * H, H,
+                         m->eps);
+            memcpy(hidden_out + r * H, xn + r * H, (size_t)H * 2);
+        }
+        if (m->lm_head && logits) {
+            TM_QUANTIZE_MINE(H)
+#pragma omp barrier
+            int64_t g0, g1;
+            share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+            for (int64_t g = g0; g < g1; g++) {
+                linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits, aq, ad, as,
+                             asum, logits, 1);
+                const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
+                for (int64_t r = 0; r < B; r++) /* the module path's bf16 output, as float */
+                    for (int64_t j = 0; j < n; j++)
+                        logits[r * m->vocab + g * ROWS + j] =
+                            round_bf16(logits[r * m->vocab + g * ROWS + j]);
+            }
+        }
+#undef TM_QUANTIZE_MINE
+#undef TM_GROUPS
     }
     free(buf);
     return 0;

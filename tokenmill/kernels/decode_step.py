@@ -1,8 +1,9 @@
-"""A whole batch-1 decode step in one native call (decode_step.c): the ctypes side.
+"""A whole decode step in one native call (decode_step.c): the ctypes side.
 
 `ModelRecord` / `LayerRecord` mirror the C structs that name every weight, norm and
 KV pool by address; `tokenmill/engine/fused_decode.py` fills them once from a loaded
-model and keeps the tensors alive. `step` runs one token.
+model and keeps the tensors alive. `step` runs one token, `step_batch` one token for
+each of several sequences.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _lib = Library("decode_step", {
     "tm_decode_step_abi": ([], _I64),
     "tm_decode_step": ([ctypes.POINTER(ModelRecord), _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
                         _I64], _I64),
+    "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
+                         _PTR, _PTR, _I64], _I64),
 })
 
 
@@ -54,5 +57,19 @@ def step(model: ModelRecord, token: int, pos: int, slot: int, table: torch.Tenso
     (nothing written), -2 no scratch."""
     fn = _lib.get("tm_decode_step")
     return fn(ctypes.byref(model), token, pos, slot, table.data_ptr(), seq_len,
+              hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
+              torch.get_num_threads())
+
+
+def step_batch(model: ModelRecord, tokens: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+               hidden_out: torch.Tensor, logits: torch.Tensor | None) -> int:
+    """One token for each of B sequences through every layer, the final norm and (with
+    `logits`) the LM head. tokens, positions, slots, seq_lens: (B,) int64 contiguous;
+    tables (B, width) int32 contiguous, the block-table rows; hidden_out (B, hidden)
+    bf16; logits (B, vocab) fp32. Returns the kernel's code, as `step`."""
+    fn = _lib.get("tm_decode_batch")
+    return fn(ctypes.byref(model), tokens.shape[0], tokens.data_ptr(), positions.data_ptr(),
+              slots.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
               torch.get_num_threads())

@@ -235,3 +235,27 @@ def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
     assert max(rec.batch_rows) > 20  # (the 16 MiB cache holds 22 of them at once)
     for i in (0, 13, 23):
         assert done[str(i)] == _greedy(engine, prompts[i], 6, fused=True)
+
+
+def test_rows_sharing_a_cached_prefix_are_left_to_the_cascade(engines):
+    # 8 rows over the same 8 leading blocks: the module path's cascade call reads them
+    # once for all rows, so the fused step declines (None: the modules run the step)
+    runner = engines["gguf-a16"].runner
+    fused = runner.fused_decode
+    n, lens = 8, [8 * 16 + 5 + i for i in range(8)]
+    prefix = list(range(1, 9))
+    tables = torch.tensor([prefix + [9 + i] for i in range(n)], dtype=torch.int32)
+    slots = torch.tensor([(9 + i) * 16 + lens[i] - 8 * 16 - 1 for i in range(n)])
+
+    def meta_for(t: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slots, query_start_loc=torch.arange(n + 1),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=t, block_size=16,
+            max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * n,
+            seq_lens_list=lens)
+    k0 = runner.kv_caches[0][0].clone()
+    assert fused.run(torch.arange(n) + 100, torch.tensor(lens) - 1, meta_for(tables)) is None
+    assert torch.equal(runner.kv_caches[0][0].view(torch.int16), k0.view(torch.int16))
+    own = tables.clone()
+    own[:, 0] = torch.arange(20, 20 + n, dtype=torch.int32)  # no common first block
+    assert fused.run(torch.arange(n) + 100, torch.tensor(lens) - 1, meta_for(own)) is not None

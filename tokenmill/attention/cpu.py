@@ -160,6 +160,23 @@ def use_native(k_cache: torch.Tensor) -> bool:
             and native.available())
 
 
+def shared_blocks(rows: list[list[int]], seq_lens: list[int], block_size: int) -> int:
+    """How many leading blocks every row's block table holds at the same place (each
+    row keeping at least one token of its own after them)."""
+    shared = 0
+    if len(rows) > 1:
+        limit = (min(seq_lens) - 1) // block_size
+        first = rows[0]
+        while shared < limit and all(r[shared] == first[shared] for r in rows):
+            shared += 1
+    return shared
+
+
+def takes_cascade(shared: int, num_seqs: int) -> bool:
+    """Whether decode rows with `shared` common blocks go to the native cascade call."""
+    return CASCADE_NATIVE and shared >= MIN_CASCADE_BLOCKS and num_seqs >= MIN_CASCADE_SEQS
+
+
 class _DecodePlan:
     """What every layer's batched decode attention needs, derived once per step.
 
@@ -180,15 +197,10 @@ class _DecodePlan:
         kv_heads, pool_blocks, block_size, _ = k_cache.shape
         device = k_cache.device
         rows = tables.tolist()
-        shared = 0
-        if len(rows) > 1:
-            limit = (min(seq_lens) - 1) // block_size  # each keeps >= 1 token of its own
-            first = rows[0]
-            while shared < limit and all(r[shared] == first[shared] for r in rows):
-                shared += 1
+        shared = shared_blocks(rows, seq_lens, block_size)
         self.native = use_native(k_cache)
         if self.native and CASCADE_NATIVE:
-            enough = shared >= MIN_CASCADE_BLOCKS and len(rows) >= MIN_CASCADE_SEQS
+            enough = takes_cascade(shared, len(rows))
         else:
             enough = shared >= MIN_SHARED_BLOCKS
         self.shared = shared if enough else 0

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.quant import vnni
+from tokenmill.quant import huge_pages, vnni
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -114,10 +114,21 @@ def quantize_model(model: nn.Module, method: str,
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
                               batched_linears)
         _fuse_silu_into_down(model)
+        _packed_into_huge_pages(model)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)
     return summary
+
+
+def _packed_into_huge_pages(model: nn.Module) -> None:
+    """Every linear's kernel records (vnni_packed) into one huge-page mapping."""
+    owners = [m for m in model.modules()
+              if isinstance(getattr(m, "vnni_packed", None), torch.Tensor)
+              and m.vnni_packed.device.type == "cpu"]
+    moved = huge_pages.gather([m.vnni_packed for m in owners])
+    for module, packed in zip(owners, moved or [], strict=False):
+        module.vnni_packed = packed
 
 
 def dense_copy_bytes(model: nn.Module) -> int:

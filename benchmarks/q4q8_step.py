@@ -3,7 +3,8 @@
 SmolLM2-135M's shapes: per layer qkv (576 -> 960), o (576 -> 576), gate_up
 (576 -> 3072) and down (1536 -> 576), 30 layers, and the Q8_0 LM head (576 -> 49,152),
 each with its own random records (~100 MB: weights come from memory, as in a step),
-activations quantized to 16 bits as the default path does. Prints the step's time and
+in one huge-page mapping as the engine keeps them (`--no-huge-pages`: each its own
+allocation), activations quantized to 16 bits as the default path does. Prints the step's time and
 multiply-adds per second at each row count; `--bits 8` for gguf-a8.
 
     .venv/bin/python benchmarks/q4q8_step.py [--rows 1,8,16,32,64] [--repeats 5]
@@ -17,6 +18,7 @@ import time
 import torch
 
 from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant import huge_pages
 
 SHAPES = [(576, 960, q4q8_gemv.FORMAT_Q4), (576, 576, q4q8_gemv.FORMAT_Q4),
           (576, 3072, q4q8_gemv.FORMAT_Q4), (1536, 576, q4q8_gemv.FORMAT_Q4)]
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bits", type=int, default=16, choices=q4q8_gemv.BITS)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not q4q8_gemv.available():
@@ -47,10 +50,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     step = SHAPES * 30 + [LM_HEAD]
     weights = [records(k, n, f, gen) for k, n, f in step]
+    if args.huge_pages:
+        weights = huge_pages.gather(weights) or weights
     macs = sum(k * n for k, n, _ in step)
     print(f"q4q8 kernel, one decode step's linears ({len(step)} calls, {macs / 1e6:.0f} M "
           f"multiply-adds a row), {args.bits}-bit activations, {args.threads} threads, "
-          f"vnni {q4q8_gemv.has_vnni()}")
+          f"vnni {q4q8_gemv.has_vnni()}, huge pages {args.huge_pages}")
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn((rows, k), generator=gen).bfloat16() for k, _, _ in step]
 

@@ -324,8 +324,21 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const size_t rows_bytes = up64(2 * (size_t)B * (3 * H + K_ATTN + QKV + 2 * I));
     const size_t act_bytes = up64(2 * (size_t)B * K_ATTN) + up64(12 * (size_t)B * nbk);
     const size_t thread_bytes = up64(4 * (size_t)(G * max_len));
-    char *buf = aligned_alloc(64, rows_bytes + act_bytes + (size_t)num_threads * thread_bytes);
-    if (!buf) return -2;
+    /* the scratch is kept from call to call (one per calling thread), grown when a
+     * step needs more: a fresh allocation a step, of a size that changes with the
+     * batch and its longest sequence, fragmented the heap (RSS crept up under a soak) */
+    static __thread char *kept = NULL;
+    static __thread size_t kept_bytes = 0;
+    const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes;
+    if (need > kept_bytes) {
+        const size_t grown = up64(need + need / 4);
+        char *fresh = aligned_alloc(64, grown);
+        if (!fresh) return -2;
+        free(kept);
+        kept = fresh;
+        kept_bytes = grown;
+    }
+    char *buf = kept;
     uint16_t *x = (uint16_t *)buf, *res = x + B * H, *o_out = res + B * H;
     uint16_t *xn = o_out + B * H, *qkv = xn + B * K_ATTN, *gu = qkv + B * QKV;
     int8_t *aq = (int8_t *)(buf + rows_bytes);
@@ -431,6 +444,5 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #undef TM_QUANTIZE_MINE
 #undef TM_GROUPS
     }
-    free(buf);
     return 0;
 }

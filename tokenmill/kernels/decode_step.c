@@ -82,12 +82,15 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
                                               head_groups;
 }
 
+/* this thread's share of the groups of w (N rows, K inputs) on the M rows quantized in
+ * a (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
-                              int64_t bits, const act_t *a, uint16_t *y, int tid, int nth) {
+                              int64_t bits, int64_t M, const act_t *a, uint16_t *y, int tid,
+                              int nth) {
     int64_t g0, g1;
     share((N + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
     for (int64_t g = g0; g < g1; g++)
-        linear_group(w, g, 1, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
+        linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
 }
 
 /* query heads q (G, D) of one kv head over its blocks: paged_decode()'s work item, for
@@ -239,19 +242,19 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, &a, o_out, tid, nth);
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, tid, nth);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, &a, gu, tid, nth);
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, tid, nth);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
-            gemv_share(L->down, L->down_fmt, I, H, m->bits, &a, x, tid, nth);
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, tid, nth);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -341,10 +344,11 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     char *buf = kept;
     uint16_t *x = (uint16_t *)buf, *res = x + B * H, *o_out = res + B * H;
     uint16_t *xn = o_out + B * H, *qkv = xn + B * K_ATTN, *gu = qkv + B * QKV;
-    int8_t *aq = (int8_t *)(buf + rows_bytes);
-    float *ad = (float *)(buf + rows_bytes + up64(2 * (size_t)B * K_ATTN));
-    float *as = ad + B * nbk;
-    int32_t *asum = (int32_t *)(as + B * nbk);
+    act_t act; /* the B rows' quantized activations, shared by the threads */
+    act.q = (int8_t *)(buf + rows_bytes);
+    act.d = (float *)(buf + rows_bytes + up64(2 * (size_t)B * K_ATTN));
+    act.s = act.d + B * nbk;
+    act.sum = (int32_t *)(act.s + B * nbk);
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
@@ -358,15 +362,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #define TM_QUANTIZE_MINE(K)                                                           \
     for (int64_t r = r0; r < r1; r++)                                                 \
         for (int64_t b = 0; b < (K) / QK; b++)                                        \
-            quantize_block(xn, B, (K), m->bits, aq, ad, as, asum, r, b);
-/* this thread's share of the groups of w (N rows, K inputs) on all B rows into y */
-#define TM_GROUPS(w, fmt, K, N, y, f32)                                               \
-    {                                                                                 \
-        int64_t g0, g1;                                                               \
-        share(((N) + ROWS - 1) / ROWS, tid, nth, &g0, &g1);                           \
-        for (int64_t g = g0; g < g1; g++)                                             \
-            linear_group((w), g, B, (K), (N), (fmt), m->bits, aq, ad, as, asum, (y), (f32)); \
-    }
+            quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
@@ -381,7 +377,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             /* 2. QKV */
-            TM_GROUPS(L->qkv, L->qkv_fmt, H, QKV, qkv, 0)
+            gemv_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, qkv, tid, nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -402,7 +398,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
-            TM_GROUPS(L->o, L->o_fmt, NH * D, H, o_out, 0)
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, o_out, tid, nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
             for (int64_t r = r0; r < r1; r++)
@@ -410,14 +406,14 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                              H, m->eps);
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            TM_GROUPS(L->gate_up, L->gate_up_fmt, H, 2 * I, gu, 0)
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act, gu, tid, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
-            TM_GROUPS(L->down, L->down_fmt, I, H, x, 0)
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, B, &act, x, tid, nth);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -432,8 +428,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             int64_t g0, g1;
             share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
             for (int64_t g = g0; g < g1; g++) {
-                linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits, aq, ad, as,
-                             asum, logits, 1);
+                linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits, act.q,
+                             act.d, act.s, act.sum, logits, 1);
                 const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
                 for (int64_t r = 0; r < B; r++) /* the module path's bf16 output, as float */
                     for (int64_t j = 0; j < n; j++)
@@ -442,7 +438,6 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             }
         }
 #undef TM_QUANTIZE_MINE
-#undef TM_GROUPS
     }
     return 0;
 }

@@ -17,7 +17,7 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
 #if TM_VEC_MATH
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 k = hidden - i >= 16 ? 0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+        const __mmask16 k = tail_mask(hidden - i);
         __m512 v = f32x16(_mm256_maskz_loadu_epi16(k, xr + i));
         if (res_in) {
             const __m256i r = bf16x16(_mm512_add_round_ps(
@@ -37,7 +37,7 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
         TM_RN));
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 k = hidden - i >= 16 ? 0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+        const __mmask16 k = tail_mask(hidden - i);
         const __m512 x = f32x16(bf16x16(_mm512_mul_round_ps(
             f32x16(_mm256_maskz_loadu_epi16(k, src + i)), vinv, TM_RN)));
         _mm256_mask_storeu_epi16(orow + i, k, bf16x16(_mm512_mul_round_ps(
@@ -84,7 +84,7 @@ static inline void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *
                                 int64_t inter) {
 #if TM_VEC_MATH
     for (int64_t i = 0; i < inter; i += 16) {
-        const __mmask16 k = inter - i >= 16 ? 0xFFFF : (__mmask16)((1u << (inter - i)) - 1);
+        const __mmask16 k = tail_mask(inter - i);
         const __m512 gv = f32x16(_mm256_maskz_loadu_epi16(k, g + i));
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 silu = f32x16(bf16x16(_mm512_div_round_ps(

@@ -43,7 +43,7 @@
 
 #include "bf16.h"
 #include "layer_ops.h" /* silu_mul_row */
-#include "vec_math.h"  /* TM_RN */
+#include "vec_math.h"  /* TM_RN, f32x16 */
 
 #define QK 32                       /* inputs per block */
 #define ROWS 16                     /* output rows per group */
@@ -91,10 +91,8 @@ static inline void quantize_block(const uint16_t *x, int64_t M, int64_t K, int64
     float dd;
 #if TM_VNNI
     const __m512i raw = _mm512_loadu_si512((const void *)xb);
-    const __m512 v0 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-    const __m512 v1 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const __m512 v0 = f32x16(_mm512_castsi512_si256(raw));
+    const __m512 v1 = f32x16(_mm512_extracti64x4_epi64(raw, 1));
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     dd = _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(amax), _mm_set_ss(vmax), TM_RN));
     const float id =

@@ -40,6 +40,11 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     return _mm512_maskz_scalef_ps(live, p, _mm512_min_ps(n, _mm512_set1_ps(128.0f)));
 }
 
+/* the lanes of a 16-lane step with `left` elements still to go */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
 /* 16 floats -> bf16, rounded to nearest even as f32_to_bf16 */
 static inline __m256i bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -67,7 +72,7 @@ static inline float softmax_numerators(float *s, int64_t len, float m) {
     const __m512 vm = _mm512_set1_ps(m);
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 k = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+        const __mmask16 k = tail_mask(len - t);
         const __m512 e = exp16(_mm512_sub_round_ps(_mm512_maskz_loadu_ps(k, s + t), vm, TM_RN));
         total = _mm512_mask_add_round_ps(total, k, total, e, TM_RN);
         _mm512_mask_storeu_ps(s + t, k, f32x16(bf16x16(e)));

@@ -21,3 +21,8 @@ def cpuinfo_field(name: str) -> str | None:
 
 def cpu_flags() -> set[str]:
     return set((cpuinfo_field("flags") or "").split())
+
+
+def has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated in fp32."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

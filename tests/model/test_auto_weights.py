@@ -45,9 +45,43 @@ def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, mon
     assert not torch.equal(m(below), m.dense(below))
 
 
+def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_with_fp32_batched_weights(
+        tiny_gguf, monkeypatch):
+    """No native bf16 but the kernel's AVX2 dot products: the model runs bf16 on
+    gguf-a16, and the large-batch weights are fp32 (oneDNN emulates bf16 matmuls there)
+    giving what a bf16 matmul with fp32 accumulation gives."""
+    from tokenmill.quant import dense
+
+    if not vnni.available():
+        pytest.skip("q4q8_gemv not built")
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(dense, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(vnni, "fast", lambda: True)
+    loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
+                                               torch.device("cpu"))
+    assert loaded.dtype == torch.bfloat16 and method == "gguf-a16"
+    linears = _linears(loaded.model)
+    assert all(m.dense.dtype == torch.float32 and m.dense_min_rows == VNNI_DENSE_MIN_ROWS
+               for m in linears)
+    m = linears[0]
+    x = torch.randn(VNNI_DENSE_MIN_ROWS, m.in_features, dtype=torch.bfloat16)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    bf16_weight = dense.DenseWeight(_dense_bf16(m), torch.bfloat16)
+    torch.testing.assert_close(y, bf16_weight(x), rtol=1e-2, atol=1e-2)
+    assert torch.equal(m(x[:-1]), m._lowbit(x[:-1]))  # below the threshold: the kernel
+
+
+def _dense_bf16(m: QuantizedLinear) -> torch.Tensor:
+    """m's large-batch weight as bf16 (exact: it was widened from bf16)."""
+    eye = torch.eye(m.in_features, dtype=torch.bfloat16)
+    return m.dense(eye).t().contiguous()
+
+
 def test_auto_elsewhere_keeps_float32_weights_and_float32_asks_for_the_reference(
         tiny_gguf, monkeypatch):
     monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(vnni, "fast", lambda: False)
     loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
                                                torch.device("cpu"))
     assert loaded.dtype == torch.float32

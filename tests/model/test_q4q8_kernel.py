@@ -150,36 +150,45 @@ def test_threads_split_rows_without_changing_a_bit():
     assert torch.equal(one, two)
 
 
-def test_the_plain_c_fallback_gives_the_vnni_builds_bits():
-    """Built without AVX-512 (-march=x86-64-v3), the kernel runs its plain-C loops: the
-    same integer sums and fp32 order, so the same fp32 outputs as the build in use."""
+@pytest.mark.parametrize("march, isa", [("x86-64-v3", 1), ("x86-64-v2", 0)])
+def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
+    """Built for AVX2 (-march=x86-64-v3: vpmaddubsw dot products) or for plain x86-64
+    (-march=x86-64-v2: the plain-C loops), the kernel computes the same integer sums in
+    the same fp32 order as the build in use (AVX512-VNNI on such a CPU), so the same fp32
+    outputs, for both weight formats, both activation precisions and ragged rows."""
     import ctypes
     import shutil
     from pathlib import Path
 
+    from tokenmill.cpuinfo import cpu_flags
     from tokenmill.kernels import build
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
+    if isa == 1 and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
     source = Path(q4q8_gemv.__file__).with_name("q4q8_gemv.c")
+    strict, link = build.FLAG_SETS[1]  # what a CPU without AVX-512 builds with
     path = build._build(compiler, source, (
-        ["-O3", "-march=x86-64-v3", "-ffast-math", "-fopenmp", "-fPIC"],
-        ["-shared", "-fopenmp", "-lm"]))
+        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
     assert path is not None
     lib = ctypes.CDLL(str(path))
-    assert lib.tm_q4q8_has_vnni() == 0
+    assert lib.tm_q4q8_has_vnni() == 0 and lib.tm_q4q8_isa() == isa
     fn = lib.tm_q4q8_linear
     fn.argtypes, fn.restype = q4q8_gemv._lib.signatures["tm_q4q8_linear"]
     for qtype in (Q.Q4_1, Q.Q8_0):
         codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
         packed, fmt = vnni.repack(codes, scale, zero, repeats)
         for bits in q4q8_gemv.BITS:
-            x = torch.randn(3, 96, generator=torch.Generator().manual_seed(bits)).bfloat16()
-            y = torch.empty(3, 100)
-            assert fn(x.data_ptr(), 3, 96, packed.data_ptr(), 100, fmt, bits, y.data_ptr(), 1,
-                      1) == 0
-            assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32, bits))
+            for rows in (1, 3, 11):
+                x = (4 * torch.randn(rows, 96, generator=torch.Generator().manual_seed(bits))
+                     ).bfloat16()
+                y = torch.empty(rows, 100)
+                assert fn(x.data_ptr(), rows, 96, packed.data_ptr(), 100, fmt, bits,
+                          y.data_ptr(), 1, 1) == 0
+                assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32,
+                                                       bits))
 
 
 @pytest.mark.parametrize("rows", RAGGED_ROWS + [8])

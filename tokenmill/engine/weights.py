@@ -1,12 +1,13 @@
 """Load the model the engine runs: pick the compute dtype and weight format.
 
 Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
-fastest correct path for the machine: on a CPU with native bf16 (AVX512-BF16 or
-AMX) a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively for 1-7 rows (times int16
-activations quantized on the fly with AVX512-VNNI, `gguf-a16`; else torch's int4
-kernel on bf16 activations, `gguf`), with bf16 weights kept (packed for oneDNN) for 8 rows and up, where
-a bf16 matmul wins; elsewhere float weights. An explicit `dtype="float32"`
-keeps the exact dequantized fp32 reference path.
+fastest correct path for the machine: a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively in
+bf16 where the CPU has native bf16 (AVX512-BF16 or AMX) or SIMD integer dot products
+for the int16-activation kernel (AVX512-VNNI or AVX2: `gguf-a16`, activations
+quantized on the fly from bf16); else torch's int4 kernel on bf16 activations,
+`gguf`. Large batches take dense weights where a matmul wins (quant/model.py);
+elsewhere float weights. An explicit `dtype="float32"` keeps the exact dequantized
+fp32 reference path.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ import logging
 
 import torch
 
-from tokenmill.cpuinfo import cpu_flags
+from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
-from tokenmill.quant import quantize_model, resolve_method
+from tokenmill.quant import quantize_model, resolve_method, vnni
 from tokenmill.quant.model import resolve_batched_linears
 
 logger = logging.getLogger(__name__)
 
 
 def cpu_has_native_bf16() -> bool:
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return has_native_bf16()
 
 
 def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> torch.dtype:
     if requested == "auto" and source.kind == "gguf" and (
-            device.type == "cuda" or cpu_has_native_bf16()):
+            device.type == "cuda" or cpu_has_native_bf16() or vnni.fast()):
         return torch.bfloat16
     return resolve_dtype(requested, source, device)
 

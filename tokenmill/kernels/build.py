@@ -38,7 +38,19 @@ FLAG_SETS = (
     (["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"],
      ["-shared", "-fopenmp", "-lm"]),
 )
+# Without AVX-512 (vec_math.h's explicit-intrinsic exp, norms and softmax sums), the
+# kernels' plain loops are what runs, and -ffast-math compiles the same loop
+# differently in each library that inlines it (vector expf on the body and scalar
+# expf on the peeled elements, sums split by the buffer's alignment): decode_step.c's
+# fused steps would no longer give the module path's bits. Such CPUs build with strict
+# fp32 semantics (the second set) first.
+STRICT_FIRST_WITHOUT = {"avx512f", "avx512bw", "avx512vl"}
 BUILD_TIMEOUT_S = 120
+
+
+def flag_sets() -> tuple[tuple[list[str], list[str]], ...]:
+    """FLAG_SETS in the order to try on this CPU."""
+    return FLAG_SETS if STRICT_FIRST_WITHOUT <= cpu_flags() else FLAG_SETS[::-1]
 
 
 def enabled() -> bool:
@@ -55,7 +67,7 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.info("no C compiler found; native kernel %s not built", name)
         return None
     source = Path(__file__).with_name(f"{name}.c")
-    for flags in FLAG_SETS:
+    for flags in flag_sets():
         path = _build(compiler, source, flags)
         if path is not None:
             try:

@@ -40,6 +40,18 @@
 #else
 #define TM_VNNI 0
 #endif
+/* AVX2 (x86-64-v3: every x86 server since Haswell and Zen 1) without AVX512-VNNI: the
+ * same exact int32 block sums from vpmaddubsw (unsigned weight bytes times signed
+ * activation bytes, adjacent pairs summed in int16) and vpmaddwd (pairs of those in
+ * int32), as llama.cpp's AVX2 dot products. A Q4 pair is at most 2 * 15 * 128 = 3840 and a
+ * block's eight pairs per lane at most 30720, so the int16 sums never saturate; Q8 bytes
+ * (0..255) would, so they run as two nibble planes, w = 16 hi + lo. */
+#if !TM_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TM_AVX2 1
+#else
+#define TM_AVX2 0
+#endif
 
 #include "bf16.h"
 #include "layer_ops.h" /* silu_mul_row */
@@ -56,6 +68,8 @@
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 
 int64_t tm_q4q8_has_vnni(void) { return TM_VNNI; }
+/* the integer dot products this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C */
+int64_t tm_q4q8_isa(void) { return TM_VNNI ? 2 : TM_AVX2; }
 
 static inline float half_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
@@ -247,6 +261,115 @@ static inline __attribute__((always_inline)) void q8_group(
         }
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
+}
+#elif TM_AVX2
+/* dots (int32, one lane per row) of the 8 rows in a[0..n) (each chunk 8 rows x 4
+ * unsigned bytes) with activation bytes xb[4c..4c+4) broadcast, c = 0..n: the int16
+ * pair sums of every chunk added in int16 (no saturation, see above), then widened. */
+static inline __attribute__((always_inline)) __m256i dots8(const __m256i *a, const int8_t *xb,
+                                                           int n) {
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < n; c++) {
+        int32_t v;
+        memcpy(&v, xb + 4 * c, 4);
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(a[c], _mm256_set1_epi32(v)));
+    }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+/* Q4: a[h][0..4) the low nibbles (inputs 4c..4c+4) and a[h][4..8) the high ones (inputs
+ * 16 + 4c..) of rows 8h..8h+8, so one dots8 over 8 chunks is a half-group's block dot */
+static inline __attribute__((always_inline)) void q4_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    (void)sum;
+    __m256 acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q4_RECORD;
+        if (pf)
+            for (int l = 0; l < Q4_RECORD; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
+        __m256i a[2][8];
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+                a[h][c] = _mm256_and_si256(w, low);
+                a[h][4 + c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            }
+        __m256 wd[2], wm[2];
+        for (int h = 0; h < 2; h++) {
+            wd[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+            wm[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+        }
+        for (int i = 0; i < mr; i++) {
+            const int8_t *xb = q + i * K + b * QK;
+            /* the activation bytes in chunk order: inputs 4c.. then 16 + 4c.. */
+            const __m256 di = _mm256_set1_ps(d[i * nb + b]), si = _mm256_set1_ps(s[i * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot = dots8(a[h], xb, 8);
+                if (planes == 2)
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dots8(a[h], xb + plane, 8));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[h], di),
+                                            acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(wm[h], si, acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(out + i * ROWS, acc[i][0]);
+        _mm256_storeu_ps(out + i * ROWS + 8, acc[i][1]);
+    }
+}
+
+/* Q8: the bytes u = q + 128 split as u = 16 hi + lo; sum(u v) = 16 sum(hi v) + sum(lo v),
+ * then - 128 sum(v) as in the VNNI version */
+static inline __attribute__((always_inline)) void q8_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    (void)s;
+    __m256 acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q8_RECORD;
+        if (pf)
+            for (int l = 0; l < Q8_RECORD + 64; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
+        __m256i lo[2][8], hi[2][8];
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+                lo[h][c] = _mm256_and_si256(w, low);
+                hi[h][c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            }
+        __m256 wd[2];
+        for (int h = 0; h < 2; h++)
+            wd[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+        for (int i = 0; i < mr; i++) {
+            const int8_t *xb = q + i * K + b * QK;
+            const __m256 di = _mm256_set1_ps(d[i * nb + b]);
+            const __m256i bias = _mm256_set1_epi32(128 * sum[i * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dots8(hi[h], xb, 8), 4),
+                                               dots8(lo[h], xb, 8));
+                if (planes == 2) {
+                    const __m256i t = _mm256_add_epi32(
+                        _mm256_slli_epi32(dots8(hi[h], xb + plane, 8), 4),
+                        dots8(lo[h], xb + plane, 8));
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), t);
+                }
+                dot = _mm256_sub_epi32(dot, bias);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[h], di),
+                                            acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(out + i * ROWS, acc[i][0]);
+        _mm256_storeu_ps(out + i * ROWS + 8, acc[i][1]);
+    }
 }
 #else
 static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {

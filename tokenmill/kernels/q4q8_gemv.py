@@ -1,8 +1,9 @@
 """Low-bit GGUF weights times dynamically quantized int8 activations (q4q8_gemv.c).
 
 `linear` returns None when the kernel is not built or does not take the tensors;
-the caller then keeps its bf16-activation path. `has_vnni` says whether the build
-runs AVX512-VNNI (otherwise a plain C loop with the same arithmetic, far slower).
+the caller then keeps its bf16-activation path. `isa` names the integer dot products
+the build runs: AVX512-VNNI, AVX2 (vpmaddubsw, as llama.cpp on x86-64-v3), or a plain C
+loop with the same arithmetic, far slower; `has_vnni` says whether it is the first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tokenmill.kernels.build import Library
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _lib = Library("q4q8_gemv", {
     "tm_q4q8_has_vnni": ([], _I64),
+    "tm_q4q8_isa": ([], _I64),
     "tm_q8_quantize_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR], None),
     "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
     "tm_q4q8_silu_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
@@ -36,6 +38,15 @@ def available() -> bool:
 def has_vnni() -> bool:
     fn = _lib.get("tm_q4q8_has_vnni")
     return fn is not None and bool(fn())
+
+
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "c"}
+
+
+def isa() -> str | None:
+    """The integer dot products the built kernel runs (ISA_NAMES), None if not built."""
+    fn = _lib.get("tm_q4q8_isa")
+    return None if fn is None else ISA_NAMES[int(fn())]
 
 
 def quantize(x: torch.Tensor, bits: int = 8

@@ -1,10 +1,17 @@
-"""The dense bf16 weight a quantized linear uses for large batches, in oneDNN's own layout.
+"""The dense weight a quantized linear uses for large batches, in oneDNN's own layout.
 
 `F.linear` hands oneDNN a plain (N, K) weight and oneDNN reorders it into its
 blocked layout on every call; reordering once at load (what inductor's
 freezing pass does) makes the same matmul 1.2-2x faster on the 2-core
 AVX512-BF16 EPYC (benchmarks/linear_kernels.py, `bf16_packed`), with identical
 results. Where torch has no oneDNN (or the op fails), the plain weight is kept.
+
+On a CPU without native bf16 (no AVX512-BF16 or AMX: AVX2 machines) oneDNN's bf16
+matmul is emulated and 3-4x slower than fp32 (one layer's linears at 128 rows on a
+2-core AVX2 EPYC: 14.3 vs 4.3 ms unpacked, 1.9 ms packed), so the weight is kept in
+fp32 there: the bf16 input is widened exactly, the product accumulates in fp32 as
+oneDNN's bf16 matmul does, and the output is rounded to bf16. Twice the memory of the
+bf16 copy.
 """
 
 from __future__ import annotations
@@ -12,36 +19,51 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.cpuinfo import has_native_bf16
+
 _PACK_BATCH_HINT = 16  # oneDNN picks its layout for this many rows; 1-64 measured alike
 
 
-class DenseWeight:
-    """y = x W^T for a bf16 CPU weight W (N, K), packed for oneDNN when possible."""
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype DenseWeight keeps `weight` (bf16) in: fp32 on a CPU without native bf16."""
+    return (torch.float32 if weight.device.type == "cpu" and not has_native_bf16()
+            else weight.dtype)
 
-    def __init__(self, weight: torch.Tensor) -> None:
+
+class DenseWeight:
+    """y = x W^T for a bf16 CPU weight W (N, K), packed for oneDNN when possible; kept
+    in `dtype` (default: compute_dtype(W))."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = _pack(weight.detach())
+        self.dtype = dtype or compute_dtype(weight)
+        w = weight.detach().to(self.dtype)
+        self.packed = _pack(w)
         # the plain weight only when packing failed (it may be the tied embedding's tensor)
-        self.weight = weight.detach() if self.packed is None else None
+        self.weight = w if self.packed is None else None
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * 2
+        return self.out_features * self.in_features * self.dtype.itemsize
 
     def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d: (M, K) bf16 -> (M, N) bf16."""
+        out_dtype = x2d.dtype
+        x = x2d.to(self.dtype)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x2d, self.packed, None, "none", [], "")
-        return F.linear(x2d, self.weight)  # type: ignore[arg-type]
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        else:
+            y = F.linear(x, self.weight)  # type: ignore[arg-type]
+        return y.to(out_dtype)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
             or not torch.backends.mkldnn.is_available()):
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        probe = torch.ones(1, weight.shape[1], dtype=torch.bfloat16)
+        probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
         y = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError):
         return None  # a torch without these ops, or a CPU oneDNN cannot run bf16 on

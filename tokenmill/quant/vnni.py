@@ -27,8 +27,9 @@ def available() -> bool:
 
 
 def fast() -> bool:
-    """The kernel is built and runs AVX512-VNNI: worth being the default path."""
-    return q4q8_gemv.available() and q4q8_gemv.has_vnni()
+    """The kernel is built with SIMD integer dot products (AVX512-VNNI or AVX2): worth
+    being the default path."""
+    return q4q8_gemv.isa() in ("avx512-vnni", "avx2")
 
 
 def repack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, input_repeats: int

@@ -207,3 +207,17 @@ def test_silu_mul_forward_is_the_down_projection_of_silu_times_up(rows):
         act = torch.nn.functional.silu(gate) * up
     # one native call below 8 rows, the dense weight from 8: the same values either way
     assert torch.equal(down.silu_mul_forward(gate_up), down(act))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [16, 37])
+def test_records_straight_from_gguf_bytes_are_the_records_of_the_codes(qtype, rows):
+    """Loading builds the kernel's records from the GGUF bytes (vnni.repack_gguf), not
+    through int32 codes: the same bytes as repacking the codes, padded rows included."""
+    w = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).numpy()
+    blocks = torch.from_numpy(gguf.quants.quantize(w, qtype))
+    codes, scale, zero, repeats = int4_codes_from_gguf(blocks, qtype, (rows, 96))
+    direct = vnni.repack_gguf(blocks, qtype, (rows, 96))
+    via_codes = vnni.repack(codes, scale, zero, repeats)
+    assert direct is not None and direct[1] == via_codes[1]
+    assert torch.equal(direct[0], via_codes[0])

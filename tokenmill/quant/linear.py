@@ -98,13 +98,7 @@ class Int4Linear(QuantizedLinear):
             else None
         self.activations = "bf16" if repacked is None else activations
         if repacked is not None:
-            self.register_buffer("vnni_packed", repacked[0])  # records, see q4q8_gemv.c
-            self.vnni_format = repacked[1]
-            self.vnni_bits = ACTIVATIONS[activations]
-            self._vnni = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
-                                      self.vnni_bits)
-            self._vnni_silu = q4q8_gemv.bind(self.in_features, out_features, repacked[1],
-                                           self.vnni_bits, silu_mul=True)
+            self._take_records(repacked)
             return
         pad = -out_features % _N_MULTIPLE
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, sliced off the output
@@ -114,6 +108,32 @@ class Int4Linear(QuantizedLinear):
             codes.to(torch.int32).contiguous(), 1))  # (N_pad, num_codes / 2) uint8
         self.register_buffer("scales_and_zeros", torch.stack(
             [scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous())  # (groups, N_pad, 2)
+
+    @classmethod
+    def from_records(cls, repacked: tuple[torch.Tensor, int], in_features: int,
+                     out_features: int, input_repeats: int, activations: str,
+                     bias: torch.Tensor | None = None, dense_weight: torch.Tensor | None = None,
+                     dense_min_rows: int | None = None) -> Int4Linear:
+        """An Int4Linear on the int8/int16-activation kernel from its records (vnni.py's
+        `repack` or `repack_gguf`), without the codes."""
+        if ACTIVATIONS.get(activations) is None or activations == "bf16":
+            raise ValueError(f"records need activations int8 or int16, not {activations!r}")
+        self = cls.__new__(cls)
+        QuantizedLinear.__init__(self, in_features, out_features, bias, dense_weight,
+                                 dense_min_rows)
+        self.input_repeats = input_repeats
+        self.activations = activations
+        self._take_records(repacked)
+        return self
+
+    def _take_records(self, repacked: tuple[torch.Tensor, int]) -> None:
+        self.register_buffer("vnni_packed", repacked[0])  # records, see q4q8_gemv.c
+        self.vnni_format = repacked[1]
+        self.vnni_bits = ACTIVATIONS[self.activations]
+        self._vnni = q4q8_gemv.bind(self.in_features, self.out_features, repacked[1],
+                                    self.vnni_bits)
+        self._vnni_silu = q4q8_gemv.bind(self.in_features, self.out_features, repacked[1],
+                                         self.vnni_bits, silu_mul=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the decode step's case in as few Python ops as possible: at batch 1 the
@@ -180,8 +200,14 @@ def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
     (an all-zero first half), which doubles their bytes."""
     if len({s.qtype for s in shards}) == 1:  # unpack the concatenated bytes once
         blocks = torch.cat([s.blocks for s in shards]) if len(shards) > 1 else shards[0].blocks
-        rows = sum(s.shape[0] for s in shards)
-        parts = [int4_codes_from_gguf(blocks, shards[0].qtype, (rows, shards[0].shape[1]))]
+        rows, in_features = sum(s.shape[0] for s in shards), shards[0].shape[1]
+        if activations != "bf16":  # the kernel's records straight from the bytes
+            repacked = vnni.repack_gguf(blocks, shards[0].qtype, (rows, in_features))
+            if repacked is not None:
+                return Int4Linear.from_records(
+                    repacked, in_features, rows, 1 if repacked[1] == q4q8_gemv.FORMAT_Q4 else 2,
+                    activations, bias, dense_weight, dense_min_rows)
+        parts = [int4_codes_from_gguf(blocks, shards[0].qtype, (rows, in_features))]
     else:
         parts = [int4_codes_from_gguf(s.blocks, s.qtype, s.shape) for s in shards]
     repeats = max(p[3] for p in parts)

@@ -14,6 +14,7 @@ zero weights; the kernel writes only the real rows.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenmill.kernels import q4q8_gemv
@@ -54,6 +55,47 @@ def repack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, input_r
     hi_lo = codes.reshape(n, 2, nb, GROUP_SIZE)
     u = (hi_lo[:, 0] * 16 + hi_lo[:, 1]).to(torch.uint8)  # q + 128: (N, nb, 32)
     return _repack_q8(_pad(u, pad), _pad(d, pad)), q4q8_gemv.FORMAT_Q8
+
+
+def repack_gguf(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...]
+                ) -> tuple[torch.Tensor, int] | None:
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows (blocks uint8 (N, bytes_per_row), shape (N, K)) ->
+    the records `repack` makes from their codes, straight from the bytes: a record's
+    quants are a permutation of the blocks' bytes and its d (and m) their fp16 scales,
+    so loading skips the int32 codes. None for other types or where the kernel is not
+    built."""
+    from gguf import GGMLQuantizationType as QType
+
+    if not q4q8_gemv.available() or qtype not in (QType.Q4_0, QType.Q4_1, QType.Q8_0):
+        return None
+    n, k = int(shape[0]), int(shape[1])
+    nb = k // GROUP_SIZE
+    b = blocks.numpy().reshape(n, nb, -1)
+    pad = -n % ROWS
+    if pad:  # zero bytes: scales 0, so weight 0
+        b = np.concatenate([b, np.zeros((pad, nb, b.shape[2]), dtype=np.uint8)])
+    g = (n + pad) // ROWS
+    d = b[..., 0:2]
+
+    def rows_last(a: np.ndarray) -> np.ndarray:  # (N, nb, 4 c) -> (G, nb, c * 16 * 4)
+        width = a.shape[2]
+        return (a.reshape(g, ROWS, nb, width // 4, 4).transpose(0, 2, 3, 1, 4)
+                .reshape(g, nb, width * ROWS))
+
+    def fp16_rows(a: np.ndarray) -> np.ndarray:  # (N, nb, 2) -> (G, nb, 32)
+        return a.reshape(g, ROWS, nb, 2).transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)
+
+    if qtype == QType.Q8_0:
+        u = b[..., 2:] ^ np.uint8(0x80)  # q + 128
+        u[n:] = 0  # padded rows as `repack` pads them (weight 0 either way: d = 0)
+        parts, fmt = [rows_last(u), fp16_rows(d)], q4q8_gemv.FORMAT_Q8
+    else:
+        if qtype == QType.Q4_1:
+            m = b[..., 2:4]
+        else:  # Q4_0: w = d (q - 8) -> m = 0 - 8 d (exact in fp16 unless it overflows)
+            m = (np.float16(0) - 8 * np.ascontiguousarray(d).view(np.float16)).view(np.uint8)
+        parts, fmt = [rows_last(b[..., -16:]), fp16_rows(d), fp16_rows(m)], q4q8_gemv.FORMAT_Q4
+    return torch.from_numpy(np.concatenate(parts, axis=2).reshape(-1)), fmt
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -44,19 +44,18 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
             f32x16(_mm256_maskz_loadu_epi16(k, weight + i)), x, TM_RN)));
     }
 #else
-    float ss = 0.0f;
-    if (res_in) {
-        for (int64_t i = 0; i < hidden; i++) {
-            const float v = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res_in[i]));
+    /* the vector path's sum: 16 lanes of fused multiply-adds, then in lane order (the
+     * same bits as an AVX-512 machine's; build.py compiles this without -ffast-math) */
+    float lanes[16] = {0.0f}, ss = 0.0f;
+    for (int64_t i = 0; i < hidden; i++) {
+        float v = bf16_to_f32(xr[i]);
+        if (res_in) {
+            v = round_bf16(v + bf16_to_f32(res_in[i]));
             res_out[i] = f32_to_bf16(v);
-            ss += v * v;
         }
-    } else {
-        for (int64_t i = 0; i < hidden; i++) {
-            const float v = bf16_to_f32(xr[i]);
-            ss += v * v;
-        }
+        lanes[i % 16] = fmaf(v, v, lanes[i % 16]);
     }
+    for (int l = 0; l < 16; l++) ss += lanes[l];
     const uint16_t *src = res_in ? res_out : xr;
     const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
     for (int64_t i = 0; i < hidden; i++)

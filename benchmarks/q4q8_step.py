@@ -55,7 +55,7 @@ def main() -> None:
     macs = sum(k * n for k, n, _ in step)
     print(f"q4q8 kernel, one decode step's linears ({len(step)} calls, {macs / 1e6:.0f} M "
           f"multiply-adds a row), {args.bits}-bit activations, {args.threads} threads, "
-          f"vnni {q4q8_gemv.has_vnni()}, huge pages {args.huge_pages}")
+          f"dot products {q4q8_gemv.isa()}, huge pages {args.huge_pages}")
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn((rows, k), generator=gen).bfloat16() for k, _, _ in step]
 

@@ -277,6 +277,15 @@ static inline __attribute__((always_inline)) __m256i dots8(const __m256i *a, con
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
+/* out[i][r] <- row r's sum for activation row i: rows 0..8 in acc[i][0], 8..16 in acc[i][1] */
+static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], int mr,
+                                                               float *out) {
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(out + i * ROWS, acc[i][0]);
+        _mm256_storeu_ps(out + i * ROWS + 8, acc[i][1]);
+    }
+}
+
 /* Q4: a[h][0..4) the low nibbles (inputs 4c..4c+4) and a[h][4..8) the high ones (inputs
  * 16 + 4c..) of rows 8h..8h+8, so one dots8 over 8 chunks is a half-group's block dot */
 static inline __attribute__((always_inline)) void q4_group(
@@ -317,10 +326,7 @@ static inline __attribute__((always_inline)) void q4_group(
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        _mm256_storeu_ps(out + i * ROWS, acc[i][0]);
-        _mm256_storeu_ps(out + i * ROWS + 8, acc[i][1]);
-    }
+    store_halves(acc, mr, out);
 }
 
 /* Q8: the bytes u = q + 128 split as u = 16 hi + lo; sum(u v) = 16 sum(hi v) + sum(lo v),
@@ -366,10 +372,7 @@ static inline __attribute__((always_inline)) void q8_group(
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        _mm256_storeu_ps(out + i * ROWS, acc[i][0]);
-        _mm256_storeu_ps(out + i * ROWS + 8, acc[i][1]);
-    }
+    store_halves(acc, mr, out);
 }
 #else
 static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {

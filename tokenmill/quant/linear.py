@@ -116,7 +116,7 @@ class Int4Linear(QuantizedLinear):
                      dense_min_rows: int | None = None) -> Int4Linear:
         """An Int4Linear on the int8/int16-activation kernel from its records (vnni.py's
         `repack` or `repack_gguf`), without the codes."""
-        if ACTIVATIONS.get(activations) is None or activations == "bf16":
+        if activations not in ("int8", "int16"):
             raise ValueError(f"records need activations int8 or int16, not {activations!r}")
         self = cls.__new__(cls)
         QuantizedLinear.__init__(self, in_features, out_features, bias, dense_weight,

@@ -14,7 +14,6 @@ zero weights; the kernel writes only the real rows.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenmill.kernels import q4q8_gemv
@@ -69,33 +68,19 @@ def repack_gguf(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...]
     if not q4q8_gemv.available() or qtype not in (QType.Q4_0, QType.Q4_1, QType.Q8_0):
         return None
     n, k = int(shape[0]), int(shape[1])
-    nb = k // GROUP_SIZE
-    b = blocks.numpy().reshape(n, nb, -1)
-    pad = -n % ROWS
-    if pad:  # zero bytes: scales 0, so weight 0
-        b = np.concatenate([b, np.zeros((pad, nb, b.shape[2]), dtype=np.uint8)])
-    g = (n + pad) // ROWS
-    d = b[..., 0:2]
+    b = blocks.reshape(n, k // GROUP_SIZE, -1)  # (N, nb, bytes per block)
+    pad = -n % ROWS  # padded rows: zero bytes and zero scales, so weight 0
 
-    def rows_last(a: np.ndarray) -> np.ndarray:  # (N, nb, 4 c) -> (G, nb, c * 16 * 4)
-        width = a.shape[2]
-        return (a.reshape(g, ROWS, nb, width // 4, 4).transpose(0, 2, 3, 1, 4)
-                .reshape(g, nb, width * ROWS))
+    def fp16(two_bytes: torch.Tensor) -> torch.Tensor:  # (N, nb, 2) bytes -> (N, nb)
+        return two_bytes.contiguous().view(torch.float16)[..., 0]
 
-    def fp16_rows(a: np.ndarray) -> np.ndarray:  # (N, nb, 2) -> (G, nb, 32)
-        return a.reshape(g, ROWS, nb, 2).transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)
-
+    d = fp16(b[..., 0:2])
     if qtype == QType.Q8_0:
-        u = b[..., 2:] ^ np.uint8(0x80)  # q + 128
-        u[n:] = 0  # padded rows as `repack` pads them (weight 0 either way: d = 0)
-        parts, fmt = [rows_last(u), fp16_rows(d)], q4q8_gemv.FORMAT_Q8
-    else:
-        if qtype == QType.Q4_1:
-            m = b[..., 2:4]
-        else:  # Q4_0: w = d (q - 8) -> m = 0 - 8 d (exact in fp16 unless it overflows)
-            m = (np.float16(0) - 8 * np.ascontiguousarray(d).view(np.float16)).view(np.uint8)
-        parts, fmt = [rows_last(b[..., -16:]), fp16_rows(d), fp16_rows(m)], q4q8_gemv.FORMAT_Q4
-    return torch.from_numpy(np.concatenate(parts, axis=2).reshape(-1)), fmt
+        return _repack_q8(_pad(b[..., 2:] ^ 0x80, pad), _pad(d, pad)), q4q8_gemv.FORMAT_Q8
+    # Q4_0: w = d (q - 8), so m = 0 - 8 d (exact in fp16 unless it overflows)
+    m = fp16(b[..., 2:4]) if qtype == QType.Q4_1 else torch.zeros_like(d) - 8 * d
+    return _q4_records(_pad(b[..., -16:], pad), _pad(d, pad), _pad(m, pad)), \
+        q4q8_gemv.FORMAT_Q4
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -122,6 +107,11 @@ def _repack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.T
     nb = k // GROUP_SIZE
     halves = codes.reshape(n, nb, 2, GROUP_SIZE // 2).to(torch.uint8)
     qs = halves[:, :, 0] | (halves[:, :, 1] << 4)  # GGUF's byte order: (N, nb, 16)
+    return _q4_records(qs, d, m)
+
+
+def _q4_records(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(N, nb, 16) quant bytes in GGUF's order, d and m (N, nb) -> Q4 records."""
     return torch.cat([_interleave(qs), _fp16_bytes(d), _fp16_bytes(m)], dim=2).reshape(-1)
 
 

@@ -61,7 +61,8 @@
 #define ROWS 16                     /* output rows per group */
 #define Q4_RECORD (ROWS * 16 + ROWS * 4) /* 320 bytes */
 #define Q8_RECORD (ROWS * 32 + ROWS * 2) /* 544 bytes */
-#define MR 8                        /* activation rows per pass over a group's weights */
+/* activation rows per pass over a group's weights (AVX2: fewer registers, see there) */
+#define MR (TM_AVX2 ? 4 : 8)
 #define PF_RECORDS 6                /* records ahead the first pass over a group prefetches */
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
@@ -277,6 +278,8 @@ static inline __attribute__((always_inline)) __m256i dots8(const __m256i *a, con
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
+/* 1-2 activation rows a pass: both halves of a group per block (see below) */
+
 /* out[i][r] <- row r's sum for activation row i: rows 0..8 in acc[i][0], 8..16 in acc[i][1] */
 static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], int mr,
                                                                float *out) {
@@ -288,7 +291,7 @@ static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], 
 
 /* Q4: a[h][0..4) the low nibbles (inputs 4c..4c+4) and a[h][4..8) the high ones (inputs
  * 16 + 4c..) of rows 8h..8h+8, so one dots8 over 8 chunks is a half-group's block dot */
-static inline __attribute__((always_inline)) void q4_group(
+static inline __attribute__((always_inline)) void q4_group_both(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
     (void)sum;
@@ -331,7 +334,7 @@ static inline __attribute__((always_inline)) void q4_group(
 
 /* Q8: the bytes u = q + 128 split as u = 16 hi + lo; sum(u v) = 16 sum(hi v) + sum(lo v),
  * then - 128 sum(v) as in the VNNI version */
-static inline __attribute__((always_inline)) void q8_group(
+static inline __attribute__((always_inline)) void q8_group_both(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
     (void)s;
@@ -373,6 +376,122 @@ static inline __attribute__((always_inline)) void q8_group(
         }
     }
     store_halves(acc, mr, out);
+}
+
+/* AVX2 has 16 ymm registers where AVX-512 has 32 zmm: the two versions above hold a
+ * group's 16 rows of weights for a block (16 registers of Q4 nibbles, 32 of Q8 nibble
+ * planes) beside 2 accumulators a row, and from 3 rows on nearly everything spills to
+ * the stack. So for 3 rows or more a pass, the AVX2 groups run one half (8 output rows,
+ * a ymm lane each) at a time over the blocks, at most 4 activation rows a pass (MR is
+ * 4 with AVX2): a Q4 half's 8 weight registers, 4 accumulators and the temporaries fit.
+ * One step's linears (benchmarks/q4q8_step.py, Zen 3, 2 threads): 16 rows 43.0 -> 36.5
+ * ms, 48 rows 125 -> 106 ms; at 1-2 rows the halves lose (the activations' broadcasts,
+ * shared by both halves above, run twice: 1 row 4.9 -> 9.5 ms), so those keep the
+ * versions above. The integer sums are the same exact values in any order and each
+ * row's fp32 steps are unchanged, so every version gives the same bits. */
+
+/* Q4, rows 8h..8h+8: a[0..4) the low nibbles (inputs 4c..4c+4) and a[4..8) the high
+ * ones (inputs 16 + 4c..), so one dots8 over 8 chunks is a row's block dot */
+static inline __attribute__((always_inline)) void q4_half(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, int mr, int planes, int pf, int h, float *out) {
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q4_RECORD;
+        if (pf)
+            for (int l = 0; l < Q4_RECORD; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
+        __m256i a[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+            a[c] = _mm256_and_si256(w, low);
+            a[4 + c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+        const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+        for (int i = 0; i < mr; i++) {
+            const int8_t *xb = q + i * K + b * QK;
+            __m256i dot = dots8(a, xb, 8);
+            if (planes == 2)
+                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dots8(a, xb + plane, 8));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                     _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(s[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void q4_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    if (mr <= 2) {
+        q4_group_both(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out);
+        return;
+    }
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out);
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out);
+}
+
+/* Q8, rows 8h..8h+8: the bytes u = q + 128 split as u = 16 hi + lo, so sum(u v) =
+ * 16 sum(hi v) + sum(lo v) (int16 pair sums bounded as Q4's), then - 128 sum(v) as in the
+ * VNNI version. A block's 8 chunks run in two passes of 4 (the 4 chunks' lo and hi
+ * planes are the 8 weight registers), the first pass's int32 sums kept in `part`. */
+static inline __attribute__((always_inline)) __m256i q8_dots4(const __m256i *lo,
+                                                              const __m256i *hi,
+                                                              const int8_t *xb) {
+    return _mm256_add_epi32(_mm256_slli_epi32(dots8(hi, xb, 4), 4), dots8(lo, xb, 4));
+}
+
+static inline __attribute__((always_inline)) void q8_half(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const int32_t *sum, int mr, int planes, int pf, int h, float *out) {
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * Q8_RECORD;
+        if (pf)
+            for (int l = 0; l < Q8_RECORD + 64; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
+        __m256i part[MR][2];
+        for (int cs = 0; cs < 2; cs++) {
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i w =
+                    _mm256_loadu_si256((const __m256i *)(rec + 64 * (4 * cs + c) + 32 * h));
+                lo[c] = _mm256_and_si256(w, low);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            }
+            for (int i = 0; i < mr; i++)
+                for (int p = 0; p < planes; p++) {
+                    const __m256i t = q8_dots4(lo, hi, q + i * K + b * QK + p * plane + 16 * cs);
+                    part[i][p] = cs ? _mm256_add_epi32(part[i][p], t) : t;
+                }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+        for (int i = 0; i < mr; i++) {
+            __m256i dot = part[i][0];
+            if (planes == 2) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), part[i][1]);
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * sum[i * nb + b]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                     _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void q8_group(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    if (mr <= 2) {
+        q8_group_both(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out);
+        return;
+    }
+    q8_half(wg, nb, K, q, plane, d, sum, mr, planes, pf, 0, out);
+    q8_half(wg, nb, K, q, plane, d, sum, mr, planes, 0, 1, out);
 }
 #else
 static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {
@@ -441,10 +560,10 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
     case 2: TM_GROUP(fn, 2, planes); break;                          \
     case 3: TM_GROUP(fn, 3, planes); break;                          \
     case 4: TM_GROUP(fn, 4, planes); break;                          \
-    case 5: TM_GROUP(fn, 5, planes); break;                          \
-    case 6: TM_GROUP(fn, 6, planes); break;                          \
-    case 7: TM_GROUP(fn, 7, planes); break;                          \
-    default: TM_GROUP(fn, 8, planes); break;                         \
+    case 5: if (MR > 4) TM_GROUP(fn, 5, planes); break;              \
+    case 6: if (MR > 4) TM_GROUP(fn, 6, planes); break;              \
+    case 7: if (MR > 4) TM_GROUP(fn, 7, planes); break;              \
+    default: if (MR > 4) TM_GROUP(fn, 8, planes); break;             \
     }
 
 /* Group g (16 output rows) of y (M, N) from the quantized activations q, d, s, sum

@@ -246,3 +246,69 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone(fresh_
     assert tiny / 1e5 != 0.0
     assert build.load("paged_decode") is not None and build.load("layer_ops") is not None
     assert tiny / 1e5 != 0.0
+
+
+def _layer_ops_build(march: str):
+    """layer_ops.c built as a CPU without AVX-512 builds it (strict fp32), for `march`."""
+    import ctypes
+    import shutil
+    from pathlib import Path
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(layer_ops.__file__).with_name("layer_ops.c")
+    strict, link = build.FLAG_SETS[1]
+    path = build._build(compiler, source, (
+        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
+    for name in ("tm_rms_norm_bf16", "tm_silu_mul_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = layer_ops._lib.signatures[name]
+    return lib
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a partial last step of 16 and of 8
+def test_avx2_norm_and_silu_give_the_bits_of_the_build_in_use(hidden):
+    """Built for AVX2 (-march=x86-64-v3: vec_math.h's 8-lane e^x, norms and sums), the
+    RMSNorm (with and without the residual add) and silu * up compute the AVX-512
+    versions' steps on two 8-lane halves: the same bits as the build in use on any
+    x86 CPU that runs it (AVX-512 or AVX2), tails included. The plain-C build
+    (x86-64-v2) keeps the same RMSNorm bits too (its sum runs in the same 16 lanes)."""
+    from tokenmill.cpuinfo import cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    gen = torch.Generator().manual_seed(hidden)
+    rows = 3
+    x = (3 * torch.randn(rows, hidden, generator=gen)).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
+    gate_up = (4 * torch.randn(rows, 2 * hidden, generator=gen)).bfloat16()
+    gate_up[0, :8] = torch.tensor([-100.0, -87.5, 88.0, 0.0, -0.0, 5.9375, 1e-30, -3.0])
+
+    def run(lib):
+        out = torch.empty_like(x)
+        lib.tm_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), rows,
+                             hidden, 1e-5, 1)
+        xa, ra = x.clone(), residual.clone()
+        lib.tm_rms_norm_bf16(xa.data_ptr(), ra.data_ptr(), weight.data_ptr(), xa.data_ptr(),
+                             rows, hidden, 1e-5, 1)
+        act = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        lib.tm_silu_mul_bf16(gate_up.data_ptr(), act.data_ptr(), rows, hidden, 1)
+        return out, xa, ra, act
+
+    in_use = layer_ops._lib.get("tm_rms_norm_bf16")
+    assert in_use is not None
+    ref_out = layer_ops.rms_norm(x, weight, 1e-5)
+    ref_res = residual.clone()
+    ref_added = layer_ops.rms_norm(x.clone(), weight, 1e-5, ref_res)
+    ref_act = layer_ops.silu_mul(gate_up)
+    out, added, res, act = run(_layer_ops_build("x86-64-v3"))
+    assert torch.equal(out, ref_out) and torch.equal(added, ref_added)
+    assert torch.equal(res, ref_res) and torch.equal(act, ref_act)
+    out, added, res, _ = run(_layer_ops_build("x86-64-v2"))
+    assert torch.equal(out, ref_out) and torch.equal(added, ref_added)
+    assert torch.equal(res, ref_res)

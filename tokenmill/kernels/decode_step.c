@@ -115,7 +115,7 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * len;
         const float m = mx[g];
-#if TM_VEC_MATH
+#if TM_VEC_MATH || TM_VEC_MATH8
         sum[g] = softmax_numerators(sg, len, m);
 #else
         float total = 0.0f;

@@ -502,7 +502,7 @@ static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *a
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * it->s_stride;
         const float m = mx[g];
-#if TM_VEC_MATH
+#if TM_VEC_MATH || TM_VEC_MATH8
         sum[g] = softmax_numerators(sg, it->len, m);
 #else
         float total = 0.0f;

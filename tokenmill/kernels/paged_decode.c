@@ -658,7 +658,7 @@ typedef struct {
 /* the scratch (fp32 words): own scores B * H * max_len, then per chunk its part
  * (NQP, D), maxima (NQP) and denominators (NQP), then each thread's workspace:
  * queries (D, NQP), scores (CH + 1, NQP), bf16 pairs of weights (CH / 2 + 1, NQP), the
- * tokens' pool rows (CH int32) */
+ * tokens' pool rows (CH int32), the chunk's K or V rows as fp32 (CH, D: the AVX2 path) */
 static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                        int64_t shared_blocks, int64_t max_len,
                                        int64_t threads) {
@@ -669,7 +669,7 @@ static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_
     L.nch = (shared_blocks * BS + L.CH - 1) / L.CH;
     L.own = B * H * max_len;
     L.parts = KVH * L.nch * L.NQP * (D + 2);
-    L.per_thread = round_up((D + L.CH + 1 + L.CH / 2 + 1) * L.NQP + L.CH, 16);
+    L.per_thread = round_up((D + L.CH + 1 + L.CH / 2 + 1) * L.NQP + L.CH + L.CH * D, 16);
     return L;
 }
 
@@ -910,6 +910,91 @@ static void softmax_pairs_avx(const chunk_t *c, const float *S, const float *pm,
 }
 #endif
 
+#if TM_VEC_MATH8
+/* AVX2 (no AVX512-BF16): the generic path's arithmetic (q . k and the weighted sum of V
+ * as fp32 fused multiply-adds in the same order) in register tiles, on the chunk's K
+ * and then V rows widened to fp32 once into rf (n, D); the generic loops instead
+ * stream every score row (or output row) through memory once per dimension (or
+ * token). D % 32 == 0. */
+
+/* rows t0 .. t0 + T of S (queries n0 .. n0 + 16) */
+static inline __attribute__((always_inline)) void chunk_scores_tile8(
+    const chunk_t *c, const float *qf, const float *rf, int64_t t0, int64_t n0, float *S, int T) {
+    const int64_t D = c->D, NQP = c->NQP;
+    __m256 acc[4][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 q0 = _mm256_loadu_ps(qf + d * NQP + n0);
+        const __m256 q1 = _mm256_loadu_ps(qf + d * NQP + n0 + 8);
+        for (int i = 0; i < T; i++) {
+            const __m256 k = _mm256_broadcast_ss(rf + (t0 + i) * D + d);
+            acc[i][0] = _mm256_fmadd_ps(q0, k, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(q1, k, acc[i][1]);
+        }
+    }
+    const __m256 scale = _mm256_set1_ps(c->scale);
+    for (int i = 0; i < T; i++) {
+        _mm256_storeu_ps(S + (t0 + i) * NQP + n0, _mm256_mul_ps(acc[i][0], scale));
+        _mm256_storeu_ps(S + (t0 + i) * NQP + n0 + 8, _mm256_mul_ps(acc[i][1], scale));
+    }
+}
+
+/* the chunk's rows of pool (K or V) as fp32 into rf (n, D) */
+static void chunk_rows_f32(const chunk_t *c, const uint16_t *pool, float *rf) {
+    for (int64_t t = 0; t < c->n; t++) {
+        const uint16_t *r = prefix_row(c, pool, t);
+        for (int64_t d = 0; d < c->D; d += 8) _mm256_storeu_ps(rf + t * c->D + d, f32x8(r + d));
+    }
+}
+
+static void chunk_scores_avx2(const chunk_t *c, int64_t kh, float *qf, float *rf, float *S) {
+    const int64_t D = c->D, NQP = c->NQP;
+    memset(qf, 0, (size_t)(D * NQP) * sizeof(float));
+    for (int64_t n = 0; n < c->NQ; n++) {
+        const uint16_t *qr = query_row(c, kh, n);
+        for (int64_t d = 0; d < D; d++) qf[d * NQP + n] = bf16_to_f32(qr[d]);
+    }
+    chunk_rows_f32(c, c->k, rf);
+    for (int64_t t0 = 0; t0 < c->n; t0 += 4) {
+        const int64_t T = c->n - t0 < 4 ? c->n - t0 : 4;
+        for (int64_t n0 = 0; n0 < NQP; n0 += 16) {
+            if (T == 4) chunk_scores_tile8(c, qf, rf, t0, n0, S, 4);
+            else if (T == 3) chunk_scores_tile8(c, qf, rf, t0, n0, S, 3);
+            else if (T == 2) chunk_scores_tile8(c, qf, rf, t0, n0, S, 2);
+            else chunk_scores_tile8(c, qf, rf, t0, n0, S, 1);
+        }
+    }
+}
+
+/* po rows n0 .. n0 + Q, dims d0 .. d0 + 32 */
+static inline __attribute__((always_inline)) void chunk_values_tile8(
+    const chunk_t *c, const float *P, const float *rf, int64_t n0, int64_t d0, float *po, int Q) {
+    const int64_t D = c->D, NQP = c->NQP;
+    __m256 acc[2][4];
+    for (int j = 0; j < Q; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < c->n; t++) {
+        __m256 r[4];
+        for (int v = 0; v < 4; v++) r[v] = _mm256_loadu_ps(rf + t * D + d0 + 8 * v);
+        for (int j = 0; j < Q; j++) {
+            const __m256 p = _mm256_broadcast_ss(P + t * NQP + n0 + j);
+            for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(p, r[v], acc[j][v]);
+        }
+    }
+    for (int j = 0; j < Q; j++)
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(po + (n0 + j) * D + d0 + 8 * v, acc[j][v]);
+}
+
+static void chunk_values_avx2(const chunk_t *c, const float *P, float *rf, float *po) {
+    chunk_rows_f32(c, c->v, rf);
+    for (int64_t n0 = 0; n0 < c->NQ; n0 += 2)
+        for (int64_t d0 = 0; d0 < c->D; d0 += 32) {
+            if (c->NQ - n0 >= 2) chunk_values_tile8(c, P, rf, n0, d0, po, 2);
+            else chunk_values_tile8(c, P, rf, n0, d0, po, 1);
+        }
+}
+#endif
+
 /* one chunk of the shared prefix for all queries of kv head kh: its unnormalised part
  * po (NQ, D), maxima pm and denominators pl (NQ). causal >= 0: query n = b * G + g sits
  * at chunk token causal + b and sees no token after it (a prompt tile); -1: no mask */
@@ -937,7 +1022,13 @@ static void shared_chunk(const chunk_t *chunk, int64_t kh, float *ws, float *po,
         return;
     }
 #endif
-    chunk_scores_generic(c, kh, qbuf, S);
+    float *rf = (float *)(rows + chunk->n); /* CH * D floats (cascade_layout) */
+#if TM_VEC_MATH8
+    const int avx2_path = c->D % 32 == 0;
+    if (avx2_path) chunk_scores_avx2(c, kh, qbuf, rf, S);
+    else
+#endif
+        chunk_scores_generic(c, kh, qbuf, S);
     if (causal >= 0) /* query row b's heads b * G .. b * G + G - 1 see no token past causal + b */
         for (int64_t b = 0; b * c->G < c->NQ; b++)
             for (int64_t t = causal + b + 1; t < c->n; t++)
@@ -949,6 +1040,21 @@ static void shared_chunk(const chunk_t *chunk, int64_t kh, float *ws, float *po,
         for (int64_t n = 0; n < NQP; n++) pm[n] = st[n] > pm[n] ? st[n] : pm[n];
     }
     for (int64_t n = 0; n < NQP; n++) pl[n] = 0.0f;
+#if TM_VEC_MATH8
+    if (avx2_path) { /* NQP is a multiple of 16 */
+        for (int64_t t = 0; t < c->n; t++) {
+            float *st = S + t * NQP;
+            for (int64_t n = 0; n < NQP; n += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(st + n), _mm256_loadu_ps(pm + n)));
+                _mm256_storeu_ps(pl + n, _mm256_add_ps(_mm256_loadu_ps(pl + n), e));
+                _mm256_storeu_ps(st + n, round_bf16x8(e));
+            }
+        }
+        chunk_values_avx2(c, S, rf, po);
+        return;
+    }
+#endif
+    (void)rf;
     for (int64_t t = 0; t < c->n; t++) { /* numerators, rounded to bf16 as the own part's */
         float *st = S + t * NQP;
 #pragma omp simd
@@ -1063,7 +1169,7 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 
 static int64_t prompt_per_thread(int64_t G, int64_t D, int64_t seq_len) {
     const int64_t NQP = round_up(PROMPT_TILE * G, 16), n = round_up(seq_len, 2);
-    return round_up((D + n + 1 + n / 2 + 1) * NQP + n + NQP * (D + 2), 16);
+    return round_up((D + n + 1 + n / 2 + 1) * NQP + n + n * D + NQP * (D + 2), 16);
 }
 
 int64_t tm_prompt_scratch_floats(int64_t H, int64_t KVH, int64_t D, int64_t seq_len,

@@ -5,7 +5,6 @@
 #define TOKENMILL_LAYER_OPS_H
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
 #include "vec_math.h"
@@ -45,51 +44,27 @@ static inline void rms_norm_row(const uint16_t *xr, const uint16_t *res_in, uint
             f32x16(_mm256_maskz_loadu_epi16(k, weight + i)), x, TM_RN)));
     }
 #elif TM_VEC_MATH8
-    /* the AVX-512 path's steps on two 8-lane halves (same bits); a partial last step of
-     * 16 on zero-padded copies (0 * 0 adds nothing to a lane) */
+    /* the AVX-512 path's steps on two 8-lane halves (same bits); past the end, lanes of
+     * zeros (0 * 0 adds nothing to a lane) */
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < hidden; i += 16) {
-        const int64_t n = hidden - i < 16 ? hidden - i : 16;
-        uint16_t xp[16] = {0}, rp[16] = {0}, op[16];
-        const uint16_t *xs = xr + i, *rs = res_in ? res_in + i : NULL;
-        uint16_t *os = res_in ? res_out + i : NULL;
-        if (n < 16) {
-            memcpy(xp, xs, (size_t)n * 2);
-            xs = xp;
-            if (res_in) {
-                memcpy(rp, rs, (size_t)n * 2);
-                rs = rp;
-                os = op;
-            }
-        }
+    for (int64_t i = 0; i < hidden; i += 16)
         for (int h = 0; h < 2; h++) {
-            __m256 v = f32x8(xs + 8 * h);
+            const int64_t at = i + 8 * h, n = hidden - at;
+            __m256 v = f32x8_n(xr + at, n);
             if (res_in) {
-                v = round_bf16x8(_mm256_add_ps(v, f32x8(rs + 8 * h)));
-                store_bf16x8(os + 8 * h, v);
+                v = round_bf16x8(_mm256_add_ps(v, f32x8_n(res_in + at, n)));
+                store_bf16x8_n(res_out + at, v, n);
             }
             acc[h] = _mm256_fmadd_ps(v, v, acc[h]);
         }
-        if (res_in && n < 16) memcpy(res_out + i, op, (size_t)n * 2);
-    }
     const uint16_t *src = res_in ? res_out : xr;
     const float mean = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(lane_sum8x2(acc[0], acc[1])),
                                                 _mm_set_ss((float)hidden)));
     const __m256 vinv = _mm256_set1_ps(_mm_cvtss_f32(_mm_div_ss(
         _mm_set_ss(1.0f), _mm_sqrt_ss(_mm_add_ss(_mm_set_ss(mean), _mm_set_ss(eps))))));
     for (int64_t i = 0; i < hidden; i += 8) {
-        const int64_t n = hidden - i < 8 ? hidden - i : 8;
-        uint16_t sp[8] = {0}, wp[8] = {0}, op[8];
-        const uint16_t *ss = src + i, *ws = weight + i;
-        if (n < 8) {
-            memcpy(sp, ss, (size_t)n * 2);
-            memcpy(wp, ws, (size_t)n * 2);
-            ss = sp;
-            ws = wp;
-        }
-        const __m256 x = round_bf16x8(_mm256_mul_ps(f32x8(ss), vinv));
-        store_bf16x8(n < 8 ? op : orow + i, _mm256_mul_ps(f32x8(ws), x));
-        if (n < 8) memcpy(orow + i, op, (size_t)n * 2);
+        const __m256 x = round_bf16x8(_mm256_mul_ps(f32x8_n(src + i, hidden - i), vinv));
+        store_bf16x8_n(orow + i, _mm256_mul_ps(f32x8_n(weight + i, hidden - i), x), hidden - i);
     }
 #else
     /* the vector path's sum: 16 lanes of fused multiply-adds, then in lane order (the
@@ -141,21 +116,11 @@ static inline void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *
     }
 #elif TM_VEC_MATH8
     for (int64_t i = 0; i < inter; i += 8) {
-        const int64_t n = inter - i < 8 ? inter - i : 8;
-        uint16_t gp[8] = {0}, up[8] = {0}, op[8];
-        const uint16_t *gs = g + i, *us = u + i;
-        if (n < 8) {
-            memcpy(gp, gs, (size_t)n * 2);
-            memcpy(up, us, (size_t)n * 2);
-            gs = gp;
-            us = up;
-        }
-        const __m256 gv = f32x8(gs);
+        const __m256 gv = f32x8_n(g + i, inter - i);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
         const __m256 silu =
             round_bf16x8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-        store_bf16x8(n < 8 ? op : o + i, _mm256_mul_ps(silu, f32x8(us)));
-        if (n < 8) memcpy(o + i, op, (size_t)n * 2);
+        store_bf16x8_n(o + i, _mm256_mul_ps(silu, f32x8_n(u + i, inter - i)), inter - i);
     }
 #else
     for (int64_t i = 0; i < inter; i++) {

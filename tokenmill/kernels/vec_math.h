@@ -138,6 +138,25 @@ static inline void store_bf16x8(uint16_t *p, __m256 v) {
                      _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+/* the first n (may be < 1 or > 8) of 8 bf16 as floats, the lanes past n 0 */
+static inline __m256 f32x8_n(const uint16_t *p, int64_t n) {
+    if (n >= 8) return f32x8(p);
+    uint16_t t[8] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n * 2);
+    return f32x8(t);
+}
+
+/* store_bf16x8 of the first n lanes only */
+static inline void store_bf16x8_n(uint16_t *p, __m256 v, int64_t n) {
+    if (n >= 8) {
+        store_bf16x8(p, v);
+        return;
+    }
+    uint16_t t[8];
+    store_bf16x8(t, v);
+    if (n > 0) memcpy(p, t, (size_t)n * 2);
+}
+
 /* v rounded to bf16, as floats */
 static inline __m256 round_bf16x8(__m256 v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));

@@ -208,8 +208,102 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
     }
 }
 
+#if TM_VEC_MATH8
+/* AVX2 (no AVX512-BF16) versions of the two generic work-item loops below, for D % 32
+ * == 0: q . k for 4 tokens at a time (their rows widened to fp32 once for all G heads,
+ * one horizontal sum per 4 dots), and the weighted sum of V with up to 3 heads x 32
+ * dims of accumulators in registers (the generic loop reads and writes every
+ * accumulator once per token). */
+
+/* the 4 lane sums of a[0..4), in a[i]'s order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+ * (l3 + l7)) */
+static inline __m128 hsum4x8(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s = _mm256_hadd_ps(s01, s23);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+static void scores_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    const int64_t D = it->D, G = it->G, BS = it->BS;
+    float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    float kf[4 * MAX_D] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
+    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
+    const __m128 scale = _mm_set1_ps(it->scale);
+    const int64_t nblocks = (it->len + BS - 1) / BS;
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->k, j, &n);
+        prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {
+            const int64_t T = n - i0 < 4 ? n - i0 : 4;
+            for (int64_t i = 0; i < 4; i++)
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(kf + i * D + d, i < T ? f32x8(blk + (i0 + i) * D + d)
+                                                           : _mm256_setzero_ps());
+            for (int64_t g = 0; g < G; g++) {
+                __m256 acc[4];
+                for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 q = _mm256_loadu_ps(qf + g * D + d);
+                    for (int i = 0; i < 4; i++)
+                        acc[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(kf + i * D + d), acc[i]);
+                }
+                float dots[4];
+                _mm_storeu_ps(dots, _mm_mul_ps(hsum4x8(acc), scale));
+                float *sg = s + g * it->s_stride + t0 + i0;
+                for (int64_t i = 0; i < T; i++) {
+                    sg[i] = dots[i];
+                    if (dots[i] > mx[g]) mx[g] = dots[i];
+                }
+            }
+        }
+    }
+}
+
+/* heads g0 .. g0 + GH, dims d0 .. d0 + 32 of acc */
+static inline __attribute__((always_inline)) void weighted_v_tile8(const item_t *it,
+                                                                  const float *s, float *acc,
+                                                                  int64_t g0, int64_t d0,
+                                                                  int GH) {
+    const int64_t D = it->D, BS = it->BS, nblocks = (it->len + BS - 1) / BS;
+    __m256 a[3][4];
+    for (int h = 0; h < GH; h++)
+        for (int v = 0; v < 4; v++) a[h][v] = _mm256_setzero_ps();
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const uint16_t *blk = block_rows(it, it->v, j, &n);
+        if (g0 == 0 && d0 == 0) prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
+        for (int64_t i = 0; i < n; i++) {
+            __m256 r[4];
+            for (int v = 0; v < 4; v++) r[v] = f32x8(blk + i * D + d0 + 8 * v);
+            for (int h = 0; h < GH; h++) {
+                const __m256 p = _mm256_broadcast_ss(s + (g0 + h) * it->s_stride + t0 + i);
+                for (int v = 0; v < 4; v++) a[h][v] = _mm256_fmadd_ps(p, r[v], a[h][v]);
+            }
+        }
+    }
+    for (int h = 0; h < GH; h++)
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + (g0 + h) * D + d0 + 8 * v, a[h][v]);
+}
+
+static void weighted_v_avx2(const item_t *it, const float *s, float *acc) {
+    for (int64_t g0 = 0; g0 < it->G; g0 += 3)
+        for (int64_t d0 = 0; d0 < it->D; d0 += 32) {
+            const int64_t GH = it->G - g0 < 3 ? it->G - g0 : 3;
+            if (GH == 3) weighted_v_tile8(it, s, acc, g0, d0, 3);
+            else if (GH == 2) weighted_v_tile8(it, s, acc, g0, d0, 2);
+            else weighted_v_tile8(it, s, acc, g0, d0, 1);
+        }
+}
+#endif
+
 /* scores s[g * s_stride + t] = scale * q_g . k_t, and each row's maximum */
 static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+#if TM_VEC_MATH8
+    if (it->D % 32 == 0) {
+        scores_avx2(it, qb, s, mx);
+        return;
+    }
+#endif
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
     float row[MAX_D] __attribute__((aligned(64)));
@@ -237,6 +331,12 @@ static void scores_generic(const item_t *it, const uint16_t *qb, float *s, float
 
 /* acc[g * D + d] = sum_t p[g, t] v_t[d], p rounded to bf16 as torch's bf16 matmul sees it */
 static void weighted_v_generic(const item_t *it, const float *s, float *acc) {
+#if TM_VEC_MATH8
+    if (it->D % 32 == 0) {
+        weighted_v_avx2(it, s, acc);
+        return;
+    }
+#endif
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float row[MAX_D] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(G * D) * sizeof(float));

@@ -237,14 +237,14 @@ def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
         assert done[str(i)] == _greedy(engine, prompts[i], 6, fused=True)
 
 
-def test_rows_sharing_a_cached_prefix_are_left_to_the_cascade(engines):
-    # 8 rows over the same 8 leading blocks: the module path's cascade call reads them
-    # once for all rows, so the fused step declines (None: the modules run the step)
+def test_rows_sharing_a_prefix_read_it_once_with_the_modules_cascade_bits(engines,
+                                                                          monkeypatch):
+    # 8 rows over the same 8 leading blocks of random K/V: the step attends to them once
+    # for all rows (the cascade, inside the call) with the module path's cascade call's
+    # arithmetic; rows with no common block take the per-row attention
     runner = engines["gguf-a16"].runner
-    fused = runner.fused_decode
     n, lens = 8, [8 * 16 + 5 + i for i in range(8)]
-    prefix = list(range(1, 9))
-    tables = torch.tensor([prefix + [9 + i] for i in range(n)], dtype=torch.int32)
+    tables = torch.tensor([list(range(1, 9)) + [9 + i] for i in range(n)], dtype=torch.int32)
     slots = torch.tensor([(9 + i) * 16 + lens[i] - 8 * 16 - 1 for i in range(n)])
 
     def meta_for(t: torch.Tensor) -> AttentionMetadata:
@@ -253,9 +253,80 @@ def test_rows_sharing_a_cached_prefix_are_left_to_the_cascade(engines):
             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=t, block_size=16,
             max_query_len=1, max_seq_len=max(lens), query_lens_list=[1] * n,
             seq_lens_list=lens)
-    k0 = runner.kv_caches[0][0].clone()
-    assert fused.run(torch.arange(n) + 100, torch.tensor(lens) - 1, meta_for(tables)) is None
-    assert torch.equal(runner.kv_caches[0][0].view(torch.int16), k0.view(torch.int16))
+    saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    gen = torch.Generator().manual_seed(0)
+    for k, v in runner.kv_caches:
+        for pool in (k, v):
+            pool[:, 1:29] = (torch.randn(pool[:, 1:29].shape, generator=gen) * 0.05).to(pool.dtype)
+    shared_args: list[int] = []
+    step_batch = decode_step.step_batch
+
+    def record(*args):
+        shared_args.append(args[-1])
+        return step_batch(*args)
+    monkeypatch.setattr(decode_step, "step_batch", record)
+    ids, pos, rows = torch.arange(n) + 100, torch.tensor(lens) - 1, list(range(n))
     own = tables.clone()
     own[:, 0] = torch.arange(20, 20 + n, dtype=torch.int32)  # no common first block
-    assert fused.run(torch.arange(n) + 100, torch.tensor(lens) - 1, meta_for(own)) is not None
+    try:
+        with torch.inference_mode():
+            fused = [runner.forward(ids, pos, meta_for(t), rows).clone() for t in (tables, own)]
+            runner.fused_decode.enabled = False
+            modules = [runner.forward(ids, pos, meta_for(t), rows) for t in (tables, own)]
+    finally:
+        runner.fused_decode.enabled = True
+        for (k, v), (k0, v0) in zip(runner.kv_caches, saved, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+    assert shared_args == [8, 0]
+    for a, b in zip(fused, modules, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cached_prefix_gives_the_module_paths_cascade_tokens_and_logits(monkeypatch):
+    # 8 requests after a 9-block prompt is cached: their decode steps share its blocks
+    # and take the fused call with the cascade inside, with the modules' bits
+    from tokenmill.config import CacheConfig, EngineConfig
+
+    engine = LLMEngine(EngineConfig(quantization="gguf-a16", max_num_seqs=8, cache=CacheConfig(
+        enable_prefix_caching=True, kv_cache_memory_bytes=16 * 2**20)))
+    system = ("You are a careful assistant. Answer in one short sentence, plainly, "
+              "without lists. ") * 9
+    assert len(engine.tokenizer.encode(system)) >= 9 * 16
+    shared_args: list[int] = []
+    step_batch = decode_step.step_batch
+
+    def record(*args):
+        shared_args.append(args[-1])
+        return step_batch(*args)
+    monkeypatch.setattr(decode_step, "step_batch", record)
+    rec = _Recorder(engine, monkeypatch)
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
+
+    def run(fused: bool) -> dict[str, list[int]]:
+        engine.runner.fused_decode.enabled = fused
+        try:
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            engine.add_request("warm", system, SamplingParams(max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            rec.logits.clear()
+            for i, q in enumerate(questions):
+                engine.add_request(str(i), system + q, params)
+            done: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            return done
+        finally:
+            engine.runner.fused_decode.enabled = True
+    fused_ids = run(True)
+    fused_logits = list(rec.logits)
+    assert shared_args and min(shared_args) >= 8  # every batched step: the prefix shared
+    shared_args.clear()
+    module_ids = run(False)
+    assert shared_args == []
+    assert fused_ids == module_ids
+    assert len(fused_logits) == len(rec.logits)
+    for a, b in zip(fused_logits, rec.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -15,8 +15,8 @@ kernel (see MAX_ROWS), each row computed as it is at any smaller batch.
 It covers what it can prove identical, and `FusedDecode.build` returns None (the
 model runner keeps the module path) for anything else; a step with a prompt chunk or
 speculative verification (a row of more than one token), more than `max_rows`
-rows, or rows sharing a prefix that the cpu backend's cascade call reads once for all
-of them (`run` declines those), runs the module path. Covered:
+rows, runs the module path. Rows sharing a prefix (a cached system prompt) read it once
+for all of them, inside the call, with the cpu backend's cascade arithmetic. Covered:
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
 kernel), a bf16 model and KV cache on the `cpu` attention backend, no tensor
 parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
@@ -198,11 +198,13 @@ class FusedDecode:
                 or tables.shape[0] != n
                 or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
             return None
-        if n > 1 and cpu_attention.takes_cascade(cpu_attention.shared_blocks(
-                tables.tolist(), meta.seq_lens_list, meta.block_size), n):
-            # a shared prefix: the modules' cascade call reads it once for all rows,
-            # where this step reads it once per row (W5: 7.2 s vs 8.3 s)
-            return None
+        shared = 0
+        if n > 1:
+            # a shared prefix (a cached system prompt): read once for all rows, as the
+            # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s)
+            shared = cpu_attention.shared_blocks(tables.tolist(), meta.seq_lens_list,
+                                                 meta.block_size)
+            shared = shared if cpu_attention.takes_cascade(shared, n) else 0
         hidden = torch.empty((n, self.hidden), dtype=torch.bfloat16)
         logits = torch.empty((n, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
@@ -215,7 +217,7 @@ class FusedDecode:
                 return t.to(torch.int64).contiguous()
             rc = native.step_batch(self.record, i64(ids), i64(pos), i64(meta.slot_mapping),
                                    tables, torch.tensor(meta.seq_lens_list, dtype=torch.int64),
-                                   hidden, logits)
+                                   hidden, logits, shared)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")
         return None if rc else (logits, hidden)

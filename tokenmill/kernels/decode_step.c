@@ -287,6 +287,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *   2. QKV groups (all B rows per pass over a group's weights);                barrier
  *   3. (row, kv head) items, dynamically: K head rotated and stored, V head stored,
  *      the kv head's query heads rotated and attending;                        barrier
+ *      with shared_blocks > 0 (the rows' tables all start with those blocks, a cached
+ *      prefix), the items only store and rotate;                               barrier
+ *      then paged_decode.c's cascade: the shared blocks read once for all rows,
+ *      each row's own blocks, the merge (tm_cascade_decode_bf16's two phases)
+ *      ;                                                                  2 barriers
  *   4. rows split: attention output quantized;                                 barrier
  *      o_proj groups;                                                          barrier
  *   5. rows split: residual add + norm, quantized;                             barrier
@@ -295,20 +300,22 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      down groups;                                                            barrier
  * then the final norm, hidden_out, and the LM head's groups (fp32 logits of
  * bf16-rounded values). tokens, positions, slots, seq_lens: (B,) int64; tables
- * (B, table_stride) int32 block-table rows; hidden_out (B, hidden) bf16; logits
- * (B, vocab) fp32 or NULL. Returns 0; -1 when an input is out of range (nothing
- * written), -2 when the scratch cannot be allocated. */
+ * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading
+ * blocks every row's table has in common (the module path's cascade: same bits);
+ * hidden_out (B, hidden) bf16; logits (B, vocab) fp32 or NULL. Returns 0; -1 when an
+ * input is out of range (nothing written), -2 when the scratch cannot be allocated. */
 int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                         const int64_t *positions, const int64_t *slots, const int32_t *tables,
-                        int64_t table_stride, const int64_t *seq_lens, uint16_t *hidden_out,
-                        float *logits, int64_t num_threads) {
+                        int64_t table_stride, int64_t shared_blocks, const int64_t *seq_lens,
+                        uint16_t *hidden_out, float *logits, int64_t num_threads) {
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || (m->bits != 8 && m->bits != 16))
+        (NH * D) % QK || (m->bits != 8 && m->bits != 16) || shared_blocks < 0 ||
+        shared_blocks > table_stride)
         return -1;
-    int64_t max_len = 1;
+    int64_t max_len = 1, max_own = 1;
     for (int64_t r = 0; r < B; r++) {
         const int64_t len = seq_lens[r];
         if (tokens[r] < 0 || tokens[r] >= m->vocab || positions[r] < 0 ||
@@ -319,6 +326,9 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             if (tables[r * table_stride + j] < 0 || tables[r * table_stride + j] >= NB)
                 return -1;
         max_len = len > max_len ? len : max_len;
+        const int64_t own = len - shared_blocks * BS; /* at least the new token */
+        if (own < 1) return -1;
+        max_own = own > max_own ? own : max_own;
     }
     const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
     const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX, nbk = K_ATTN / QK;
@@ -327,12 +337,23 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const size_t rows_bytes = up64(2 * (size_t)B * (3 * H + K_ATTN + QKV + 2 * I));
     const size_t act_bytes = up64(2 * (size_t)B * K_ATTN) + up64(12 * (size_t)B * nbk);
     const size_t thread_bytes = up64(4 * (size_t)(G * max_len));
+    /* with a shared prefix: the cascade's scratch and the rows' own lengths (int32) */
+    cascade_t cas = {NULL, QKV, NULL, NULL, tables, table_stride, shared_blocks, NULL, B, NH,
+                     KVH, NB, BS, D, max_own, m->scale, NULL, NULL, NULL, {0}};
+    size_t cascade_bytes = 0;
+    if (shared_blocks) {
+        cas.L = cascade_layout(B, NH, KVH, D, BS, shared_blocks, max_own, num_threads);
+        cascade_bytes = up64(4 * (size_t)(cas.L.own + cas.L.parts +
+                                          num_threads * cas.L.per_thread)) +
+                        up64(4 * (size_t)B);
+    }
     /* the scratch is kept from call to call (one per calling thread), grown when a
      * step needs more: a fresh allocation a step, of a size that changes with the
      * batch and its longest sequence, fragmented the heap (RSS crept up under a soak) */
     static __thread char *kept = NULL;
     static __thread size_t kept_bytes = 0;
-    const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes;
+    const size_t need =
+        rows_bytes + act_bytes + (size_t)num_threads * thread_bytes + cascade_bytes;
     if (need > kept_bytes) {
         const size_t grown = up64(need + need / 4);
         char *fresh = aligned_alloc(64, grown);
@@ -349,6 +370,18 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     act.d = (float *)(buf + rows_bytes + up64(2 * (size_t)B * K_ATTN));
     act.s = act.d + B * nbk;
     act.sum = (int32_t *)(act.s + B * nbk);
+    if (shared_blocks) {
+        char *cb = buf + rows_bytes + act_bytes + (size_t)num_threads * thread_bytes;
+        cas.scratch = (float *)cb;
+        int32_t *own = (int32_t *)(cb + cascade_bytes - up64(4 * (size_t)B));
+        for (int64_t r = 0; r < B; r++) own[r] = (int32_t)(seq_lens[r] - shared_blocks * BS);
+        cas.lens = own;
+        cas.q = qkv;
+        cas.out_bf16 = xn; /* (B, NH * D): the o_proj input */
+        if (cascade_setup(&cas, cas.L.own + cas.L.parts + num_threads * cas.L.per_thread,
+                          num_threads))
+            return -1; /* tables that differ in the shared blocks */
+    }
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
@@ -391,9 +424,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 memcpy(L->k_cache + ((kh * NB + blk) * BS + off) * D, k_head, (size_t)D * 2);
                 memcpy(L->v_cache + ((kh * NB + blk) * BS + off) * D, v_head, (size_t)D * 2);
                 for (int64_t h = kh * G; h < (kh + 1) * G; h++) rotary_head(row + h * D, c, sn, D);
+                if (shared_blocks) continue; /* the cascade below, once every row is stored */
                 attend_heads(row + kh * G * D, G, L->k_cache + kh * NB * BS * D,
                              L->v_cache + kh * NB * BS * D, tables + r * table_stride,
                              seq_lens[r], BS, D, m->scale, scores, xn + r * NH * D + kh * G * D);
+            }
+            if (shared_blocks) {
+                cascade_t layer_cas = cas;
+                layer_cas.k_cache = L->k_cache;
+                layer_cas.v_cache = L->v_cache;
+                cascade_phases(&layer_cas, tid);
             }
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)

@@ -37,8 +37,8 @@ _lib = Library("decode_step", {
     "tm_decode_step_abi": ([], _I64),
     "tm_decode_step": ([ctypes.POINTER(ModelRecord), _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
                         _I64], _I64),
-    "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
-                         _PTR, _PTR, _I64], _I64),
+    "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64,
+                         _PTR, _PTR, _PTR, _I64], _I64),
 })
 
 
@@ -63,13 +63,17 @@ def step(model: ModelRecord, token: int, pos: int, slot: int, table: torch.Tenso
 
 def step_batch(model: ModelRecord, tokens: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-               hidden_out: torch.Tensor, logits: torch.Tensor | None) -> int:
+               hidden_out: torch.Tensor, logits: torch.Tensor | None,
+               shared_blocks: int = 0) -> int:
     """One token for each of B sequences through every layer, the final norm and (with
     `logits`) the LM head. tokens, positions, slots, seq_lens: (B,) int64 contiguous;
-    tables (B, width) int32 contiguous, the block-table rows; hidden_out (B, hidden)
-    bf16; logits (B, vocab) fp32. Returns the kernel's code, as `step`."""
+    tables (B, width) int32 contiguous, the block-table rows; shared_blocks: 0, or the
+    leading blocks every row's table has in common, attended once for all rows (the cpu
+    backend's cascade, same bits); hidden_out (B, hidden) bf16; logits (B, vocab) fp32.
+    Returns the kernel's code, as `step`."""
     fn = _lib.get("tm_decode_batch")
     return fn(ctypes.byref(model), tokens.shape[0], tokens.data_ptr(), positions.data_ptr(),
-              slots.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
+              slots.data_ptr(), tables.data_ptr(), tables.shape[1], shared_blocks,
+              seq_lens.data_ptr(),
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
               torch.get_num_threads())

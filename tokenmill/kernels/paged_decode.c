@@ -1168,6 +1168,104 @@ static void shared_chunk(const chunk_t *chunk, int64_t kh, float *ws, float *po,
     chunk_values_generic(c, S, po);
 }
 
+/* The work of tm_cascade_decode_bf16 (below) for the threads of an enclosing parallel
+ * region, each calling it with its thread number: the shared chunks' parts, then each
+ * (sequence, kv head)'s own blocks merged with them. Two orphaned worksharing loops, each
+ * ending in a barrier. Its arguments checked and the scratch laid out by the caller. */
+typedef struct {
+    const uint16_t *q;
+    int64_t q_stride;
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride, shared_blocks;
+    const int32_t *lens;
+    int64_t B, H, KVH, NB, BS, D, max_len;
+    float scale;
+    float *out;         /* (B, H, D) fp32, or NULL */
+    uint16_t *out_bf16; /* (B, H, D) bf16, or NULL */
+    float *scratch;
+    cascade_layout_t L;
+} cascade_t;
+
+static void cascade_phases(const cascade_t *a, int tid) {
+    const cascade_layout_t L = a->L;
+    const int64_t G = a->H / a->KVH, D = a->D, H = a->H, NB = a->NB, BS = a->BS;
+    const int64_t P = a->shared_blocks * BS, items = a->KVH * L.nch, max_len = a->max_len;
+    float *scratch = a->scratch;
+    float *part_o = scratch + L.own, *part_m = part_o + items * L.NQP * D;
+    float *part_l = part_m + items * L.NQP, *thread_ws = scratch + L.own + L.parts;
+    float *ws = thread_ws + (int64_t)tid * L.per_thread;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t kh = item / L.nch, t0 = (item % L.nch) * L.CH;
+        const chunk_t c = {a->q, a->q_stride, G, D, BS, L.NQ, L.NQP,
+                           a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
+                           a->tables, t0, P - t0 < L.CH ? P - t0 : L.CH, a->scale, NULL};
+        shared_chunk(&c, kh, ws, part_o + item * L.NQP * D, part_m + item * L.NQP,
+                     part_l + item * L.NQP, -1);
+    }
+    /* the implicit barrier: every chunk's part is written before any merge */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < a->B * a->KVH; item++) {
+        const int64_t b = item / a->KVH, kh = item % a->KVH;
+        item_t it = {a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
+                     a->tables + b * a->table_stride + a->shared_blocks, a->lens[b], BS, D, G,
+                     max_len, a->scale, NULL, NULL, NULL, NULL, NULL};
+        float *s = scratch + (b * H + kh * G) * max_len;
+        float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
+        float mx[MAX_GROUP], sum[MAX_GROUP];
+        attend_item(&it, a->q + b * a->q_stride + kh * G * D, s, acc, mx, sum);
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t n = b * G + g;
+            float top = mx[g];
+            for (int64_t ci = 0; ci < L.nch; ci++) {
+                const float m = part_m[(kh * L.nch + ci) * L.NQP + n];
+                top = m > top ? m : top;
+            }
+            float *ag = acc + g * D;
+            const float w_own = expf(mx[g] - top);
+            float denom = sum[g] * w_own;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ag[d] *= w_own;
+            for (int64_t ci = 0; ci < L.nch; ci++) {
+                const int64_t pi = (kh * L.nch + ci) * L.NQP + n;
+                const float w = expf(part_m[pi] - top);
+                const float *po = part_o + pi * D;
+                denom += part_l[pi] * w;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += w * po[d];
+            }
+            const float inv = 1.0f / denom;
+            const int64_t o = (b * H + kh * G + g) * D;
+            if (a->out_bf16) {
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a->out_bf16[o + d] = f32_to_bf16(ag[d] * inv);
+            } else {
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a->out[o + d] = ag[d] * inv;
+            }
+        }
+    }
+}
+
+/* tm_cascade_decode_bf16's checks of its inputs, and its scratch laid out in *a:
+ * 0, or -1 for inputs it does not take */
+static int cascade_setup(cascade_t *a, int64_t scratch_floats, int64_t num_threads) {
+    const int64_t B = a->B, H = a->H, KVH = a->KVH, D = a->D, BS = a->BS;
+    if (KVH <= 0 || H % KVH != 0 || D > MAX_D || D % 2 || (H / KVH) * D > MAX_GROUP_DIM ||
+        H / KVH > MAX_GROUP || num_threads < 1 || a->shared_blocks < 1 || BS < 1 || B < 1 ||
+        a->table_stride < a->shared_blocks)
+        return -1;
+    for (int64_t b = 0; b < B; b++) {
+        if (a->lens[b] < 1 || a->lens[b] > a->max_len) return -1;
+        for (int64_t j = 0; j < a->shared_blocks; j++)
+            if (a->tables[b * a->table_stride + j] != a->tables[j]) return -1;
+    }
+    a->L = cascade_layout(B, H, KVH, D, BS, a->shared_blocks, a->max_len, num_threads);
+    if (scratch_floats < a->L.own + a->L.parts + num_threads * a->L.per_thread) return -1;
+    return 0;
+}
+
 /* q: (B, H, D) bf16, rows q_stride elements apart; tables: (B, table_stride) int32 whose
  * first shared_blocks entries are the same in every row. Sequence b attends to those
  * shared_blocks * BS tokens, then to its own lens[b] tokens in tables[b][shared_blocks:].
@@ -1180,78 +1278,11 @@ int tm_cascade_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale,
                            float *out, uint16_t *out_bf16, float *scratch,
                            int64_t scratch_floats, int64_t max_len, int64_t num_threads) {
-    if (KVH <= 0 || H % KVH != 0 || D > MAX_D || D % 2 || (H / KVH) * D > MAX_GROUP_DIM ||
-        H / KVH > MAX_GROUP || num_threads < 1 || shared_blocks < 1 || BS < 1 || B < 1 ||
-        table_stride < shared_blocks)
-        return -1;
-    const int64_t G = H / KVH;
-    for (int64_t b = 0; b < B; b++) {
-        if (lens[b] < 1 || lens[b] > max_len) return -1;
-        for (int64_t j = 0; j < shared_blocks; j++)
-            if (tables[b * table_stride + j] != tables[j]) return -1;
-    }
-    const cascade_layout_t L =
-        cascade_layout(B, H, KVH, D, BS, shared_blocks, max_len, num_threads);
-    if (scratch_floats < L.own + L.parts + num_threads * L.per_thread) return -1;
-    const int64_t P = shared_blocks * BS, items = KVH * L.nch;
-    float *part_o = scratch + L.own, *part_m = part_o + items * L.NQP * D;
-    float *part_l = part_m + items * L.NQP, *thread_ws = scratch + L.own + L.parts;
-
+    cascade_t a = {q, q_stride, k_cache, v_cache, tables, table_stride, shared_blocks, lens,
+                   B, H, KVH, NB, BS, D, max_len, scale, out, out_bf16, scratch, {0}};
+    if (cascade_setup(&a, scratch_floats, num_threads)) return -1;
 #pragma omp parallel num_threads(num_threads)
-    {
-        float *ws = thread_ws + (int64_t)omp_get_thread_num() * L.per_thread;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t kh = item / L.nch, t0 = (item % L.nch) * L.CH;
-            const chunk_t c = {q, q_stride, G, D, BS, L.NQ, L.NQP,
-                               k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
-                               tables, t0, P - t0 < L.CH ? P - t0 : L.CH, scale, NULL};
-            shared_chunk(&c, kh, ws, part_o + item * L.NQP * D, part_m + item * L.NQP,
-                         part_l + item * L.NQP, -1);
-        }
-        /* the implicit barrier: every chunk's part is written before any merge */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * KVH; item++) {
-            const int64_t b = item / KVH, kh = item % KVH;
-            item_t it = {k_cache + kh * NB * BS * D, v_cache + kh * NB * BS * D,
-                         tables + b * table_stride + shared_blocks, lens[b], BS, D, G, max_len,
-                         scale, NULL, NULL, NULL, NULL, NULL};
-            float *s = scratch + (b * H + kh * G) * max_len;
-            float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
-            float mx[MAX_GROUP], sum[MAX_GROUP];
-            attend_item(&it, q + b * q_stride + kh * G * D, s, acc, mx, sum);
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t n = b * G + g;
-                float top = mx[g];
-                for (int64_t ci = 0; ci < L.nch; ci++) {
-                    const float m = part_m[(kh * L.nch + ci) * L.NQP + n];
-                    top = m > top ? m : top;
-                }
-                float *ag = acc + g * D;
-                const float w_own = expf(mx[g] - top);
-                float denom = sum[g] * w_own;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) ag[d] *= w_own;
-                for (int64_t ci = 0; ci < L.nch; ci++) {
-                    const int64_t pi = (kh * L.nch + ci) * L.NQP + n;
-                    const float w = expf(part_m[pi] - top);
-                    const float *po = part_o + pi * D;
-                    denom += part_l[pi] * w;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) ag[d] += w * po[d];
-                }
-                const float inv = 1.0f / denom;
-                const int64_t o = (b * H + kh * G + g) * D;
-                if (out_bf16) {
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) out_bf16[o + d] = f32_to_bf16(ag[d] * inv);
-                } else {
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) out[o + d] = ag[d] * inv;
-                }
-            }
-        }
-    }
+    cascade_phases(&a, omp_get_thread_num());
     return 0;
 }
 

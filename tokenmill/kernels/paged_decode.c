@@ -1024,8 +1024,9 @@ static inline __attribute__((always_inline)) void chunk_scores_tile8(
     __m256 acc[4][2];
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
-        const __m256 q0 = _mm256_loadu_ps(qf + d * NQP + n0);
-        const __m256 q1 = _mm256_loadu_ps(qf + d * NQP + n0 + 8);
+        __m256 q0 = _mm256_loadu_ps(qf + d * NQP + n0);
+        __m256 q1 = _mm256_loadu_ps(qf + d * NQP + n0 + 8);
+        __asm__("" : "+x"(q0), "+x"(q1)); /* held in registers (see chunk_values_tile8) */
         for (int i = 0; i < T; i++) {
             const __m256 k = _mm256_broadcast_ss(rf + (t0 + i) * D + d);
             acc[i][0] = _mm256_fmadd_ps(q0, k, acc[i][0]);
@@ -1039,11 +1040,13 @@ static inline __attribute__((always_inline)) void chunk_scores_tile8(
     }
 }
 
-/* the chunk's rows of pool (K or V) as fp32 into rf (n, D) */
-static void chunk_rows_f32(const chunk_t *c, const uint16_t *pool, float *rf) {
-    for (int64_t t = 0; t < c->n; t++) {
+/* the chunk's rows ta .. tb of pool (K or V) as fp32 into rf (tb - ta, D) */
+static void chunk_rows_f32(const chunk_t *c, const uint16_t *pool, int64_t ta, int64_t tb,
+                           float *rf) {
+    for (int64_t t = ta; t < tb; t++) {
         const uint16_t *r = prefix_row(c, pool, t);
-        for (int64_t d = 0; d < c->D; d += 8) _mm256_storeu_ps(rf + t * c->D + d, f32x8(r + d));
+        for (int64_t d = 0; d < c->D; d += 8)
+            _mm256_storeu_ps(rf + (t - ta) * c->D + d, f32x8(r + d));
     }
 }
 
@@ -1054,7 +1057,7 @@ static void chunk_scores_avx2(const chunk_t *c, int64_t kh, float *qf, float *rf
         const uint16_t *qr = query_row(c, kh, n);
         for (int64_t d = 0; d < D; d++) qf[d * NQP + n] = bf16_to_f32(qr[d]);
     }
-    chunk_rows_f32(c, c->k, rf);
+    chunk_rows_f32(c, c->k, 0, c->n, rf);
     for (int64_t t0 = 0; t0 < c->n; t0 += 4) {
         const int64_t T = c->n - t0 < 4 ? c->n - t0 : 4;
         for (int64_t n0 = 0; n0 < NQP; n0 += 16) {
@@ -1066,16 +1069,23 @@ static void chunk_scores_avx2(const chunk_t *c, int64_t kh, float *qf, float *rf
     }
 }
 
-/* po rows n0 .. n0 + Q, dims d0 .. d0 + 32 */
+/* po rows n0 .. n0 + Q, dims d0 .. d0 + 32, the sums over tokens ta .. tb (their V rows in
+ * rf from row 0) added to what po holds (from zero at ta = 0): the same multiply-adds in
+ * the same order either way */
 static inline __attribute__((always_inline)) void chunk_values_tile8(
-    const chunk_t *c, const float *P, const float *rf, int64_t n0, int64_t d0, float *po, int Q) {
+    const chunk_t *c, const float *P, const float *rf, int64_t n0, int64_t d0, float *po, int Q,
+    int64_t ta, int64_t tb) {
     const int64_t D = c->D, NQP = c->NQP;
     __m256 acc[2][4];
     for (int j = 0; j < Q; j++)
-        for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < c->n; t++) {
+        for (int v = 0; v < 4; v++)
+            acc[j][v] = ta ? _mm256_loadu_ps(po + (n0 + j) * D + d0 + 8 * v) : _mm256_setzero_ps();
+    for (int64_t t = ta; t < tb; t++) {
         __m256 r[4];
-        for (int v = 0; v < 4; v++) r[v] = _mm256_loadu_ps(rf + t * D + d0 + 8 * v);
+        for (int v = 0; v < 4; v++) r[v] = _mm256_loadu_ps(rf + (t - ta) * D + d0 + 8 * v);
+        /* loaded once into registers: gcc otherwise folds the load into every query's
+         * multiply-add, twice the loads from a buffer that outgrows L1 */
+        __asm__("" : "+x"(r[0]), "+x"(r[1]), "+x"(r[2]), "+x"(r[3]));
         for (int j = 0; j < Q; j++) {
             const __m256 p = _mm256_broadcast_ss(P + t * NQP + n0 + j);
             for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(p, r[v], acc[j][v]);
@@ -1085,13 +1095,20 @@ static inline __attribute__((always_inline)) void chunk_values_tile8(
         for (int v = 0; v < 4; v++) _mm256_storeu_ps(po + (n0 + j) * D + d0 + 8 * v, acc[j][v]);
 }
 
+/* tokens a block at a time, so that the block's V rows (fp32) and weights stay in L1
+ * while every tile of queries and dims passes over them */
+#define VALUES_TOKENS 32
+
 static void chunk_values_avx2(const chunk_t *c, const float *P, float *rf, float *po) {
-    chunk_rows_f32(c, c->v, rf);
-    for (int64_t n0 = 0; n0 < c->NQ; n0 += 2)
-        for (int64_t d0 = 0; d0 < c->D; d0 += 32) {
-            if (c->NQ - n0 >= 2) chunk_values_tile8(c, P, rf, n0, d0, po, 2);
-            else chunk_values_tile8(c, P, rf, n0, d0, po, 1);
-        }
+    for (int64_t ta = 0; ta < c->n; ta += VALUES_TOKENS) {
+        const int64_t tb = c->n - ta < VALUES_TOKENS ? c->n : ta + VALUES_TOKENS;
+        chunk_rows_f32(c, c->v, ta, tb, rf);
+        for (int64_t n0 = 0; n0 < c->NQ; n0 += 2)
+            for (int64_t d0 = 0; d0 < c->D; d0 += 32) {
+                if (c->NQ - n0 >= 2) chunk_values_tile8(c, P, rf, n0, d0, po, 2, ta, tb);
+                else chunk_values_tile8(c, P, rf, n0, d0, po, 1, ta, tb);
+            }
+    }
 }
 #endif
 

@@ -265,17 +265,19 @@ static inline __attribute__((always_inline)) void q8_group(
 }
 #elif TM_AVX2
 /* dots (int32, one lane per row) of the 8 rows in a[0..n) (each chunk 8 rows x 4
- * unsigned bytes) with activation bytes xb[4c..4c+4) broadcast, c = 0..n: the int16
- * pair sums of every chunk added in int16 (no saturation, see above), then widened. */
+ * unsigned bytes) with activation bytes xb[4c..4c+4) broadcast, c = 0..n (n even): the
+ * int16 pair sums of every chunk added in int16 (no saturation, see above: every partial
+ * sum of k chunks is within k times a pair's bound, so any order gives the same exact
+ * sum), even and odd chunks in two chains, then widened. */
 static inline __attribute__((always_inline)) __m256i dots8(const __m256i *a, const int8_t *xb,
                                                            int n) {
-    __m256i s = _mm256_setzero_si256();
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < n; c++) {
         int32_t v;
         memcpy(&v, xb + 4 * c, 4);
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(a[c], _mm256_set1_epi32(v)));
+        s[c & 1] = _mm256_add_epi16(s[c & 1], _mm256_maddubs_epi16(a[c], _mm256_set1_epi32(v)));
     }
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_set1_epi16(1));
 }
 
 /* 1-2 activation rows a pass: both halves of a group per block (see below) */
@@ -383,15 +385,20 @@ static inline __attribute__((always_inline)) void q8_group_both(
  * planes) beside 2 accumulators a row, and from 3 rows on nearly everything spills to
  * the stack. So for 3 rows or more a pass, the AVX2 groups run one half (8 output rows,
  * a ymm lane each) at a time over the blocks, at most 4 activation rows a pass (MR is
- * 4 with AVX2): a Q4 half's 8 weight registers, 4 accumulators and the temporaries fit.
+ * 4 with AVX2), a chunk of 4 inputs at a time: one weight register, and each row's
+ * (and plane's) sum in its own register, so the rows' chains of adds interleave. Q8
+ * weights multiply 16-bit words (vpmaddwd) instead of bytes: they need no nibble planes.
  * One step's linears (benchmarks/q4q8_step.py, Zen 3, 2 threads): 16 rows 43.0 -> 36.5
- * ms, 48 rows 125 -> 106 ms; at 1-2 rows the halves lose (the activations' broadcasts,
- * shared by both halves above, run twice: 1 row 4.9 -> 9.5 ms), so those keep the
- * versions above. The integer sums are the same exact values in any order and each
- * row's fp32 steps are unchanged, so every version gives the same bits. */
+ * ms (halves), -> 28.4 ms (chunk order, Q8 on words: the LM head is a fifth of the
+ * multiply-adds and was a third of the time); at 1-2 rows the halves lose (the
+ * activations' broadcasts, shared by both halves above, run twice: 1 row 4.9 -> 9.5
+ * ms), so those keep the versions above. The integer sums are the same exact values in
+ * any order and each row's fp32 steps are unchanged, so every version gives the same
+ * bits. */
 
-/* Q4, rows 8h..8h+8: a[0..4) the low nibbles (inputs 4c..4c+4) and a[4..8) the high
- * ones (inputs 16 + 4c..), so one dots8 over 8 chunks is a row's block dot */
+/* Q4, rows 8h..8h+8, a chunk at a time: its 8 rows x 4 bytes unpacked once (the low
+ * nibbles inputs 4c..4c+4, the high ones 16 + 4c..), then every row's and plane's int16
+ * sum in a register of its own; then the fp32 steps a row */
 static inline __attribute__((always_inline)) void q4_half(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, int mr, int planes, int pf, int h, float *out) {
@@ -403,19 +410,32 @@ static inline __attribute__((always_inline)) void q4_half(
         if (pf)
             for (int l = 0; l < Q4_RECORD; l += 64)
                 _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
-        __m256i a[8];
+        __m256i sum16[MR][2];
+        for (int i = 0; i < mr; i++) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
+        const int8_t *xb = q + b * QK;
         for (int c = 0; c < 4; c++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-            a[c] = _mm256_and_si256(w, low);
-            a[4 + c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            for (int hi = 0; hi < 2; hi++) {
+                const __m256i wc = hi ? _mm256_and_si256(_mm256_srli_epi16(w, 4), low)
+                                      : _mm256_and_si256(w, low);
+                const int cc = c + 4 * hi;
+                for (int i = 0; i < mr; i++)
+                    for (int p = 0; p < planes; p++) {
+                        int32_t v;
+                        memcpy(&v, xb + i * K + p * plane + 4 * cc, 4);
+                        sum16[i][p] = _mm256_add_epi16(
+                            sum16[i][p], _mm256_maddubs_epi16(wc, _mm256_set1_epi32(v)));
+                    }
+            }
         }
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
         const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+        const __m256i ones = _mm256_set1_epi16(1);
         for (int i = 0; i < mr; i++) {
-            const int8_t *xb = q + i * K + b * QK;
-            __m256i dot = dots8(a, xb, 8);
+            __m256i dot = _mm256_madd_epi16(sum16[i][0], ones);
             if (planes == 2)
-                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dots8(a, xb + plane, 8));
+                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
+                                       _mm256_madd_epi16(sum16[i][1], ones));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                      _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])), acc[i]);
             acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(s[i * nb + b]), acc[i]);
@@ -435,49 +455,63 @@ static inline __attribute__((always_inline)) void q4_group(
     q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out);
 }
 
-/* Q8, rows 8h..8h+8: the bytes u = q + 128 split as u = 16 hi + lo, so sum(u v) =
- * 16 sum(hi v) + sum(lo v) (int16 pair sums bounded as Q4's), then - 128 sum(v) as in the
- * VNNI version. A block's 8 chunks run in two passes of 4 (the 4 chunks' lo and hi
- * planes are the 8 weight registers), the first pass's int32 sums kept in `part`. */
-static inline __attribute__((always_inline)) __m256i q8_dots4(const __m256i *lo,
-                                                              const __m256i *hi,
-                                                              const int8_t *xb) {
-    return _mm256_add_epi32(_mm256_slli_epi32(dots8(hi, xb, 4), 4), dots8(lo, xb, 4));
-}
-
+/* Q8, rows 8h..8h+8, on vpmaddwd: each row's 16-bit activations (256 qh + ql, or the
+ * int8 values with one plane) rebuilt as int16 once per block, the record's bytes
+ * u = q + 128 widened to int16 pairs by a byte shuffle, and int32 sums of u v taken 16
+ * products a vpmaddwd (|u v| pair sums <= 2 * 255 * 32767, a block's sum <= 32 * 255 *
+ * 32767: no overflow), then - 128 sum(v) as in the VNNI version: a quarter of the integer
+ * multiplies of vpmaddubsw, which needs u split into nibbles and v into bytes */
 static inline __attribute__((always_inline)) void q8_half(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const int32_t *sum, int mr, int planes, int pf, int h, float *out) {
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q8_RECORD;
+    const __m256i pair01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13,
+                                            -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1,
+                                            13, -1);
+    const __m256i pair23 = _mm256_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1,
+                                            15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1,
+                                            14, -1, 15, -1);
+    /* a block's int16 rows are built one block ahead (a broadcast from a store still in
+     * flight waits for it) */
+    int16_t v16[2][MR][QK] __attribute__((aligned(32)));
+    for (int64_t b = 0; b <= nb; b++) {
+        if (b < nb)
+            for (int i = 0; i < mr; i++)
+                for (int k = 0; k < QK; k += 16) {
+                    const int8_t *xh = q + i * K + b * QK + k;
+                    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
+                    if (planes == 2)
+                        v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
+                            _mm_loadu_si128((const __m128i *)(xh + plane))));
+                    _mm256_store_si256((__m256i *)(v16[b & 1][i] + k), v);
+                }
+        if (b == 0) continue;
+        const int64_t bb = b - 1; /* the block multiplied now */
+        const uint8_t *rec = wg + bb * Q8_RECORD;
         if (pf)
             for (int l = 0; l < Q8_RECORD + 64; l += 64)
                 _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
-        __m256i part[MR][2];
-        for (int cs = 0; cs < 2; cs++) {
-            __m256i lo[4], hi[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i w =
-                    _mm256_loadu_si256((const __m256i *)(rec + 64 * (4 * cs + c) + 32 * h));
-                lo[c] = _mm256_and_si256(w, low);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        const int16_t(*vb)[QK] = v16[bb & 1];
+        __m256i dot[MR];
+        for (int i = 0; i < mr; i++) dot[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+            const __m256i e01 = _mm256_shuffle_epi8(w, pair01), e23 = _mm256_shuffle_epi8(w, pair23);
+            for (int i = 0; i < mr; i++) {
+                int32_t p01, p23;
+                memcpy(&p01, vb[i] + 4 * c, 4);
+                memcpy(&p23, vb[i] + 4 * c + 2, 4);
+                dot[i] = _mm256_add_epi32(
+                    dot[i], _mm256_add_epi32(_mm256_madd_epi16(e01, _mm256_set1_epi32(p01)),
+                                             _mm256_madd_epi16(e23, _mm256_set1_epi32(p23))));
             }
-            for (int i = 0; i < mr; i++)
-                for (int p = 0; p < planes; p++) {
-                    const __m256i t = q8_dots4(lo, hi, q + i * K + b * QK + p * plane + 16 * cs);
-                    part[i][p] = cs ? _mm256_add_epi32(part[i][p], t) : t;
-                }
         }
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
         for (int i = 0; i < mr; i++) {
-            __m256i dot = part[i][0];
-            if (planes == 2) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), part[i][1]);
-            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * sum[i * nb + b]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                     _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])), acc[i]);
+            const __m256i dt = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(128 * sum[i * nb + bb]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),
+                                     _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + bb])), acc[i]);
         }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);

@@ -35,6 +35,7 @@ class _Recorder:
         self.logits: list[torch.Tensor] = []
         self.fused_steps = 0  # batch-1 calls
         self.batch_rows: list[int] = []  # rows of each batched call
+        self.batch_shared: list[int] = []  # and the shared prefix blocks it was given
         runner = engine.runner
         forward, step, step_batch = runner.forward, decode_step.step, decode_step.step_batch
 
@@ -49,6 +50,7 @@ class _Recorder:
 
         def count_batch(model, tokens, *args):
             self.batch_rows.append(tokens.shape[0])
+            self.batch_shared.append(args[-1] if len(args) == 7 else 0)
             return step_batch(model, tokens, *args)
 
         monkeypatch.setattr(runner, "forward", record)
@@ -91,6 +93,15 @@ def test_fused_decode_gives_the_module_paths_tokens_and_logits(engines, method, 
         rec.logits.clear()
 
 
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    """Steps until every request is done: each request's token ids."""
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = list(out.outputs[0].token_ids)
+    return done
+
+
 def _greedy_batch(engine: LLMEngine, prompts: list[str], n: int, fused: bool
                   ) -> dict[str, list[int]]:
     engine.runner.fused_decode.enabled = fused
@@ -98,11 +109,7 @@ def _greedy_batch(engine: LLMEngine, prompts: list[str], n: int, fused: bool
         for i, prompt in enumerate(prompts):  # ragged: 2 to 24 new tokens each
             engine.add_request(str(i), prompt, SamplingParams(
                 temperature=0, max_tokens=max(2, n - 5 * i), ignore_eos=True))
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        return done
+        return _drain(engine)
     finally:
         engine.runner.fused_decode.enabled = True
 
@@ -228,10 +235,7 @@ def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = list(out.outputs[0].token_ids)
+    done = _drain(engine)
     assert max(rec.batch_rows) > 20  # (the 16 MiB cache holds 22 of them at once)
     for i in (0, 13, 23):
         assert done[str(i)] == _greedy(engine, prompts[i], 6, fused=True)
@@ -258,13 +262,7 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_modules_cascade_bits(engine
     for k, v in runner.kv_caches:
         for pool in (k, v):
             pool[:, 1:29] = (torch.randn(pool[:, 1:29].shape, generator=gen) * 0.05).to(pool.dtype)
-    shared_args: list[int] = []
-    step_batch = decode_step.step_batch
-
-    def record(*args):
-        shared_args.append(args[-1])
-        return step_batch(*args)
-    monkeypatch.setattr(decode_step, "step_batch", record)
+    rec = _Recorder(engines["gguf-a16"], monkeypatch)
     ids, pos, rows = torch.arange(n) + 100, torch.tensor(lens) - 1, list(range(n))
     own = tables.clone()
     own[:, 0] = torch.arange(20, 20 + n, dtype=torch.int32)  # no common first block
@@ -278,7 +276,7 @@ def test_rows_sharing_a_prefix_read_it_once_with_the_modules_cascade_bits(engine
         for (k, v), (k0, v0) in zip(runner.kv_caches, saved, strict=True):
             k.copy_(k0)
             v.copy_(v0)
-    assert shared_args == [8, 0]
+    assert rec.batch_shared == [8, 0]
     for a, b in zip(fused, modules, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -293,13 +291,6 @@ def test_a_cached_prefix_gives_the_module_paths_cascade_tokens_and_logits(monkey
     system = ("You are a careful assistant. Answer in one short sentence, plainly, "
               "without lists. ") * 9
     assert len(engine.tokenizer.encode(system)) >= 9 * 16
-    shared_args: list[int] = []
-    step_batch = decode_step.step_batch
-
-    def record(*args):
-        shared_args.append(args[-1])
-        return step_batch(*args)
-    monkeypatch.setattr(decode_step, "step_batch", record)
     rec = _Recorder(engine, monkeypatch)
     questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
 
@@ -308,24 +299,19 @@ def test_a_cached_prefix_gives_the_module_paths_cascade_tokens_and_logits(monkey
         try:
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             engine.add_request("warm", system, SamplingParams(max_tokens=1))
-            while engine.has_unfinished_requests():
-                engine.step()
+            _drain(engine)
             rec.logits.clear()
             for i, q in enumerate(questions):
                 engine.add_request(str(i), system + q, params)
-            done: dict[str, list[int]] = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    done[out.request_id] = list(out.outputs[0].token_ids)
-            return done
+            return _drain(engine)
         finally:
             engine.runner.fused_decode.enabled = True
     fused_ids = run(True)
     fused_logits = list(rec.logits)
-    assert shared_args and min(shared_args) >= 8  # every batched step: the prefix shared
-    shared_args.clear()
+    assert rec.batch_shared and min(rec.batch_shared) >= 8  # every batched step: shared
+    rec.batch_shared.clear()
     module_ids = run(False)
-    assert shared_args == []
+    assert rec.batch_shared == []
     assert fused_ids == module_ids
     assert len(fused_logits) == len(rec.logits)
     for a, b in zip(fused_logits, rec.logits, strict=True):

@@ -340,12 +340,12 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     /* with a shared prefix: the cascade's scratch and the rows' own lengths (int32) */
     cascade_t cas = {NULL, QKV, NULL, NULL, tables, table_stride, shared_blocks, NULL, B, NH,
                      KVH, NB, BS, D, max_own, m->scale, NULL, NULL, NULL, {0}};
+    int64_t cascade_words = 0;
     size_t cascade_bytes = 0;
     if (shared_blocks) {
         cas.L = cascade_layout(B, NH, KVH, D, BS, shared_blocks, max_own, num_threads);
-        cascade_bytes = up64(4 * (size_t)(cas.L.own + cas.L.parts +
-                                          num_threads * cas.L.per_thread)) +
-                        up64(4 * (size_t)B);
+        cascade_words = cascade_floats(&cas.L, num_threads);
+        cascade_bytes = up64(4 * (size_t)cascade_words) + up64(4 * (size_t)B);
     }
     /* the scratch is kept from call to call (one per calling thread), grown when a
      * step needs more: a fresh allocation a step, of a size that changes with the
@@ -378,8 +378,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         cas.lens = own;
         cas.q = qkv;
         cas.out_bf16 = xn; /* (B, NH * D): the o_proj input */
-        if (cascade_setup(&cas, cas.L.own + cas.L.parts + num_threads * cas.L.per_thread,
-                          num_threads))
+        if (cascade_setup(&cas, cascade_words, num_threads))
             return -1; /* tables that differ in the shared blocks */
     }
     for (int64_t r = 0; r < B; r++)

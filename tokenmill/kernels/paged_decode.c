@@ -773,12 +773,17 @@ static cascade_layout_t cascade_layout(int64_t B, int64_t H, int64_t KVH, int64_
     return L;
 }
 
+/* the scratch a cascade call with this layout needs, in fp32 words */
+static inline int64_t cascade_floats(const cascade_layout_t *L, int64_t threads) {
+    return L->own + L->parts + threads * L->per_thread;
+}
+
 int64_t tm_cascade_scratch_floats(int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                   int64_t shared_blocks, int64_t max_len, int64_t num_threads) {
     if (KVH <= 0 || H % KVH != 0 || BS < 1 || shared_blocks < 1 || num_threads < 1) return -1;
     const cascade_layout_t L =
         cascade_layout(B, H, KVH, D, BS, shared_blocks, max_len, num_threads);
-    return L.own + L.parts + num_threads * L.per_thread;
+    return cascade_floats(&L, num_threads);
 }
 
 typedef struct {
@@ -1279,7 +1284,7 @@ static int cascade_setup(cascade_t *a, int64_t scratch_floats, int64_t num_threa
             if (a->tables[b * a->table_stride + j] != a->tables[j]) return -1;
     }
     a->L = cascade_layout(B, H, KVH, D, BS, a->shared_blocks, a->max_len, num_threads);
-    if (scratch_floats < a->L.own + a->L.parts + num_threads * a->L.per_thread) return -1;
+    if (scratch_floats < cascade_floats(&a->L, num_threads)) return -1;
     return 0;
 }
 

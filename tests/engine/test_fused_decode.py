@@ -12,6 +12,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.engine import fused_decode
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import decode_step, q4q8_gemv
+from tokenmill.quant import widened
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (decode_step.available() and q4q8_gemv.available()),
@@ -239,6 +240,37 @@ def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
     assert max(rec.batch_rows) > 20  # (the 16 MiB cache holds 22 of them at once)
     for i in (0, 13, 23):
         assert done[str(i)] == _greedy(engine, prompts[i], 6, fused=True)
+
+
+@pytest.mark.skipif(not widened.available(), reason="gemm16 widens the records on AVX2")
+def test_a_wide_batch_run_as_gemm16_gives_the_per_row_passes_bits(monkeypatch):
+    """With `--batched-linears int16` a fused step of WIDE_MIN_ROWS+ rows runs every
+    linear and the LM head as gemm16 does: the tokens and logits of the same step on
+    the kernel's per-row passes, bit for bit."""
+    engine = small_engine(quantization="gguf-a16", max_num_seqs=24, batched_linears="int16")
+    fd = engine.runner.fused_decode
+    assert fd.record.wide_min_rows == fused_decode.WIDE_MIN_ROWS < 22
+    rec = _Recorder(engine, monkeypatch)
+    prompts = [f"Note {i}: the colour of the sky on a clear summer day is" for i in range(22)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(min_rows: int) -> tuple[dict[str, list[int]], list[torch.Tensor], list[int]]:
+        fd.record.wide_min_rows = min_rows
+        rec.logits.clear()
+        rec.batch_rows.clear()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        return _drain(engine), list(rec.logits), list(rec.batch_rows)
+
+    try:
+        wide, per_row = run(fused_decode.WIDE_MIN_ROWS), run(0)
+    finally:
+        fd.record.wide_min_rows = fused_decode.WIDE_MIN_ROWS
+    assert wide[2] == per_row[2] and max(wide[2]) == 22  # batched calls, 22 rows each
+    assert wide[0] == per_row[0]
+    assert len(wide[1]) == len(per_row[1]) == 6
+    for a, b in zip(wide[1], per_row[1], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_rows_sharing_a_prefix_read_it_once_with_the_modules_cascade_bits(engines,

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.conftest import small_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels import q4q8_gemv
-from tokenmill.quant import Int4Linear
+from tokenmill.quant import Int4Linear, widened
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.sampling_params import SamplingParams
 
@@ -72,3 +73,54 @@ def test_teacher_forced_top1_agrees_with_the_fp32_reference(engines, windows, re
     assert sum(len(w) for w in got.argmax) == 256
     assert got.agreement(ref) >= top1
     assert got.perplexity() == pytest.approx(ref.perplexity(), rel=0.02)
+
+
+@pytest.mark.skipif(not widened.available(), reason="gemm16 widens the records on AVX2")
+def test_int16_batched_linears_score_a_prompt_as_the_per_row_kernel_does():
+    """`--batched-linears int16` (the default for gguf-a16 on AVX2 without native bf16):
+    a prompt's rows (20+) run on the linears' records widened to int16 (gemm16), with
+    the per-row kernel's arithmetic, so every prompt token's logprob and the greedy
+    continuation are those of the per-row kernel, bit for bit (the fp32 weights it
+    replaces gave others)."""
+    engine = small_engine(quantization="gguf-a16", batched_linears="int16")
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert len(linears) == 30 * 4 + 1
+    assert all(isinstance(m.dense, widened.WidenedWeight) and m.dense_min_rows == 20
+               for m in linears)
+    prompt = TEXT.read_text()[:400]  # ~90 tokens: one prompt step of 90 rows
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, logprobs=1)
+
+    def run():
+        engine.add_request("p", prompt, params)
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out = o
+        return ([{t: lp.logprob for t, lp in d.items()} for d in out.prompt_logprobs[1:]],
+                out.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in d.items()} for d in out.outputs[0].logprobs])
+
+    widened_run = run()
+    assert len(widened_run[0]) >= 60
+    saved = [(m.dense, m.dense_min_rows) for m in linears]
+    try:
+        for m in linears:  # every row on the per-row kernel
+            m.dense, m.dense_min_rows = None, None
+        per_row = run()
+    finally:
+        for m, (dense, rows) in zip(linears, saved, strict=True):
+            m.dense, m.dense_min_rows = dense, rows
+    assert widened_run == per_row
+    assert run() == per_row  # and back on the widened weights
+
+
+def test_int16_batched_linears_are_refused_where_they_cannot_run():
+    from tokenmill.quant.model import resolve_batched_linears
+
+    with pytest.raises(ValueError, match="--batched-linears int16.*gguf-a16"):
+        resolve_batched_linears("int16", "gguf", torch.bfloat16)
+    if widened.available():
+        assert resolve_batched_linears("int16", "gguf-a16", torch.bfloat16) == "int16"
+    else:
+        with pytest.raises(ValueError, match="--batched-linears int16 needs"):
+            resolve_batched_linears("int16", "gguf-a16", torch.bfloat16)

@@ -150,6 +150,49 @@ def test_threads_split_rows_without_changing_a_bit():
     assert torch.equal(one, two)
 
 
+def _records(qtype, n, k):
+    codes, scale, zero, repeats, _ = _weights(qtype, n, k)
+    return vnni.repack(codes, scale, zero, repeats)
+
+
+def _batch(rows, k, seed):
+    """rows of activations as a prompt's are: mostly small, a few outlier channels, and
+    a row of zeros (a block whose scale is 0)"""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 7] *= 60
+    x[rows // 2] = 0
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k"), [(100, 96), (576, 1536), (4096, 576)], ids=str)
+def test_many_rows_at_once_give_the_per_row_kernels_bits(qtype, n, k):
+    """gemm16 (a prompt's rows; on AVX2 the records widened to int16 a few groups at a
+    time) sums the same integers in the same fp32 order as the per-row kernel with
+    16-bit activations: equal outputs at tile remainders (tiles of 6 rows), rows split
+    between threads, ragged groups."""
+    packed, fmt = _records(qtype, n, k)
+    for rows in (1, 5, 6, 13, 20, 64, 131):
+        x = _batch(rows, k, rows)
+        for dtype in (torch.bfloat16, torch.float32):
+            want = q4q8_gemv.linear(x, packed, n, fmt, dtype, bits=16)
+            assert torch.equal(q4q8_gemv.gemm16(x, packed, n, fmt, dtype), want)
+
+
+def test_many_rows_split_between_threads_without_changing_a_bit():
+    packed, fmt = _records(Q.Q4_1, 3072, 576)
+    x = _batch(70, 576, 3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q4q8_gemv.gemm16(x, packed, 3072, fmt)
+        torch.set_num_threads(2)
+        two = q4q8_gemv.gemm16(x, packed, 3072, fmt)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 @pytest.mark.parametrize("march, isa", [("x86-64-v3", 1), ("x86-64-v2", 0)])
 def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
     """Built for AVX2 (-march=x86-64-v3: vpmaddubsw dot products) or for plain x86-64
@@ -189,6 +232,14 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
                           y.data_ptr(), 1, 1) == 0
                 assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32,
                                                        bits))
+        # many rows at once (AVX2: widened records), or the per-row loops (plain C)
+        gemm = lib.tm_q4q8_gemm16
+        gemm.argtypes, gemm.restype = q4q8_gemv._lib.signatures["tm_q4q8_gemm16"]
+        x = _batch(29, 96, 2)
+        y = torch.empty(29, 100)
+        assert gemm(x.data_ptr(), 29, 96, packed.data_ptr(), 100, fmt, y.data_ptr(), 1,
+                    2) == 0
+        assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32, 16))
 
 
 @pytest.mark.parametrize("rows", RAGGED_ROWS + [8])

@@ -40,6 +40,7 @@ from tokenmill.models.layers import RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
+from tokenmill.quant.widened import WidenedWeight
 
 logger = logging.getLogger(__name__)
 ENV = "TOKENMILL_FUSED_DECODE"
@@ -53,6 +54,12 @@ ENV = "TOKENMILL_FUSED_DECODE"
 # measures per row (independent of the batch: benchmarks/accuracy.py's decode mode);
 # prompt chunks keep the module path and its dense weights.
 MAX_ROWS = 111
+# From this many rows a fused step runs the linears as gemm16 does when their large-batch
+# path is it (`--batched-linears int16`, AVX2): the kernel's bits, faster than its
+# per-row passes (q4q8_gemv.c). Whole fused steps on the 2-core AVX2 EPYC, per-row ÷
+# gemm16 time (A/B alternating in one process): 1.00 at 8 rows, 1.12 at 16, 1.29 at 24
+# and 48, 1.38 at 64; 12 lies between the tie and the first win.
+WIDE_MIN_ROWS = 12
 
 
 def enabled_by_env() -> bool:
@@ -136,6 +143,7 @@ class FusedDecode:
         self.enabled = True
         self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
         layers = (native.LayerRecord * len(inner.layers))()
+        wide = True  # every linear's large-batch path is gemm16 (widened.py)
         for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             rec.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -144,6 +152,7 @@ class FusedDecode:
                               ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
                 setattr(rec, name, lin.vnni_packed.data_ptr())
                 setattr(rec, f"{name}_fmt", lin.vnni_format)
+                wide = wide and isinstance(lin.dense, WidenedWeight)
             rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
         first = inner.layers[0].self_attn
         head = model.lm_head
@@ -165,6 +174,8 @@ class FusedDecode:
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
             lm_head=head.vnni_packed.data_ptr() if self.lm_head_fused else None,
             lm_head_fmt=head.vnni_format if self.lm_head_fused else 0, layers=layers)
+        if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
+            self.record.wide_min_rows = WIDE_MIN_ROWS
         self.max_rows = MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive

@@ -51,6 +51,10 @@ typedef struct {
     const uint8_t *lm_head;     /* records, vocab rows; NULL: no logits */
     int64_t lm_head_fmt;
     const tm_layer_t *layers;
+    /* batches of this many rows or more (16-bit activations, an AVX2 build) run the
+     * linears as tm_q4q8_gemm16 does (the records widened a few groups at a time): the
+     * same bits; 0: never */
+    int64_t wide_min_rows;
 } tm_model_t;
 
 /* the structs' sizes, for decode_step.py to check its ctypes mirror of them */
@@ -91,6 +95,17 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t 
     share((N + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
     for (int64_t g = g0; g < g1; g++)
         linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
+}
+
+/* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
+ * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
+static inline int linear_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
+                               int64_t bits, int64_t M, const act_t *a, int wide, uint16_t *y,
+                               int tid, int nth) {
+    if (wide)
+        return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, tid, nth);
+    gemv_share(w, fmt, K, N, bits, M, a, y, tid, nth);
+    return 0;
 }
 
 /* query heads q (G, D) of one kv head over its blocks: paged_decode()'s work item, for
@@ -315,6 +330,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         (NH * D) % QK || (m->bits != 8 && m->bits != 16) || shared_blocks < 0 ||
         shared_blocks > table_stride)
         return -1;
+    /* the widened weights' batches (all or none of the linears: one activation layout) */
+    const int wide = TM_AVX2 && m->bits == 16 && m->wide_min_rows > 0 && B >= m->wide_min_rows;
     int64_t max_len = 1, max_own = 1;
     for (int64_t r = 0; r < B; r++) {
         const int64_t len = seq_lens[r];
@@ -384,7 +401,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
-#pragma omp parallel num_threads(num_threads)
+    int failed = 0; /* gemm16 found no scratch for its widened groups */
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         float *scores = (float *)(buf + rows_bytes + act_bytes + (size_t)tid * thread_bytes);
@@ -392,9 +410,12 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         share(B, tid, nth, &r0, &r1);
 /* the rows r0..r1 of the (B, K) linear input xn, quantized in the layout of B rows */
 #define TM_QUANTIZE_MINE(K)                                                           \
-    for (int64_t r = r0; r < r1; r++)                                                 \
-        for (int64_t b = 0; b < (K) / QK; b++)                                        \
-            quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
+    if (wide)                                                                         \
+        quantize16_rows(xn, (K), r0, r1, (int16_t *)act.q, act.d, act.s);             \
+    else                                                                              \
+        for (int64_t r = r0; r < r1; r++)                                             \
+            for (int64_t b = 0; b < (K) / QK; b++)                                    \
+                quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
@@ -409,7 +430,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             /* 2. QKV */
-            gemv_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, qkv, tid, nth);
+            failed |= linear_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, wide, qkv,
+                                   tid, nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -437,7 +459,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
-            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, o_out, tid, nth);
+            failed |= linear_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, wide, o_out,
+                                   tid, nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
             for (int64_t r = r0; r < r1; r++)
@@ -445,14 +468,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                              H, m->eps);
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act, gu, tid, nth);
+            failed |= linear_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act,
+                                   wide, gu, tid, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
-            gemv_share(L->down, L->down_fmt, I, H, m->bits, B, &act, x, tid, nth);
+            failed |= linear_share(L->down, L->down_fmt, I, H, m->bits, B, &act, wide, x,
+                                   tid, nth);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -464,19 +489,28 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (m->lm_head && logits) {
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            int64_t g0, g1;
-            share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
-            for (int64_t g = g0; g < g1; g++) {
-                linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits, act.q,
-                             act.d, act.s, act.sum, logits, 1);
-                const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
-                for (int64_t r = 0; r < B; r++) /* the module path's bf16 output, as float */
-                    for (int64_t j = 0; j < n; j++)
-                        logits[r * m->vocab + g * ROWS + j] =
-                            round_bf16(logits[r * m->vocab + g * ROWS + j]);
+            if (wide) { /* this thread's share is some rows x some groups: rounded after */
+                failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,
+                                       (const int16_t *)act.q, act.d, act.s, logits, 1, tid,
+                                       nth);
+#pragma omp barrier
+                for (int64_t i = r0 * m->vocab; i < r1 * m->vocab; i++)
+                    logits[i] = round_bf16(logits[i]);
+            } else {
+                int64_t g0, g1;
+                share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
+                for (int64_t g = g0; g < g1; g++) {
+                    linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits,
+                                 act.q, act.d, act.s, act.sum, logits, 1);
+                    const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
+                    for (int64_t r = 0; r < B; r++) /* the module path's bf16 output, as float */
+                        for (int64_t j = 0; j < n; j++)
+                            logits[r * m->vocab + g * ROWS + j] =
+                                round_bf16(logits[r * m->vocab + g * ROWS + j]);
+                }
             }
         }
 #undef TM_QUANTIZE_MINE
     }
-    return 0;
+    return failed ? -2 : 0;
 }

@@ -30,7 +30,7 @@ class ModelRecord(ctypes.Structure):
                 ("num_blocks", _I64), ("block_size", _I64), ("max_pos", _I64),
                 ("eps", _F32), ("scale", _F32), ("embed", _PTR), ("cos", _PTR), ("sin", _PTR),
                 ("final_norm", _PTR), ("lm_head", _PTR), ("lm_head_fmt", _I64),
-                ("layers", ctypes.POINTER(LayerRecord))]
+                ("layers", ctypes.POINTER(LayerRecord)), ("wide_min_rows", _I64)]
 
 
 _lib = Library("decode_step", {

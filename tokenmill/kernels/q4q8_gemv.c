@@ -25,6 +25,7 @@
  * Built at first use by tokenmill/kernels/build.py; see q4q8_gemv.py.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,7 +96,10 @@ static inline float half_to_f32(uint16_t h) {
  * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). The AVX-512
  * version computes exactly what the plain one does (the same fp32 products, rounded to
  * nearest even). */
-static inline void quantize_block(const uint16_t *x, int64_t M, int64_t K, int64_t bits,
+/* noipa: one compiled body for every caller (inlined with a constant `bits`, -ffast-math
+ * turned x / 32512 into a product by an inexact reciprocal in one caller and not another) */
+static __attribute__((noipa)) void quantize_block(const uint16_t *x, int64_t M, int64_t K,
+                                                 int64_t bits,
                                   int8_t *q, float *d, float *s, int32_t *sum, int64_t m,
                                   int64_t b) {
     const int64_t nb = K / QK;
@@ -679,4 +683,283 @@ int64_t tm_q4q8_silu_linear(const uint16_t *gate_up, int64_t M, int64_t K, const
     const int64_t rc = tm_q4q8_linear(act, M, K, w, N, format, bits, y, y_f32, num_threads);
     free(act);
     return rc;
+}
+
+/* ---- Many rows at once on AVX2 (prefill, large decode batches), 16-bit activations ----
+ *
+ * The per-row kernel above rebuilds each weight block from its record for every pass of
+ * MR rows (nibbles unpacked, or bytes widened by a shuffle) and multiplies int8 planes.
+ * With many rows the weights are worth widening once per call: a few groups at a time,
+ * each thread widens the records' integers into int16 pairs, per (group, block) 16 pairs
+ * x 16 rows x 2 values (1,024 bytes, L2-resident: pair p of row r at [p][r]), and every
+ * tile of its rows reads them there, so that one vpmaddwd multiplies a pair of inputs for
+ * 8 rows by a row's broadcast pair of int16 activations (v = 256 qh + ql) and sums them
+ * in int32: 16 multiply-adds an instruction, twice the fp32 FMA's 8. (Widened once at
+ * load instead, the weights read from memory triple: slower at decode batches.)
+ * A block's integer sum is exactly sum(q v) (Q4: q in 0..15; Q8: q = byte - 128, the
+ * same value as sum((q + 128) v) - 128 sum(v)), and the fp32 steps are the per-row
+ * kernel's, in the same order: the same bits as tm_q4q8_linear with 16-bit activations.
+ * Builds without AVX2 (or with AVX512-VNNI) run tm_q4q8_linear itself. */
+#define PANEL_BLOCK_VALUES (QK * ROWS)   /* int16 values per (group, block) */
+#ifndef GEMM_MT
+#define GEMM_MT 6                        /* activation rows a tile */
+#endif
+#ifndef GEMM_GROUPS
+#define GEMM_GROUPS 4                    /* groups a pass over the rows */
+#endif
+
+#if TM_AVX2
+/* group g's blocks b0..b1 of w, widened into out (PANEL_BLOCK_VALUES a block): the bytes of
+ * a row's 4 inputs in a chunk become int16 pairs by a byte shuffle that zero-extends */
+static inline void widen_group(const uint8_t *wg, int64_t format, int64_t nb, int16_t *out) {
+    const __m256i pair01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13,
+                                            -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1,
+                                            13, -1);
+    const __m256i pair23 = _mm256_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1,
+                                            15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1,
+                                            14, -1, 15, -1);
+    const __m256i low = _mm256_set1_epi8(0x0f), c128 = _mm256_set1_epi16(128);
+    for (int64_t b = 0; b < nb; b++) {
+        int16_t *o = out + b * PANEL_BLOCK_VALUES;
+        if (format == FMT_Q8) { /* chunk c: inputs 4c..4c+4, bytes q + 128 */
+            const uint8_t *rec = wg + b * Q8_RECORD;
+            for (int c = 0; c < 8; c++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+                    _mm256_store_si256((__m256i *)(o + (2 * c) * 2 * ROWS + ROWS * h),
+                                       _mm256_sub_epi16(_mm256_shuffle_epi8(w, pair01), c128));
+                    _mm256_store_si256((__m256i *)(o + (2 * c + 1) * 2 * ROWS + ROWS * h),
+                                       _mm256_sub_epi16(_mm256_shuffle_epi8(w, pair23), c128));
+                }
+        } else { /* chunk c: low nibbles inputs 4c..4c+4, high ones 16 + 4c.. */
+            const uint8_t *rec = wg + b * Q4_RECORD;
+            for (int c = 0; c < 4; c++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+                    const __m256i lo = _mm256_and_si256(w, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    _mm256_store_si256((__m256i *)(o + (2 * c) * 2 * ROWS + ROWS * h),
+                                       _mm256_shuffle_epi8(lo, pair01));
+                    _mm256_store_si256((__m256i *)(o + (2 * c + 1) * 2 * ROWS + ROWS * h),
+                                       _mm256_shuffle_epi8(lo, pair23));
+                    _mm256_store_si256((__m256i *)(o + (8 + 2 * c) * 2 * ROWS + ROWS * h),
+                                       _mm256_shuffle_epi8(hi, pair01));
+                    _mm256_store_si256((__m256i *)(o + (9 + 2 * c) * 2 * ROWS + ROWS * h),
+                                       _mm256_shuffle_epi8(hi, pair23));
+                }
+        }
+    }
+}
+
+/* quantize_block's 16-bit values of one block, as int16 (not planes), in AVX2: the same
+ * fp32 steps (an exact division each, the product by the reciprocal, round to nearest
+ * even, the clamp), so the same values, d and s */
+static inline void quantize_block16(const uint16_t *xb, int16_t *v, float *d, float *s) {
+    __m256 f[4];
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) {
+        f[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + 8 * i))), 16));
+        amax = _mm256_max_ps(amax, _mm256_and_ps(f[i], nosign));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    /* _mm_div_ss: a division gcc keeps as written under -ffast-math (a plain one by the
+     * constant 32512 it may turn into a product by an inexact reciprocal) */
+    const float dd = _mm_cvtss_f32(_mm_div_ss(m4, _mm_set_ss(32512.0f)));
+    const float id = dd > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_set_ss(dd)))
+                               : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(32512.0f),
+                 lo = _mm256_set1_ps(-32512.0f);
+    __m256i tot = _mm256_setzero_si256(), iv[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(f[i], vid),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        iv[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+        tot = _mm256_add_epi32(tot, iv[i]);
+    }
+    /* packs works within 128-bit lanes: the 64-bit quarters back in order */
+    for (int i = 0; i < 2; i++)
+        _mm256_storeu_si256((__m256i *)(v + 16 * i), _mm256_permute4x64_epi64(
+            _mm256_packs_epi32(iv[2 * i], iv[2 * i + 1]), 0xd8));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    const int32_t total = _mm_cvtsi128_si32(t4);
+    *d = dd;
+    *s = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(dd), _mm_set_ss((float)total)));
+}
+
+/* acc + dot wd dx: a block's step of the per-row kernel (q4_half, q8_half) */
+static inline __m256 scaled_dot(__m256 acc, __m256i dot, __m256 wd, __m256 dx) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, dx), acc);
+}
+
+/* rows m..m+mt of y's group (16 outputs) into out[mt][16]: v (mt rows of K int16, row
+ * stride K), d and s of those rows (stride nb) */
+static inline __attribute__((always_inline)) void gemm16_tile(
+    const int16_t *pg, const uint8_t *wg, int64_t nb, int64_t K, int64_t format,
+    const int16_t *v, const float *d, const float *s, int mt, float *out) {
+    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    __m256 acc[GEMM_MT][2];
+    for (int t = 0; t < mt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t *pb = pg + b * PANEL_BLOCK_VALUES;
+        __m256i dot[GEMM_MT][2];
+        for (int t = 0; t < mt; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+        for (int p = 0; p < QK / 2; p++) {
+            __m256i w0 = _mm256_load_si256((const __m256i *)(pb + p * 2 * ROWS));
+            __m256i w1 = _mm256_load_si256((const __m256i *)(pb + p * 2 * ROWS + ROWS));
+            /* in registers: gcc folds them into every vpmaddwd, a load each */
+            __asm__("" : "+x"(w0), "+x"(w1));
+            for (int t = 0; t < mt; t++) {
+                float pair; /* a float broadcast: a load, no shuffle (the same 32 bits) */
+                memcpy(&pair, v + t * K + b * QK + 2 * p, 4);
+                const __m256i x = _mm256_castps_si256(_mm256_set1_ps(pair));
+                dot[t][0] = _mm256_add_epi32(_mm256_madd_epi16(w0, x), dot[t][0]);
+                dot[t][1] = _mm256_add_epi32(_mm256_madd_epi16(w1, x), dot[t][1]);
+                __asm__("" : "+x"(dot[t][0]), "+x"(dot[t][1]));
+            }
+        }
+        const uint8_t *rec = wg + b * record;
+        const int64_t doff = format == FMT_Q8 ? 512 : 256;
+        const __m256 wd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff)));
+        const __m256 wd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff + 16)));
+        if (format == FMT_Q8) {
+            for (int t = 0; t < mt; t++) {
+                const __m256 dx = _mm256_set1_ps(d[t * nb + b]);
+                acc[t][0] = scaled_dot(acc[t][0], dot[t][0], wd0, dx);
+                acc[t][1] = scaled_dot(acc[t][1], dot[t][1], wd1, dx);
+            }
+        } else {
+            const __m256 wm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288)));
+            const __m256 wm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 304)));
+            for (int t = 0; t < mt; t++) {
+                const __m256 dx = _mm256_set1_ps(d[t * nb + b]), sx = _mm256_set1_ps(s[t * nb + b]);
+                acc[t][0] = _mm256_fmadd_ps(wm0, sx, scaled_dot(acc[t][0], dot[t][0], wd0, dx));
+                acc[t][1] = _mm256_fmadd_ps(wm1, sx, scaled_dot(acc[t][1], dot[t][1], wd1, dx));
+            }
+        }
+    }
+    store_halves(acc, mt, out);
+}
+/* this thread's share (of nth) of y (M, N) = the activations v, d, s (quantize16_rows'
+ * layout for M rows of K) times w's records and their widened integers */
+static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int64_t N,
+                               int64_t M, const int16_t *v, const float *d, const float *s,
+                               void *y, int64_t y_f32, int tid, int nth) {
+    const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
+    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    const int64_t tiles = (M + GEMM_MT - 1) / GEMM_MT;
+    /* each thread its share of the rows (when they make 2+ tiles a thread; else of
+     * the groups), a few groups at a time for every tile of them: the tile's
+     * activations stay in L1 across the few groups, their panels in L2 */
+    const int64_t parts = tiles >= 2 * nth ? nth : 1;
+    const int64_t gsize = parts > 1 ? GEMM_GROUPS : 1;
+    const int64_t gblocks = (groups + gsize - 1) / gsize;
+    const int64_t units = parts * gblocks;
+    /* the widened groups: a buffer per thread, kept from call to call */
+    static __thread int16_t *panel = NULL;
+    static __thread size_t panel_bytes = 0;
+    const size_t need = (size_t)(gsize * nb * PANEL_BLOCK_VALUES) * sizeof(int16_t);
+    if (units * (tid + 1) / nth > units * tid / nth && need > panel_bytes) {
+        int16_t *fresh = aligned_alloc(64, need);
+        if (!fresh) return -1;
+        free(panel);
+        panel = fresh;
+        panel_bytes = need;
+    }
+    for (int64_t u = units * tid / nth; u < units * (tid + 1) / nth; u++) {
+        const int64_t part = u / gblocks, g0 = u % gblocks * gsize;
+        const int64_t g1 = g0 + gsize < groups ? g0 + gsize : groups;
+        const int64_t t0 = part * tiles / parts, t1 = (part + 1) * tiles / parts;
+        for (int64_t g = g0; g < g1; g++)
+            widen_group(w + g * nb * record, format, nb,
+                        panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+        for (int64_t tile = t0; tile < t1; tile++) {
+            const int64_t m0 = tile * GEMM_MT, mt = M - m0 < GEMM_MT ? M - m0 : GEMM_MT;
+            const int16_t *vm = v + m0 * K;
+            const float *dm = d + m0 * nb, *sm = s + m0 * nb;
+            for (int64_t g = g0; g < g1; g++) {
+                const int16_t *pg = panel + (g - g0) * nb * PANEL_BLOCK_VALUES;
+                const uint8_t *wg = w + g * nb * record;
+                float out[GEMM_MT * ROWS];
+                switch (mt) {
+#define TM_TILE(n) gemm16_tile(pg, wg, nb, K, format, vm, dm, sm, n, out)
+                case 1: TM_TILE(1); break;
+                case 2: if (GEMM_MT > 2) TM_TILE(2); break;
+                case 3: if (GEMM_MT > 3) TM_TILE(3); break;
+                case 4: if (GEMM_MT > 4) TM_TILE(4); break;
+                case 5: if (GEMM_MT > 5) TM_TILE(5); break;
+                default: TM_TILE(GEMM_MT); break;
+#undef TM_TILE
+                }
+                const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
+                for (int64_t i = 0; i < mt; i++) {
+                    const int64_t at = (m0 + i) * N + g * ROWS;
+                    if (y_f32) {
+                        memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
+                    } else {
+                        uint16_t *yr = (uint16_t *)y + at;
+                        for (int64_t r = 0; r < rows; r++)
+                            yr[r] = f32_to_bf16(out[i * ROWS + r]);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* rows r0..r1 of x (rows of K) quantized as quantize_block16 does, into v, d, s */
+static inline void quantize16_rows(const uint16_t *x, int64_t K, int64_t r0, int64_t r1,
+                                   int16_t *v, float *d, float *s) {
+    const int64_t nb = K / QK;
+    for (int64_t i = r0 * nb; i < r1 * nb; i++)
+        quantize_block16(x + i * QK, v + i * QK, d + i, s + i);
+}
+#else
+/* never called without AVX2 (the callers run the per-row kernel instead) */
+static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int64_t N,
+                               int64_t M, const int16_t *v, const float *d, const float *s,
+                               void *y, int64_t y_f32, int tid, int nth) {
+    (void)w, (void)format, (void)K, (void)N, (void)M, (void)v, (void)d, (void)s, (void)y;
+    (void)y_f32, (void)tid, (void)nth;
+    return -1;
+}
+static inline void quantize16_rows(const uint16_t *x, int64_t K, int64_t r0, int64_t r1,
+                                   int16_t *v, float *d, float *s) {
+    (void)x, (void)K, (void)r0, (void)r1, (void)v, (void)d, (void)s;
+}
+#endif
+
+/* y (M, N) = x (M, K) bf16 times w (records) with 16-bit activations, many rows at once:
+ * tm_q4q8_linear's result, bit for bit. Returns as tm_q4q8_linear does. */
+int64_t tm_q4q8_gemm16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                       int64_t format, void *y, int64_t y_f32, int64_t num_threads) {
+#if !TM_AVX2
+    return tm_q4q8_linear(x, M, K, w, N, format, 16, y, y_f32, num_threads);
+#else
+    if (K % QK || M < 0 || N < 0) return -1;
+    const int64_t nb = K / QK;
+    const size_t vbytes = ((size_t)(2 * M * K) + 63) & ~(size_t)63;
+    const size_t bytes = (vbytes + (size_t)(M * nb) * 8 + 63) & ~(size_t)63;
+    char *scratch = aligned_alloc(64, bytes ? bytes : 64);
+    if (!scratch) return -1;
+    int16_t *v = (int16_t *)scratch; /* the activations, (M, K) */
+    float *d = (float *)(scratch + vbytes), *s = d + M * nb;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * nb; i++)
+            quantize_block16(x + i * QK, v + i * QK, d + i, s + i);
+        failed |= gemm16_share(w, format, K, N, M, v, d, s, y, y_f32, omp_get_thread_num(),
+                               omp_get_num_threads()) != 0;
+    }
+    free(scratch);
+    return failed ? -1 : 0;
+#endif
 }

@@ -23,6 +23,7 @@ _lib = Library("q4q8_gemv", {
     "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
     "tm_q4q8_silu_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
                             _I64),
+    "tm_q4q8_gemm16": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64], _I64),
 })
 
 FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
@@ -105,3 +106,19 @@ def linear(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,
     rc = fn(x2d.data_ptr(), m, k, packed.data_ptr(), out_features, fmt, bits, y.data_ptr(),
             out_dtype == torch.float32, torch.get_num_threads())
     return y if rc == 0 else None
+
+
+
+def gemm16(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`linear(x2d, packed, ..., bits=16)`, bit for bit, for many rows: on AVX2 the
+    records widened to int16 a few groups at a time, 16 multiply-adds a vpmaddwd
+    (q4q8_gemv.c). The caller guarantees x2d (M, K) bf16 contiguous on the CPU and
+    packed this weight's records."""
+    fn = _lib.get("tm_q4q8_gemm16")
+    m, k = x2d.shape
+    y = torch.empty((m, out_features), dtype=out_dtype)
+    if fn is None or fn(x2d.data_ptr(), m, k, packed.data_ptr(), out_features, fmt,
+                        y.data_ptr(), out_dtype == torch.float32, torch.get_num_threads()):
+        raise MemoryError("q4q8_gemv: gemm16 not built, or no scratch for its activations")
+    return y

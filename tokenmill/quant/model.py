@@ -27,9 +27,11 @@ embedding's tensor). With `dense_min_rows=None`, or a float32 model (fp32
 matmuls lose to the bf16 low-bit kernels at every batch measured), the float
 weights are freed.
 
-`batched_linears` picks that large-batch weight: "bf16" (the packed bf16 copy) or
+`batched_linears` picks that large-batch weight: "bf16" (the packed bf16 copy),
 "w8a8" (int8 per channel x dynamic int8 activations on AVX512-VNNI,
-int8_dynamic.py; half the bytes, changed numerics, gated by benchmarks/accuracy.py).
+int8_dynamic.py; half the bytes, changed numerics, gated by benchmarks/accuracy.py),
+or "int16" (gguf-a16 only: the records' own integers widened to int16 for AVX2,
+widened.py; the per-row kernel's arithmetic at any batch, no float copy kept).
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.quant import huge_pages, vnni
+from tokenmill.cpuinfo import has_native_bf16
+from tokenmill.quant import huge_pages, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
     int4_codes_from_float,
     int8_codes_from_float,
 )
+from tokenmill.quant.dense import DenseWeight
 from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.int8_dynamic import K_MULTIPLE as W8A8_K_MULTIPLE
@@ -70,7 +74,7 @@ DENSE_MIN_ROWS = 8
 # time: 0.79 at 8 rows, 0.89 at 12, 0.91 at 16, 1.04 at 24, 1.03 at 31 (BENCHMARKS.md,
 # "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
 VNNI_DENSE_MIN_ROWS = 20
-BATCHED_LINEARS = ("bf16", "w8a8")  # the large-batch weight (module docstring)
+BATCHED_LINEARS = ("bf16", "w8a8", "int16")  # the large-batch weight (module docstring)
 DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
@@ -88,8 +92,8 @@ def quantize_model(model: nn.Module, method: str,
                    dense_min_rows: int | None | str = "auto",
                    batched_linears: str = "bf16") -> QuantizationSummary:
     """Replace the model's target linears in place; see the module docstring.
-    dense_min_rows "auto": VNNI_DENSE_MIN_ROWS for gguf-a16 / gguf-a8 with bf16
-    batched linears, DENSE_MIN_ROWS otherwise."""
+    dense_min_rows "auto": VNNI_DENSE_MIN_ROWS for gguf-a16 / gguf-a8 with bf16 or
+    int16 batched linears, DENSE_MIN_ROWS otherwise."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; use one of {', '.join(METHODS)}")
     if batched_linears not in BATCHED_LINEARS:
@@ -97,7 +101,7 @@ def quantize_model(model: nn.Module, method: str,
                          f"{', '.join(BATCHED_LINEARS)}")
     if dense_min_rows == "auto":
         vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
-        dense_min_rows = (VNNI_DENSE_MIN_ROWS if vnni_kernel and batched_linears == "bf16"
+        dense_min_rows = (VNNI_DENSE_MIN_ROWS if vnni_kernel and batched_linears in ("bf16", "int16")
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
     if method != "none":
@@ -115,6 +119,8 @@ def quantize_model(model: nn.Module, method: str,
                               batched_linears)
         _fuse_silu_into_down(model)
         _packed_into_huge_pages(model)
+        if batched_linears == "int16":
+            _widen_for_batches(model, dense_min_rows)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)
@@ -129,6 +135,19 @@ def _packed_into_huge_pages(model: nn.Module) -> None:
     moved = huge_pages.gather([m.vnni_packed for m in owners])
     for module, packed in zip(owners, moved or [], strict=False):
         module.vnni_packed = packed
+
+
+def _widen_for_batches(model: nn.Module, min_rows: int | None) -> None:
+    """Each int16-activation linear's large-batch weight: its records widened
+    (widened.py), from `min_rows` rows; after the records found their final home."""
+    if min_rows is None:
+        return
+    for module in model.modules():
+        if (isinstance(module, Int4Linear) and module.activations == "int16"
+                and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)):
+            module.dense = widened.WidenedWeight(module.vnni_packed, module.in_features,
+                                                 module.out_features, module.vnni_format)
+            module.dense_min_rows = min_rows
 
 
 def dense_copy_bytes(model: nn.Module) -> int:
@@ -185,10 +204,13 @@ def resolve_method(requested: str | None, model: nn.Module,
     return "none"
 
 
-def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> str:
-    """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8): auto is
-    DEFAULT_BATCHED_LINEARS where it runs, else bf16. An explicit w8a8 that cannot run
-    here is an error naming the flag."""
+def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
+                            native_bf16: bool | None = None) -> str:
+    """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16): auto
+    is int16 for gguf-a16 on an AVX2 CPU without native bf16, else
+    DEFAULT_BATCHED_LINEARS where it runs, else bf16 (`native_bf16`: whether this CPU
+    has it, default cpuinfo's answer). An explicit choice that cannot run here is an
+    error naming the flag."""
     choices = ("auto", *BATCHED_LINEARS)
     if requested not in choices:
         raise ValueError(f"--batched-linears {requested!r}: use one of {', '.join(choices)}")
@@ -200,7 +222,16 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> 
     if requested == "w8a8" and not w8a8_available():
         raise ValueError("--batched-linears w8a8 needs the native int8 kernel: a C "
                          "compiler and a CPU with AVX512-VNNI")
+    if requested == "int16" and method != "gguf-a16":
+        raise ValueError("--batched-linears int16 widens the gguf-a16 kernel's own weights: "
+                         f"it needs --quantization gguf-a16 (here {method})")
+    if requested == "int16" and not widened.available():
+        raise ValueError("--batched-linears int16 needs the native kernel built with AVX2 "
+                         "and without AVX512-VNNI (where packed bf16 is faster)")
     if requested == "auto":
+        native = has_native_bf16() if native_bf16 is None else native_bf16
+        if method == "gguf-a16" and widened.available() and not native:
+            return "int16"  # oneDNN's large-batch weight would be fp32 here (dense.py)
         return ("w8a8" if DEFAULT_BATCHED_LINEARS == "w8a8" and runs_here
                 and w8a8_available() else "bf16")
     return requested
@@ -214,7 +245,8 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     if weight.device.type != "cpu":
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
-    keep_dense = dense_min_rows is not None and weight.dtype == torch.bfloat16
+    keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
+                  and batched_linears != "int16")  # int16: widened after (_widen_for_batches)
 
     dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
     if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
@@ -235,6 +267,11 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     else:
         new = Int8Linear(*int8_codes_from_float(weight), bias=bias, dense_weight=dense,
                          dense_min_rows=dense_min_rows)
+    if (batched_linears == "int16" and dense_min_rows is not None
+            and weight.dtype == torch.bfloat16
+            and not (isinstance(new, Int4Linear) and new.activations == "int16")):
+        # not on the int16 kernel (no exact record form): the float weight, as for bf16
+        new.dense, new.dense_min_rows = DenseWeight(weight), dense_min_rows
     parent, _, leaf = name.rpartition(".")
     model.get_submodule(parent).register_module(leaf, new)
     summary.quantized.append(name)

@@ -5,9 +5,11 @@ SmolLM2-135M's shapes: per layer qkv (576 -> 960), o (576 -> 576), gate_up
 each with its own random records (~100 MB: weights come from memory, as in a step),
 in one huge-page mapping as the engine keeps them (`--no-huge-pages`: each its own
 allocation), activations quantized to 16 bits as the default path does. Prints the step's time and
-multiply-adds per second at each row count; `--bits 8` for gguf-a8.
+multiply-adds per second at each row count; `--bits 8` for gguf-a8; `--gemm16` runs the
+many-rows path instead (tm_q4q8_gemm16: on AVX2 the records widened to int16 a few
+groups at a time, the same bits), what prompts and 12+-row decode steps take there.
 
-    .venv/bin/python benchmarks/q4q8_step.py [--rows 1,8,16,32,64] [--repeats 5]
+    .venv/bin/python benchmarks/q4q8_step.py [--rows 1,8,16,32,64] [--repeats 5] [--gemm16]
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=q4q8_gemv.BITS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--gemm16", action="store_true", help="tm_q4q8_gemm16 (16-bit only)")
     args = ap.parse_args()
+    if args.gemm16 and args.bits != 16:
+        raise SystemExit("--gemm16 runs 16-bit activations only")
     torch.set_num_threads(args.threads)
     if not q4q8_gemv.available():
         raise SystemExit("q4q8_gemv did not build here (no C compiler, or TOKENMILL_NATIVE=0)")
@@ -55,11 +60,16 @@ def main() -> None:
     macs = sum(k * n for k, n, _ in step)
     print(f"q4q8 kernel, one decode step's linears ({len(step)} calls, {macs / 1e6:.0f} M "
           f"multiply-adds a row), {args.bits}-bit activations, {args.threads} threads, "
-          f"dot products {q4q8_gemv.isa()}, huge pages {args.huge_pages}")
+          f"dot products {q4q8_gemv.isa()}, huge pages {args.huge_pages}"
+          + (", gemm16" if args.gemm16 else ""))
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn((rows, k), generator=gen).bfloat16() for k, _, _ in step]
 
-        calls = [q4q8_gemv.bind(k, n, fmt, args.bits) for k, n, fmt in step]  # as the model
+        if args.gemm16:
+            calls = [lambda x, w, n=n, fmt=fmt: q4q8_gemv.gemm16(x, w, n, fmt)
+                     for _, n, fmt in step]
+        else:  # as the model's decode steps call it
+            calls = [q4q8_gemv.bind(k, n, fmt, args.bits) for k, n, fmt in step]
         times = []
         for i in range(args.repeats + 1):  # the first pass warms up
             t0 = time.perf_counter()

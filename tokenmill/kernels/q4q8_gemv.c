@@ -459,6 +459,14 @@ static inline __attribute__((always_inline)) void q4_group(
     q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out);
 }
 
+/* the byte shuffle that zero-extends bytes j0, j0 + 1 of each row's 4 (a dword) to that
+ * row's pair of int16 (j0 0 or 2) */
+static inline __m256i pair_shuffle(int j0) {
+    return _mm256_setr_epi8(j0, -1, j0 + 1, -1, j0 + 4, -1, j0 + 5, -1, j0 + 8, -1, j0 + 9, -1,
+                            j0 + 12, -1, j0 + 13, -1, j0, -1, j0 + 1, -1, j0 + 4, -1, j0 + 5, -1,
+                            j0 + 8, -1, j0 + 9, -1, j0 + 12, -1, j0 + 13, -1);
+}
+
 /* Q8, rows 8h..8h+8, on vpmaddwd: each row's 16-bit activations (256 qh + ql, or the
  * int8 values with one plane) rebuilt as int16 once per block, the record's bytes
  * u = q + 128 widened to int16 pairs by a byte shuffle, and int32 sums of u v taken 16
@@ -470,12 +478,7 @@ static inline __attribute__((always_inline)) void q8_half(
     const float *d, const int32_t *sum, int mr, int planes, int pf, int h, float *out) {
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i pair01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13,
-                                            -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1,
-                                            13, -1);
-    const __m256i pair23 = _mm256_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1,
-                                            15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1,
-                                            14, -1, 15, -1);
+    const __m256i pair01 = pair_shuffle(0), pair23 = pair_shuffle(2);
     /* a block's int16 rows are built one block ahead (a broadcast from a store still in
      * flight waits for it) */
     int16_t v16[2][MR][QK] __attribute__((aligned(32)));
@@ -604,6 +607,22 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
     default: if (MR > 4) TM_GROUP(fn, 8, planes); break;             \
     }
 
+/* out[i][r] (mr rows x 16, fp32) -> rows m0.. of y's group g (its rows below N): bf16
+ * (rounded to nearest even), or fp32 when y_f32 */
+static inline void store_rows(const float *out, int64_t mr, int64_t m0, int64_t g, int64_t N,
+                              void *y, int64_t y_f32) {
+    const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
+    for (int64_t i = 0; i < mr; i++) {
+        const int64_t at = (m0 + i) * N + g * ROWS;
+        if (y_f32) {
+            memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
+        } else {
+            uint16_t *yr = (uint16_t *)y + at;
+            for (int64_t r = 0; r < rows; r++) yr[r] = f32_to_bf16(out[i * ROWS + r]);
+        }
+    }
+}
+
 /* Group g (16 output rows) of y (M, N) from the quantized activations q, d, s, sum
  * (tm_q8_quantize_bf16's layout for M rows of K): bf16 (rounded to nearest even), or
  * fp32 when y_f32. tm_q4q8_linear splits the groups across threads; decode_step.c
@@ -625,16 +644,7 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
         } else {
             if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
         }
-        const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
-        for (int64_t i = 0; i < mr; i++) {
-            const int64_t at = (m0 + i) * N + g * ROWS;
-            if (y_f32) {
-                memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
-            } else {
-                uint16_t *yr = (uint16_t *)y + at;
-                for (int64_t r = 0; r < rows; r++) yr[r] = f32_to_bf16(out[i * ROWS + r]);
-            }
-        }
+        store_rows(out, mr, m0, g, N, y, y_f32);
     }
 }
 
@@ -709,15 +719,10 @@ int64_t tm_q4q8_silu_linear(const uint16_t *gate_up, int64_t M, int64_t K, const
 #endif
 
 #if TM_AVX2
-/* group g's blocks b0..b1 of w, widened into out (PANEL_BLOCK_VALUES a block): the bytes of
- * a row's 4 inputs in a chunk become int16 pairs by a byte shuffle that zero-extends */
+/* a group's nb blocks of records wg, widened into out (PANEL_BLOCK_VALUES a block): the
+ * bytes of a row's 4 inputs in a chunk become int16 pairs by a byte shuffle */
 static inline void widen_group(const uint8_t *wg, int64_t format, int64_t nb, int16_t *out) {
-    const __m256i pair01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13,
-                                            -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1,
-                                            13, -1);
-    const __m256i pair23 = _mm256_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1,
-                                            15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1,
-                                            14, -1, 15, -1);
+    const __m256i pair01 = pair_shuffle(0), pair23 = pair_shuffle(2);
     const __m256i low = _mm256_set1_epi8(0x0f), c128 = _mm256_set1_epi16(128);
     for (int64_t b = 0; b < nb; b++) {
         int16_t *o = out + b * PANEL_BLOCK_VALUES;
@@ -896,17 +901,7 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
                 default: TM_TILE(GEMM_MT); break;
 #undef TM_TILE
                 }
-                const int64_t rows = N - g * ROWS < ROWS ? N - g * ROWS : ROWS;
-                for (int64_t i = 0; i < mt; i++) {
-                    const int64_t at = (m0 + i) * N + g * ROWS;
-                    if (y_f32) {
-                        memcpy((float *)y + at, out + i * ROWS, (size_t)rows * sizeof(float));
-                    } else {
-                        uint16_t *yr = (uint16_t *)y + at;
-                        for (int64_t r = 0; r < rows; r++)
-                            yr[r] = f32_to_bf16(out[i * ROWS + r]);
-                    }
-                }
+                store_rows(out, mt, m0, g, N, y, y_f32);
             }
         }
     }

@@ -9,7 +9,9 @@ and lets one vpmaddwd do 16 multiply-adds (an FMA does 8): ~115 G/s on a layer's
 shapes at 128-512 rows. The arithmetic is the per-row kernel's, so a prompt gets the
 bits a decode step of the same rows gets, where the fp32 weight gave bf16 inputs times
 dequantized weights; the accuracy gate covers it (benchmarks/accuracy.py). No copy of
-the weights is kept (the fp32 one was 4 bytes a weight).
+the weights is kept (the fp32 one was 4 bytes a weight). Opt-in
+(`--batched-linears int16`): with prompts on int16 activations the greedy chat reply
+to "What is the capital of France?" loops to the length cap (model.py).
 
 The interface of dense.DenseWeight: `__call__(x2d)`, `nbytes`, `weight`.
 """

@@ -49,6 +49,24 @@ def test_every_linear_runs_the_quantized_activation_kernel(engines, method, acti
     assert "Paris" in _greedy(engine, "The capital of France is", 4)
 
 
+def test_logits_keep_the_fp32_sums_a_greedy_choice_needs(engines):
+    """The LM head's logits are its kernel's fp32 sums, not bf16: at a logit of ~16 bf16
+    steps by 1/16, and the chat reply to "What is the capital of France?" once opened
+    with "L" (token 60) where fp32 picks "The" (504), 0.08 apart: rounded, they tied
+    and the lower id won. Against the exact fp32 model, the error is a small part of
+    bf16's rounding (it comes from the int16 activations alone)."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(5, 576) * 2).to(torch.bfloat16)
+    exact = engines["fp32"].runner.model.compute_logits(hidden.float()).double()
+    for name in ("gguf-a16", "gguf-a8"):
+        got = engines[name].runner.model.compute_logits(hidden)
+        assert got.dtype == torch.float32 and got.shape == (5, 49152)
+        assert (got != got.bfloat16().float()).float().mean() > 0.9  # not bf16 values
+    got = engines["gguf-a16"].runner.model.compute_logits(hidden).double()
+    bf16_error = (exact - exact.bfloat16().double()).abs().mean()
+    assert (got - exact).abs().mean() < bf16_error / 8
+
+
 @pytest.fixture(scope="module")
 def windows(engines):
     ids = engines["fp32"].tokenizer.encode(TEXT.read_text(), add_special_tokens=False)

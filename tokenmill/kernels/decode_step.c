@@ -16,7 +16,7 @@
  *   3. o_proj groups (input quantized per thread);                                barrier
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
- * then the final norm and the LM head's groups (fp32 logits of bf16-rounded values).
+ * then the final norm and the LM head's groups (fp32 logits, as the module path's).
  *
  * The arithmetic is the module path's own, compiled from the same source:
  * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
@@ -280,14 +280,9 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             quantize_row(xn, H, m->bits, &a);
             int64_t g0, g1;
             share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
-            for (int64_t g = g0; g < g1; g++) {
-                const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
+            for (int64_t g = g0; g < g1; g++)
                 linear_group(m->lm_head, g, 1, H, m->vocab, m->lm_head_fmt, m->bits, a.q, a.d,
                              a.s, a.sum, logits, 1);
-                /* the module path's bf16 output, as float */
-                for (int64_t r = 0; r < n; r++)
-                    logits[g * ROWS + r] = round_bf16(logits[g * ROWS + r]);
-            }
         }
     }
     free(buf);
@@ -313,8 +308,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      gate_up groups;                                                         barrier
  *   6. rows split: silu * up, quantized;                                       barrier
  *      down groups;                                                            barrier
- * then the final norm, hidden_out, and the LM head's groups (fp32 logits of
- * bf16-rounded values). tokens, positions, slots, seq_lens: (B,) int64; tables
+ * then the final norm, hidden_out, and the LM head's groups (fp32 logits, as
+ * the module path's). tokens, positions, slots, seq_lens: (B,) int64; tables
  * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading
  * blocks every row's table has in common (the module path's cascade: same bits);
  * hidden_out (B, hidden) bf16; logits (B, vocab) fp32 or NULL. Returns 0; -1 when an
@@ -489,24 +484,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (m->lm_head && logits) {
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            if (wide) { /* this thread's share is some rows x some groups: rounded after */
+            if (wide) {
                 failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, tid,
                                        nth);
-#pragma omp barrier
-                for (int64_t i = r0 * m->vocab; i < r1 * m->vocab; i++)
-                    logits[i] = round_bf16(logits[i]);
             } else {
                 int64_t g0, g1;
                 share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
                 for (int64_t g = g0; g < g1; g++) {
                     linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits,
                                  act.q, act.d, act.s, act.sum, logits, 1);
-                    const int64_t n = m->vocab - g * ROWS < ROWS ? m->vocab - g * ROWS : ROWS;
-                    for (int64_t r = 0; r < B; r++) /* the module path's bf16 output, as float */
-                        for (int64_t j = 0; j < n; j++)
-                            logits[r * m->vocab + g * ROWS + j] =
-                                round_bf16(logits[r * m->vocab + g * ROWS + j]);
                 }
             }
         }

@@ -146,7 +146,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden_size) -> logits (N, vocab_size) float32 (on rank 0; the
         other tensor-parallel ranks get a tensor of that shape nobody reads)."""
-        return get_tp().gather_last_dim(self.lm_head(hidden).float())
+        head = self.lm_head
+        logits = head.forward_fp32(hidden) if hasattr(head, "forward_fp32") else \
+            head(hidden).float()
+        return get_tp().gather_last_dim(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

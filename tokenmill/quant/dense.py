@@ -46,9 +46,10 @@ class DenseWeight:
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
 
-    def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d: (M, K) bf16 -> (M, N) bf16."""
-        out_dtype = x2d.dtype
+    def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        """x2d: (M, K) bf16 -> (M, N) in out_dtype (default x2d's)."""
+        out_dtype = out_dtype or x2d.dtype
         x = x2d.to(self.dtype)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

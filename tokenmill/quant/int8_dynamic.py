@@ -99,8 +99,10 @@ class Int8DynamicWeight:
     def nbytes(self) -> int:
         return self.packed.numel() + self.wsum.numel() * 4 + self.scale.numel() * 4
 
-    def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d: (M, K) bf16, contiguous -> (M, N) bf16."""
+    def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+                 ) -> torch.Tensor:
+        """x2d: (M, K) bf16, contiguous -> (M, N) bf16 (the kernel rounds its output to
+        bf16; another out_dtype gets those values widened)."""
         m = x2d.shape[0]
         x2d = x2d.to(torch.bfloat16).contiguous()
         y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
@@ -113,4 +115,4 @@ class Int8DynamicWeight:
             sx.data_ptr(), zx.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"int8 GEMM failed on x {tuple(x2d.shape)}")
-        return y
+        return y.to(out_dtype)

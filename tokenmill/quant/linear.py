@@ -63,7 +63,20 @@ class QuantizedLinear(nn.Module):
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x) as fp32, its sums not rounded to x's dtype: an LM head's logits. Rounded
+        to bf16 (a step of 1/16 at a logit of 16), the top two logits of a greedy choice
+        tie where fp32 tells them apart, and the tie goes to the lower token id."""
+        rows = x.numel() // self.in_features
+        x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
+        if self.dense is not None and rows >= self.dense_min_rows:  # type: ignore[operator]
+            y = self.dense(x2d, out_dtype=torch.float32)
+        else:
+            y = self._lowbit(x2d, out_dtype=torch.float32)
+        y = y.reshape(*x.shape[:-1], self.out_features).float()
+        return y if self.bias is None else y + self.bias.float()
+
+    def _lowbit(self, x2d: torch.Tensor, out_dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         raise NotImplementedError
 
     def lowbit_bytes(self) -> int:
@@ -160,10 +173,10 @@ class Int4Linear(QuantizedLinear):
             act = F.silu(gate) * up
         return self(act)
 
-    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+    def _lowbit(self, x2d: torch.Tensor, out_dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         if self.activations != "bf16":
             y = q4q8_gemv.linear(x2d, self.vnni_packed, self.out_features, self.vnni_format,
-                                 bits=self.vnni_bits)
+                                 out_dtype=out_dtype, bits=self.vnni_bits)
             if y is None:
                 raise RuntimeError("the quantized-activation kernel (q4q8_gemv) did not take its input")
             return y
@@ -185,7 +198,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight_int8", codes.to(torch.int8).contiguous())  # (N, K)
         self.register_buffer("scales", scale.reshape(-1).to(KERNEL_DTYPE).contiguous())  # (N,)
 
-    def _lowbit(self, x2d: torch.Tensor) -> torch.Tensor:
+    def _lowbit(self, x2d: torch.Tensor, out_dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)
 
 

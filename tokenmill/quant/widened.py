@@ -37,7 +37,8 @@ class WidenedWeight:
         self.records, self.fmt = records, fmt
         self.in_features, self.out_features = in_features, out_features
 
-    def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d: (M, K) bf16 -> (M, N) bf16."""
+    def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+                 ) -> torch.Tensor:
+        """x2d: (M, K) bf16 -> (M, N) in out_dtype (bf16 or fp32)."""
         return q4q8_gemv.gemm16(x2d.to(torch.bfloat16).contiguous(), self.records,
-                                self.out_features, self.fmt)
+                                self.out_features, self.fmt, out_dtype)

@@ -45,12 +45,14 @@ def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, mon
     assert not torch.equal(m(below), m.dense(below))
 
 
-def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_with_fp32_batched_weights(
-        tiny_gguf, monkeypatch):
+def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_at_every_batch(tiny_gguf,
+                                                                        monkeypatch):
     """No native bf16 but the kernel's AVX2 dot products: the model runs bf16 on
-    gguf-a16, and the large-batch weights are fp32 (oneDNN emulates bf16 matmuls there)
-    giving what a bf16 matmul with fp32 accumulation gives."""
-    from tokenmill.quant import dense
+    gguf-a16, and from VNNI_DENSE_MIN_ROWS rows on the linears' own integers widened to
+    int16 (widened.py), with the per-row kernel's bits. A build whose kernel is not AVX2
+    (AVX512-VNNI) keeps fp32 dense weights there (oneDNN emulates bf16 matmuls), giving
+    what a bf16 matmul with fp32 accumulation gives."""
+    from tokenmill.quant import dense, widened
 
     if not vnni.available():
         pytest.skip("q4q8_gemv not built")
@@ -61,15 +63,23 @@ def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_with_fp32_batched_weigh
                                                torch.device("cpu"))
     assert loaded.dtype == torch.bfloat16 and method == "gguf-a16"
     linears = _linears(loaded.model)
-    assert all(m.dense.dtype == torch.float32 and m.dense_min_rows == VNNI_DENSE_MIN_ROWS
-               for m in linears)
-    m = linears[0]
-    x = torch.randn(VNNI_DENSE_MIN_ROWS, m.in_features, dtype=torch.bfloat16)
-    y = m(x)
-    assert y.dtype == torch.bfloat16
-    bf16_weight = dense.DenseWeight(_dense_bf16(m), torch.bfloat16)
-    torch.testing.assert_close(y, bf16_weight(x), rtol=1e-2, atol=1e-2)
-    assert torch.equal(m(x[:-1]), m._lowbit(x[:-1]))  # below the threshold: the kernel
+    assert all(m.dense_min_rows == VNNI_DENSE_MIN_ROWS for m in linears)
+    on_kernel = [m for m in linears if m.activations == "int16"]
+    assert on_kernel  # (linears with no exact record form keep bf16 inputs and dense weights)
+    for m in linears:
+        if widened.available() and m in on_kernel:
+            assert isinstance(m.dense, widened.WidenedWeight)
+        else:
+            assert m.dense.dtype == torch.float32
+        x = torch.randn(VNNI_DENSE_MIN_ROWS, m.in_features, dtype=torch.bfloat16)
+        y = m(x)
+        assert y.dtype == torch.bfloat16
+        if isinstance(m.dense, widened.WidenedWeight):
+            assert torch.equal(y, m._lowbit(x))  # the per-row kernel's bits, at many rows
+        else:
+            bf16_weight = dense.DenseWeight(_dense_bf16(m), torch.bfloat16)
+            torch.testing.assert_close(y, bf16_weight(x), rtol=1e-2, atol=1e-2)
+        assert torch.equal(m(x[:-1]), m._lowbit(x[:-1]))  # below the threshold: the kernel
 
 
 def _dense_bf16(m: QuantizedLinear) -> torch.Tensor:

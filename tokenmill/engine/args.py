@@ -57,9 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["auto", "bf16", "w8a8", "int16"],
                    help="weights the low-bit linears use for many rows a step: bf16 (packed "
                    "for oneDNN), w8a8 (int8 weights x per-token int8 activations on "
-                   "AVX512-VNNI) or int16 (gguf-a16's records widened to int16 as read, "
-                   "the per-row kernel's bits, on AVX2; opt-in); auto: the default that "
-                   "passed the accuracy gate")
+                   "AVX512-VNNI) or int16 (gguf-a16's own integers widened, on AVX2); "
+                   "auto: int16 for gguf-a16 on AVX2 without native bf16, else the "
+                   "default that passed the accuracy gate")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,

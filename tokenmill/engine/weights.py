@@ -42,7 +42,8 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
     loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
                         load_format=load_format)
     method = resolve_method(quantization, loaded.model, dtype)
-    large = resolve_batched_linears(batched_linears, method, loaded.dtype)
+    large = resolve_batched_linears(batched_linears, method, loaded.dtype,
+                                    cpu_has_native_bf16())
     summary = quantize_model(loaded.model, method, batched_linears=large)
     logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
                 "large batches", method, loaded.dtype, len(summary.quantized),

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.quant import huge_pages, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
@@ -203,10 +204,13 @@ def resolve_method(requested: str | None, model: nn.Module,
     return "none"
 
 
-def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> str:
+def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
+                            native_bf16: bool | None = None) -> str:
     """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16): auto
-    is DEFAULT_BATCHED_LINEARS where it runs, else bf16. An explicit choice that cannot
-    run here is an error naming the flag."""
+    is int16 for gguf-a16 on an AVX2 CPU without native bf16, else
+    DEFAULT_BATCHED_LINEARS where it runs, else bf16 (`native_bf16`: whether this CPU
+    has it, default cpuinfo's answer). An explicit choice that cannot run here is an
+    error naming the flag."""
     choices = ("auto", *BATCHED_LINEARS)
     if requested not in choices:
         raise ValueError(f"--batched-linears {requested!r}: use one of {', '.join(choices)}")
@@ -225,9 +229,9 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype) -> 
         raise ValueError("--batched-linears int16 needs the native kernel built with AVX2 "
                          "and without AVX512-VNNI (where packed bf16 is faster)")
     if requested == "auto":
-        # int16 is opt-in: it passes the accuracy gate, but with prompts on int16
-        # activations the greedy chat reply to "What is the capital of France?" loops to
-        # the length cap where fp32 and the bf16/fp32 weights stop (BENCHMARKS.md)
+        native = has_native_bf16() if native_bf16 is None else native_bf16
+        if method == "gguf-a16" and widened.available() and not native:
+            return "int16"  # oneDNN's large-batch weight would be fp32 here (dense.py)
         return ("w8a8" if DEFAULT_BATCHED_LINEARS == "w8a8" and runs_here
                 and w8a8_available() else "bf16")
     return requested

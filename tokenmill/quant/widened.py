@@ -9,9 +9,11 @@ and lets one vpmaddwd do 16 multiply-adds (an FMA does 8): ~115 G/s on a layer's
 shapes at 128-512 rows. The arithmetic is the per-row kernel's, so a prompt gets the
 bits a decode step of the same rows gets, where the fp32 weight gave bf16 inputs times
 dequantized weights; the accuracy gate covers it (benchmarks/accuracy.py). No copy of
-the weights is kept (the fp32 one was 4 bytes a weight). Opt-in
-(`--batched-linears int16`): with prompts on int16 activations the greedy chat reply
-to "What is the capital of France?" loops to the length cap (model.py).
+the weights is kept (the fp32 one was 4 bytes a weight). The default for gguf-a16 on
+such a CPU (`--batched-linears auto`). It was opt-in for a while: with prompts on
+int16 activations the greedy chat reply to "What is the capital of France?" opened
+with "L" and looped, because the LM head's logits were rounded to bf16 and the top two
+(0.08 apart in fp32) tied; the logits are fp32 since (linear.py `forward_fp32`).
 
 The interface of dense.DenseWeight: `__call__(x2d)`, `nbytes`, `weight`.
 """

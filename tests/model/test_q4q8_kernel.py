@@ -179,17 +179,19 @@ def test_many_rows_at_once_give_the_per_row_kernels_bits(qtype, n, k):
             assert torch.equal(q4q8_gemv.gemm16(x, packed, n, fmt, dtype), want)
 
 
-def test_many_rows_split_between_threads_without_changing_a_bit():
+@pytest.mark.parametrize("rows, threads", [(70, 2), (38, 3), (40, 2)])
+def test_many_rows_split_between_threads_without_changing_a_bit(rows, threads):
+    """Split by rows, a tile at the boundary shares its groups between two threads."""
     packed, fmt = _records(Q.Q4_1, 3072, 576)
-    x = _batch(70, 576, 3)
-    threads = torch.get_num_threads()
+    x = _batch(rows, 576, 3)
+    saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = q4q8_gemv.gemm16(x, packed, 3072, fmt)
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         two = q4q8_gemv.gemm16(x, packed, 3072, fmt)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
     assert torch.equal(one, two)
 
 

@@ -861,25 +861,44 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
     /* each thread its share of the rows (when they make 2+ tiles a thread; else of
      * the groups), a few groups at a time for every tile of them: the tile's
      * activations stay in L1 across the few groups, their panels in L2 */
-    const int64_t parts = tiles >= 2 * nth ? nth : 1;
-    const int64_t gsize = parts > 1 ? GEMM_GROUPS : 1;
+    const int64_t rows_split = tiles >= 2 * nth;
+    const int64_t gsize = rows_split ? GEMM_GROUPS : 1;
     const int64_t gblocks = (groups + gsize - 1) / gsize;
-    const int64_t units = parts * gblocks;
+    /* split by rows, the work is (tile, group block) items in tile-major order, an
+     * item's cost its tile's rows: a thread takes the items that start in its 1/nth of
+     * the cost, so a tile at a boundary shares its group blocks between two threads (40
+     * rows on 2 threads: 20 rows' work each, not the tiles of 24 and 16). Each output is
+     * the same tile's, whoever computes it: the same bits. Else the group blocks. */
+    const int64_t cost = rows_split ? M * gblocks : gblocks;
+    const int64_t i0 = cost * tid / nth, i1 = cost * (tid + 1) / nth;
     /* the widened groups: a buffer per thread, kept from call to call */
     static __thread int16_t *panel = NULL;
     static __thread size_t panel_bytes = 0;
     const size_t need = (size_t)(gsize * nb * PANEL_BLOCK_VALUES) * sizeof(int16_t);
-    if (units * (tid + 1) / nth > units * tid / nth && need > panel_bytes) {
+    if (i1 > i0 && need > panel_bytes) {
         int16_t *fresh = aligned_alloc(64, need);
         if (!fresh) return -1;
         free(panel);
         panel = fresh;
         panel_bytes = need;
     }
-    for (int64_t u = units * tid / nth; u < units * (tid + 1) / nth; u++) {
-        const int64_t part = u / gblocks, g0 = u % gblocks * gsize;
-        const int64_t g1 = g0 + gsize < groups ? g0 + gsize : groups;
-        const int64_t t0 = part * tiles / parts, t1 = (part + 1) * tiles / parts;
+    for (int64_t gb = rows_split ? 0 : i0; gb < (rows_split ? gblocks : i1); gb++) {
+        /* this thread's tiles of group block gb: those whose item starts in i0..i1 (the
+         * start grows with the tile: they are consecutive) */
+        int64_t t0 = 0, t1 = tiles;
+        if (rows_split) {
+            t0 = tiles, t1 = 0;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t mt = M - t * GEMM_MT < GEMM_MT ? M - t * GEMM_MT : GEMM_MT;
+                const int64_t start = t * GEMM_MT * gblocks + gb * mt;
+                if (start >= i0 && start < i1) {
+                    t0 = t < t0 ? t : t0;
+                    t1 = t + 1;
+                }
+            }
+        }
+        if (t0 >= t1) continue;
+        const int64_t g0 = gb * gsize, g1 = g0 + gsize < groups ? g0 + gsize : groups;
         for (int64_t g = g0; g < g1; g++)
             widen_group(w + g * nb * record, format, nb,
                         panel + (g - g0) * nb * PANEL_BLOCK_VALUES);

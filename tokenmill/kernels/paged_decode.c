@@ -582,8 +582,9 @@ int tm_store_kv_q8(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64
 static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *acc, float *mx,
                         float *sum) {
     const int quantized = it->k8 != NULL;
-    const int64_t G = it->G, D = it->D;
+    const int64_t G = it->G;
 #ifdef TM_AVX512BF16
+    const int64_t D = it->D;
     const int vector_path = D % 32 == 0;
     if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(it, qb, s, mx, 3, 4);
     else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(it, qb, s, mx, G, D / 16);

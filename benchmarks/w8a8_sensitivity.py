@@ -46,9 +46,9 @@ def _round_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
 def _emulation(w: torch.Tensor, wgroup: int | None, agroup: int | None):
     wq = w if wgroup == 0 else _round_weight(w, wgroup)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         xq = x.float() if agroup == 0 else _round_activations(x, agroup)
-        return (xq @ wq.t()).bfloat16()
+        return (xq @ wq.t()).to(out_dtype)
     return run
 
 

@@ -139,7 +139,7 @@ def test_dense_path_above_the_threshold_agrees_with_the_lowbit_path():
     assert linear.dense is not None and linear.dense.packed is not None  # oneDNN's layout
     calls = []
     lowbit = linear._lowbit
-    linear._lowbit = lambda x2d: calls.append(x2d.shape[0]) or lowbit(x2d)  # type: ignore[method-assign]
+    linear._lowbit = lambda x2d, **kw: calls.append(x2d.shape[0]) or lowbit(x2d, **kw)  # type: ignore[method-assign]
     x = torch.randn(4, 64).bfloat16()
     below, above = linear(x[:3]), linear(x)
     assert calls == [3]  # 3 rows: low-bit kernel; 4 rows: the dense bf16 matmul

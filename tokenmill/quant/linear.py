@@ -54,27 +54,26 @@ class QuantizedLinear(nn.Module):
         self.dense_min_rows = dense_min_rows if dense_weight is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
-        if self.dense is not None and rows >= self.dense_min_rows:  # type: ignore[operator]
-            y = self.dense(x2d)
-        else:
-            y = self._lowbit(x2d)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = self._matmul(x, KERNEL_DTYPE).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """self(x) as fp32, its sums not rounded to x's dtype: an LM head's logits. Rounded
         to bf16 (a step of 1/16 at a logit of 16), the top two logits of a greedy choice
         tie where fp32 tells them apart, and the tie goes to the lower token id."""
+        y = self._matmul(x, torch.float32)
+        return y if self.bias is None else y + self.bias.float()
+
+    def _matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x W^T in out_dtype (where a kernel writes only bf16, its values widened): the
+        dense weight for `dense_min_rows` rows or more, else the low-bit one."""
         rows = x.numel() // self.in_features
         x2d = x.reshape(rows, self.in_features).to(KERNEL_DTYPE).contiguous()
         if self.dense is not None and rows >= self.dense_min_rows:  # type: ignore[operator]
-            y = self.dense(x2d, out_dtype=torch.float32)
+            y = self.dense(x2d, out_dtype=out_dtype)
         else:
-            y = self._lowbit(x2d, out_dtype=torch.float32)
-        y = y.reshape(*x.shape[:-1], self.out_features).float()
-        return y if self.bias is None else y + self.bias.float()
+            y = self._lowbit(x2d, out_dtype=out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
 
     def _lowbit(self, x2d: torch.Tensor, out_dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
         raise NotImplementedError

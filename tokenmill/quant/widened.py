@@ -15,7 +15,7 @@ int16 activations the greedy chat reply to "What is the capital of France?" open
 with "L" and looped, because the LM head's logits were rounded to bf16 and the top two
 (0.08 apart in fp32) tied; the logits are fp32 since (linear.py `forward_fp32`).
 
-The interface of dense.DenseWeight: `__call__(x2d)`, `nbytes`, `weight`.
+The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.
 """
 
 from __future__ import annotations

@@ -181,7 +181,8 @@ def test_many_rows_at_once_give_the_per_row_kernels_bits(qtype, n, k):
 
 @pytest.mark.parametrize("rows, threads", [(70, 2), (38, 3), (40, 2)])
 def test_many_rows_split_between_threads_without_changing_a_bit(rows, threads):
-    """Split by rows, a tile at the boundary shares its groups between two threads."""
+    """Many rows are (group block, run of tiles) items that the threads take as they
+    come free, runs past the last tile included (7 tiles in 6 runs on 3 threads)."""
     packed, fmt = _records(Q.Q4_1, 3072, 576)
     x = _batch(rows, 576, 3)
     saved = torch.get_num_threads()

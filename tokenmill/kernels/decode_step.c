@@ -17,6 +17,9 @@
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits, as the module path's).
+ * The groups of 3-5 and the LM head go to the threads a few at a time as they come
+ * free (each thread holds the whole quantized row), so that on a busy host a vCPU
+ * that runs slower takes fewer instead of holding the other at the barrier.
  *
  * The arithmetic is the module path's own, compiled from the same source:
  * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
@@ -86,15 +89,17 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
                                               head_groups;
 }
 
-/* this thread's share of the groups of w (N rows, K inputs) on the M rows quantized in
- * a (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 */
+/* a thread's share of the groups of w (N rows, K inputs) on the M rows quantized in a
+ * (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 (fp32 when y_f32).
+ * Every thread of the team calls it: the groups go to the threads as they come free
+ * (an orphaned worksharing loop, no barrier at its end) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
-                              int64_t bits, int64_t M, const act_t *a, uint16_t *y, int tid,
+                              int64_t bits, int64_t M, const act_t *a, void *y, int64_t y_f32,
                               int nth) {
-    int64_t g0, g1;
-    share((N + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
-    for (int64_t g = g0; g < g1; g++)
-        linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, 0);
+    const int64_t groups = (N + ROWS - 1) / ROWS;
+#pragma omp for schedule(dynamic, group_chunk(groups, nth)) nowait
+    for (int64_t g = 0; g < groups; g++)
+        linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, y_f32);
 }
 
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
@@ -104,7 +109,7 @@ static inline int linear_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t
                                int tid, int nth) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, tid, nth);
-    gemv_share(w, fmt, K, N, bits, M, a, y, tid, nth);
+    gemv_share(w, fmt, K, N, bits, M, a, y, 0, nth);
     return 0;
 }
 
@@ -257,19 +262,19 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, tid, nth);
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, 0, nth);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, tid, nth);
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, 0, nth);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
-            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, tid, nth);
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, 0, nth);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -278,11 +283,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
-            int64_t g0, g1;
-            share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
-            for (int64_t g = g0; g < g1; g++)
-                linear_group(m->lm_head, g, 1, H, m->vocab, m->lm_head_fmt, m->bits, a.q, a.d,
-                             a.s, a.sum, logits, 1);
+            gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, 1, &a, logits, 1, nth);
         }
     }
     free(buf);
@@ -489,12 +490,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, tid,
                                        nth);
             } else {
-                int64_t g0, g1;
-                share((m->vocab + ROWS - 1) / ROWS, tid, nth, &g0, &g1);
-                for (int64_t g = g0; g < g1; g++) {
-                    linear_group(m->lm_head, g, B, H, m->vocab, m->lm_head_fmt, m->bits,
-                                 act.q, act.d, act.s, act.sum, logits, 1);
-                }
+                gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, B, &act, logits,
+                           1, nth);
             }
         }
 #undef TM_QUANTIZE_MINE

@@ -625,8 +625,8 @@ static inline void store_rows(const float *out, int64_t mr, int64_t m0, int64_t 
 
 /* Group g (16 output rows) of y (M, N) from the quantized activations q, d, s, sum
  * (tm_q8_quantize_bf16's layout for M rows of K): bf16 (rounded to nearest even), or
- * fp32 when y_f32. tm_q4q8_linear splits the groups across threads; decode_step.c
- * runs them inside its own parallel region. */
+ * fp32 when y_f32. tm_q4q8_linear hands the groups to the threads as they come free;
+ * decode_step.c runs them inside its own parallel region. */
 static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t K, int64_t N,
                                 int64_t format, int64_t bits, const int8_t *q, const float *d,
                                 const float *s, const int32_t *sum, void *y, int64_t y_f32) {
@@ -646,6 +646,14 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
         }
         store_rows(out, mr, m0, g, N, y, y_f32);
     }
+}
+
+/* the groups a thread takes at a time when they are shared dynamically: about 8 takes a
+ * thread, so that the atomic counter costs nothing beside the work and the last take
+ * leaves little to wait for */
+static inline int64_t group_chunk(int64_t groups, int64_t nth) {
+    const int64_t c = groups / (8 * nth);
+    return c > 1 ? c : 1;
 }
 
 /* y (M, N) = x (M, K) bf16 times the repacked weight (N rows, K inputs; `format` Q4 or
@@ -670,7 +678,8 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * nb; i++)
             quantize_block(x, M, K, bits, q, d, s, sum, i / nb, i % nb);
-#pragma omp for schedule(static)
+        /* groups as the threads come free (a slower vCPU takes fewer), a few a take */
+#pragma omp for schedule(dynamic, group_chunk(groups, omp_get_num_threads()))
         for (int64_t g = 0; g < groups; g++)
             linear_group(w, g, M, K, N, format, bits, q, d, s, sum, y, y_f32);
     }
@@ -850,58 +859,59 @@ static inline __attribute__((always_inline)) void gemm16_tile(
     }
     store_halves(acc, mt, out);
 }
-/* this thread's share (of nth) of y (M, N) = the activations v, d, s (quantize16_rows'
- * layout for M rows of K) times w's records and their widened integers */
+/* a thread's share of y (M, N) = the activations v, d, s (quantize16_rows' layout for M
+ * rows of K) times w's records and their widened integers. Every thread of the team
+ * calls it (an orphaned worksharing loop, no barrier at its end): the threads take work
+ * items as they come free, so that a vCPU that runs slower (a busy host) takes fewer
+ * instead of holding the other at the next barrier. */
 static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int64_t N,
                                int64_t M, const int16_t *v, const float *d, const float *s,
                                void *y, int64_t y_f32, int tid, int nth) {
+    (void)tid;
     const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
     const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
     const int64_t tiles = (M + GEMM_MT - 1) / GEMM_MT;
-    /* each thread its share of the rows (when they make 2+ tiles a thread; else of
-     * the groups), a few groups at a time for every tile of them: the tile's
-     * activations stay in L1 across the few groups, their panels in L2 */
+    /* with 2+ tiles a thread, an item is (a few groups, a run of tiles), group-major:
+     * the tiles' activations stay in L1 across the few groups, their widened panels in
+     * L2, and a thread that takes the next run of the same groups widens them once.
+     * Else an item is a group. Each output is the same tile's, whoever computes it:
+     * the same bits. */
     const int64_t rows_split = tiles >= 2 * nth;
     const int64_t gsize = rows_split ? GEMM_GROUPS : 1;
     const int64_t gblocks = (groups + gsize - 1) / gsize;
-    /* split by rows, the work is (tile, group block) items in tile-major order, an
-     * item's cost its tile's rows: a thread takes the items that start in its 1/nth of
-     * the cost, so a tile at a boundary shares its group blocks between two threads (40
-     * rows on 2 threads: 20 rows' work each, not the tiles of 24 and 16). Each output is
-     * the same tile's, whoever computes it: the same bits. Else the group blocks. */
-    const int64_t cost = rows_split ? M * gblocks : gblocks;
-    const int64_t i0 = cost * tid / nth, i1 = cost * (tid + 1) / nth;
+    const int64_t runs = rows_split ? 2 * nth : 1;  /* runs of tiles a group block */
+    const int64_t run_tiles = (tiles + runs - 1) / runs;
+    const int64_t items = gblocks * runs;
     /* the widened groups: a buffer per thread, kept from call to call */
     static __thread int16_t *panel = NULL;
     static __thread size_t panel_bytes = 0;
     const size_t need = (size_t)(gsize * nb * PANEL_BLOCK_VALUES) * sizeof(int16_t);
-    if (i1 > i0 && need > panel_bytes) {
+    int failed = 0;
+    if (need > panel_bytes) {
         int16_t *fresh = aligned_alloc(64, need);
-        if (!fresh) return -1;
-        free(panel);
-        panel = fresh;
-        panel_bytes = need;
-    }
-    for (int64_t gb = rows_split ? 0 : i0; gb < (rows_split ? gblocks : i1); gb++) {
-        /* this thread's tiles of group block gb: those whose item starts in i0..i1 (the
-         * start grows with the tile: they are consecutive) */
-        int64_t t0 = 0, t1 = tiles;
-        if (rows_split) {
-            t0 = tiles, t1 = 0;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t mt = M - t * GEMM_MT < GEMM_MT ? M - t * GEMM_MT : GEMM_MT;
-                const int64_t start = t * GEMM_MT * gblocks + gb * mt;
-                if (start >= i0 && start < i1) {
-                    t0 = t < t0 ? t : t0;
-                    t1 = t + 1;
-                }
-            }
+        if (fresh) {
+            free(panel);
+            panel = fresh;
+            panel_bytes = need;
+        } else {
+            failed = 1; /* still through the loop below, which every thread must meet */
         }
+    }
+    int64_t widened = -1; /* the group block in this thread's panel */
+    const int64_t chunk = rows_split ? 1 : group_chunk(items, nth);
+#pragma omp for schedule(dynamic, chunk) nowait
+    for (int64_t item = 0; item < items; item++) {
+        if (failed) continue;
+        const int64_t gb = item / runs, t0 = item % runs * run_tiles;
+        const int64_t t1 = t0 + run_tiles < tiles ? t0 + run_tiles : tiles;
         if (t0 >= t1) continue;
         const int64_t g0 = gb * gsize, g1 = g0 + gsize < groups ? g0 + gsize : groups;
-        for (int64_t g = g0; g < g1; g++)
-            widen_group(w + g * nb * record, format, nb,
-                        panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+        if (gb != widened) {
+            for (int64_t g = g0; g < g1; g++)
+                widen_group(w + g * nb * record, format, nb,
+                            panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+            widened = gb;
+        }
         for (int64_t tile = t0; tile < t1; tile++) {
             const int64_t m0 = tile * GEMM_MT, mt = M - m0 < GEMM_MT ? M - m0 : GEMM_MT;
             const int16_t *vm = v + m0 * K;
@@ -924,7 +934,7 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
             }
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* rows r0..r1 of x (rows of K) quantized as quantize_block16 does, into v, d, s */

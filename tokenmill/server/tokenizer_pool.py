@@ -4,13 +4,16 @@ threads, off both the event loop and the engine loop.
 A 7 MB prompt takes seconds to tokenize; on the event loop it stalls every
 stream, on the engine loop every step. HF fast tokenizers are not safe to
 share between threads (the Rust side raises "Already borrowed" when two calls
-overlap), so each worker owns a copy. The Rust encoder releases the GIL, so a
-long encode in a worker leaves the other threads running.
+overlap), so each worker owns a copy, made when the pool starts (a deep copy
+holds the GIL ~0.2 s: inside the first requests it delayed them and took CPU
+from the engine). The Rust encoder releases the GIL, so a long encode in a
+worker leaves the other threads running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -27,8 +30,24 @@ class TokenizerPool:
     def __init__(self, tokenizer: Any, num_workers: int = 2) -> None:
         self.tokenizer = tokenizer  # the event loop's own, for short inline work
         self._local = threading.local()
-        self._executor = ThreadPoolExecutor(max_workers=max(1, num_workers),
+        workers = max(1, num_workers)
+        self._executor = ThreadPoolExecutor(max_workers=workers,
                                             thread_name_prefix="tokenmill-tokenizer")
+        # every worker makes its copy now, in the background: one task each (a task
+        # holds its worker at the barrier until each worker has one)
+        barrier = threading.Barrier(workers)
+
+        def warm() -> None:
+            self._own()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=30)
+
+        self._warming = [self._executor.submit(warm) for _ in range(workers)]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Until every worker holds its own copy of the tokenizer."""
+        for f in self._warming:
+            f.result(timeout)
 
     def _own(self) -> Any:
         tok = getattr(self._local, "tokenizer", None)

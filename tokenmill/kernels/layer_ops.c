@@ -5,8 +5,10 @@
  *
  * Every function rounds where torch's bf16 ops round, so results match the
  * plain torch path of tokenmill/models/layers.py except for the order of fp32
- * sums (RMSNorm's mean of squares). Rows are split across OpenMP threads only
- * when there are enough of them to pay for it.
+ * sums (RMSNorm's mean of squares). Rows go to the OpenMP threads only when
+ * there are enough of them to pay for it, a few at a time as the threads come
+ * free (on a busy host one vCPU runs slower than the other: static halves would
+ * wait for it).
  *
  * The per-row bodies are in layer_ops.h (decode_step.c runs them too).
  * Built at first use by tokenmill/kernels/build.py; see layer_ops.py.
@@ -18,13 +20,19 @@
 
 #define PARALLEL_ROWS 32 /* fewer rows run on the calling thread */
 
+/* the rows a thread takes at a time: about 4 takes a thread, at most 8 rows */
+static inline int64_t row_chunk(int64_t rows, int64_t num_threads) {
+    const int64_t c = rows / (4 * (num_threads > 0 ? num_threads : 1));
+    return c < 1 ? 1 : c > 8 ? 8 : c;
+}
+
 /* out <- weight * bf16(r * rsqrt(mean(r^2) + eps)) with r = x, or, given a residual,
  * r = bf16(x + residual) stored back into residual (the next layer's input).
  * x, residual, out: (rows, hidden) contiguous, out may be x; weight: (hidden,) bf16. */
 void tm_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
                       uint16_t *out, int64_t rows, int64_t hidden, float eps,
                       int64_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(dynamic, row_chunk(rows, num_threads)) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *rr = residual ? residual + r * hidden : 0;
         rms_norm_row(x + r * hidden, rr, rr, weight, out + r * hidden, hidden, eps);
@@ -37,7 +45,7 @@ void tm_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *wei
 void tm_rotary_bf16(uint16_t *x, const int64_t *pos, const float *cos_table,
                     const float *sin_table, int64_t tokens, int64_t heads, int64_t D,
                     int64_t row_stride, int64_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(dynamic, row_chunk(tokens, num_threads)) num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_table + pos[t] * D, *s = sin_table + pos[t] * D;
         for (int64_t h = 0; h < heads; h++) rotary_head(x + t * row_stride + h * D, c, s, D);
@@ -47,7 +55,7 @@ void tm_rotary_bf16(uint16_t *x, const int64_t *pos, const float *cos_table,
 /* out <- bf16(silu(gate)) * up, rounded, for gate_up (rows, 2 * inter) = [gate | up]. */
 void tm_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
                       int64_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 4)
+#pragma omp parallel for schedule(dynamic, row_chunk(rows, num_threads)) num_threads(num_threads) if (rows >= 4)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * inter;
         silu_mul_row(g, g + inter, out + r * inter, inter);

@@ -648,11 +648,11 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
     }
 }
 
-/* the groups a thread takes at a time when they are shared dynamically: about 8 takes a
- * thread, so that the atomic counter costs nothing beside the work and the last take
- * leaves little to wait for */
-static inline int64_t group_chunk(int64_t groups, int64_t nth) {
-    const int64_t c = groups / (8 * nth);
+/* the items (groups, activation blocks) a thread takes at a time when they are shared
+ * dynamically: about 8 takes a thread, so that the atomic counter costs nothing beside
+ * the work and the last take leaves little to wait for */
+static inline int64_t group_chunk(int64_t items, int64_t nth) {
+    const int64_t c = items / (8 * nth);
     return c > 1 ? c : 1;
 }
 
@@ -675,7 +675,7 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     int32_t *sum = (int32_t *)(s + M * nb);
 #pragma omp parallel num_threads(num_threads) if (groups >= PARALLEL_GROUPS && num_threads > 1)
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, group_chunk(M * nb, omp_get_num_threads()))
         for (int64_t i = 0; i < M * nb; i++)
             quantize_block(x, M, K, bits, q, d, s, sum, i / nb, i % nb);
         /* groups as the threads come free (a slower vCPU takes fewer), a few a take */
@@ -977,7 +977,7 @@ int64_t tm_q4q8_gemm16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, group_chunk(M * nb, omp_get_num_threads()))
         for (int64_t i = 0; i < M * nb; i++)
             quantize_block16(x + i * QK, v + i * QK, d + i, s + i);
         failed |= gemm16_share(w, format, K, N, M, v, d, s, y, y_f32, omp_get_thread_num(),

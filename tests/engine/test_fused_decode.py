@@ -243,10 +243,23 @@ def test_past_the_dense_switch_each_row_decodes_as_it_does_alone(monkeypatch):
 
 
 @pytest.mark.skipif(not widened.available(), reason="gemm16 widens the records on AVX2")
-def test_a_wide_batch_run_as_gemm16_gives_the_per_row_passes_bits(monkeypatch):
+@pytest.mark.parametrize("threads", [None, 3])
+def test_a_wide_batch_run_as_gemm16_gives_the_per_row_passes_bits(monkeypatch, threads):
     """With `--batched-linears int16` a fused step of WIDE_MIN_ROWS+ rows runs every
     linear and the LM head as gemm16 does: the tokens and logits of the same step on
-    the kernel's per-row passes, bit for bit."""
+    the kernel's per-row passes, bit for bit. With 2 threads the 22 rows' linears split
+    into (group block, tile) items; with 3, into groups; either way the threads take
+    them as they come free."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _wide_against_per_row(monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _wide_against_per_row(monkeypatch) -> None:
     engine = small_engine(quantization="gguf-a16", max_num_seqs=24, batched_linears="int16")
     fd = engine.runner.fused_decode
     assert fd.record.wide_min_rows == fused_decode.WIDE_MIN_ROWS < 22

@@ -106,9 +106,9 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t 
  * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
 static inline int linear_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
                                int64_t bits, int64_t M, const act_t *a, int wide, uint16_t *y,
-                               int tid, int nth) {
+                               int nth) {
     if (wide)
-        return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, tid, nth);
+        return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
     gemv_share(w, fmt, K, N, bits, M, a, y, 0, nth);
     return 0;
 }
@@ -427,7 +427,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             /* 2. QKV */
             failed |= linear_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, wide, qkv,
-                                   tid, nth);
+                                   nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -456,7 +456,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
             failed |= linear_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, wide, o_out,
-                                   tid, nth);
+                                   nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
             for (int64_t r = r0; r < r1; r++)
@@ -465,7 +465,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             failed |= linear_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act,
-                                   wide, gu, tid, nth);
+                                   wide, gu, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
@@ -473,7 +473,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
             failed |= linear_share(L->down, L->down_fmt, I, H, m->bits, B, &act, wide, x,
-                                   tid, nth);
+                                   nth);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -487,8 +487,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             if (wide) {
                 failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,
-                                       (const int16_t *)act.q, act.d, act.s, logits, 1, tid,
-                                       nth);
+                                       (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
                 gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, B, &act, logits,
                            1, nth);

@@ -866,8 +866,7 @@ static inline __attribute__((always_inline)) void gemm16_tile(
  * instead of holding the other at the next barrier. */
 static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int64_t N,
                                int64_t M, const int16_t *v, const float *d, const float *s,
-                               void *y, int64_t y_f32, int tid, int nth) {
-    (void)tid;
+                               void *y, int64_t y_f32, int nth) {
     const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
     const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
     const int64_t tiles = (M + GEMM_MT - 1) / GEMM_MT;
@@ -948,9 +947,9 @@ static inline void quantize16_rows(const uint16_t *x, int64_t K, int64_t r0, int
 /* never called without AVX2 (the callers run the per-row kernel instead) */
 static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int64_t N,
                                int64_t M, const int16_t *v, const float *d, const float *s,
-                               void *y, int64_t y_f32, int tid, int nth) {
+                               void *y, int64_t y_f32, int nth) {
     (void)w, (void)format, (void)K, (void)N, (void)M, (void)v, (void)d, (void)s, (void)y;
-    (void)y_f32, (void)tid, (void)nth;
+    (void)y_f32, (void)nth;
     return -1;
 }
 static inline void quantize16_rows(const uint16_t *x, int64_t K, int64_t r0, int64_t r1,
@@ -980,7 +979,7 @@ int64_t tm_q4q8_gemm16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
 #pragma omp for schedule(dynamic, group_chunk(M * nb, omp_get_num_threads()))
         for (int64_t i = 0; i < M * nb; i++)
             quantize_block16(x + i * QK, v + i * QK, d + i, s + i);
-        failed |= gemm16_share(w, format, K, N, M, v, d, s, y, y_f32, omp_get_thread_num(),
+        failed |= gemm16_share(w, format, K, N, M, v, d, s, y, y_f32,
                                omp_get_num_threads()) != 0;
     }
     free(scratch);

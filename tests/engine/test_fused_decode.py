@@ -143,9 +143,15 @@ def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, 
 def test_more_rows_than_the_kernel_serves_run_the_module_path(engines, monkeypatch):
     engine = engines["gguf-a16"]
     fused = engine.runner.fused_decode
-    assert fused.max_rows == fused_decode.MAX_ROWS >= 64  # W2 and most of W1 run fused
-    assert fused.takes([1] * fused.max_rows, list(range(fused.max_rows)))
-    assert not fused.takes([1] * (fused.max_rows + 1), list(range(fused.max_rows + 1)))
+    # W2 and most of W1 run fused; all of it where the modules' batched linears are the
+    # same kernel (gemm16)
+    wide = fused.record.wide_min_rows > 0
+    assert fused.max_rows == (fused_decode.WIDE_MAX_ROWS if wide else fused_decode.MAX_ROWS)
+    assert fused.max_rows >= 64
+    assert fused.takes([1] * 256, list(range(256))) == wide
+    monkeypatch.setattr(fused, "max_rows", 64)
+    assert fused.takes([1] * 64, list(range(64)))
+    assert not fused.takes([1] * 65, list(range(65)))
     assert not fused.takes([1, 3], [0, 1])  # a prompt chunk or a verification
     assert not fused.takes([1, 1], [1])  # a row not sampled
     monkeypatch.setattr(fused, "max_rows", 2)
@@ -257,6 +263,37 @@ def test_a_wide_batch_run_as_gemm16_gives_the_per_row_passes_bits(monkeypatch, t
         _wide_against_per_row(monkeypatch)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not widened.available(), reason="gemm16 widens the records on AVX2")
+def test_a_step_past_the_old_row_limit_runs_fused_with_the_module_paths_tokens(monkeypatch):
+    """Where the modules' batched linears are gemm16, a decode step of more rows than
+    MAX_ROWS (W1's steps run up to ~200) is one fused call, with the modules' tokens."""
+    from tokenmill.config import CacheConfig, EngineConfig
+
+    rows = fused_decode.MAX_ROWS + 9
+    engine = LLMEngine(EngineConfig(
+        quantization="gguf-a16", max_num_seqs=rows, max_num_batched_tokens=2048,
+        cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_bytes=128 * 2**20)))
+    assert engine.runner.fused_decode.max_rows == fused_decode.WIDE_MAX_ROWS
+    rec = _Recorder(engine, monkeypatch)
+    prompts = [f"Item {i} of the list is" for i in range(rows)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def run(fused: bool) -> dict[str, list[int]]:
+        engine.runner.fused_decode.enabled = fused
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), prompt, params)
+            return _drain(engine)
+        finally:
+            engine.runner.fused_decode.enabled = True
+
+    fused = run(True)
+    assert max(rec.batch_rows) == rows
+    rec.batch_rows.clear()
+    assert fused == run(False) and rec.batch_rows == []
+    assert len(fused) == rows and all(len(ids) == 3 for ids in fused.values())
 
 
 def _wide_against_per_row(monkeypatch) -> None:

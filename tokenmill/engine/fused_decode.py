@@ -10,7 +10,9 @@ rounding. One sequence takes tm_decode_step; 2 up to `max_rows` sequences of one
 token each take tm_decode_batch (all rows through each group of weights at once). The
 one difference: from VNNI_DENSE_MIN_ROWS (20) rows, where the module path's linears
 switch to their dense bf16 weights, the fused step stays on the quantized-activation
-kernel (see MAX_ROWS), each row computed as it is at any smaller batch.
+kernel (see MAX_ROWS), each row computed as it is at any smaller batch. Where those
+linears are gemm16 (AVX2 without native bf16: the same kernel on both paths), the
+fused step takes every decode step, whatever its rows (WIDE_MAX_ROWS).
 
 It covers what it can prove identical, and `FusedDecode.build` returns None (the
 model runner keeps the module path) for anything else; a step with a prompt chunk or
@@ -54,6 +56,13 @@ ENV = "TOKENMILL_FUSED_DECODE"
 # measures per row (independent of the batch: benchmarks/accuracy.py's decode mode);
 # prompt chunks keep the module path and its dense weights.
 MAX_ROWS = 111
+# When the module path's large-batch linears are gemm16 too (WidenedWeight: AVX2
+# without native bf16), both paths run the same kernel and the fused step only saves
+# the glue and the fork/joins, at any batch: it takes every decode step. In-process,
+# n requests x 64 cached prompt tokens, 32 new tokens, fused with no limit vs 111, 2
+# threads on the busy Zen 3 host, A/B alternating: 1.01-1.21x (median 278 vs 248
+# tok/s) at 128 rows, 1.02-1.19x at 200.
+WIDE_MAX_ROWS = 1 << 30
 # From this many rows a fused step runs the linears as gemm16 does when their large-batch
 # path is it (`--batched-linears int16`, AVX2): the kernel's bits, faster than its
 # per-row passes (q4q8_gemv.c). Whole fused steps on the 2-core AVX2 EPYC, per-row ÷
@@ -174,9 +183,10 @@ class FusedDecode:
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
             lm_head=head.vnni_packed.data_ptr() if self.lm_head_fused else None,
             lm_head_fmt=head.vnni_format if self.lm_head_fused else 0, layers=layers)
+        self.max_rows = MAX_ROWS
         if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
             self.record.wide_min_rows = WIDE_MIN_ROWS
-        self.max_rows = MAX_ROWS
+            self.max_rows = WIDE_MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive
 

@@ -269,12 +269,9 @@ def test_a_wide_batch_run_as_gemm16_gives_the_per_row_passes_bits(monkeypatch, t
 def test_a_step_past_the_old_row_limit_runs_fused_with_the_module_paths_tokens(monkeypatch):
     """Where the modules' batched linears are gemm16, a decode step of more rows than
     MAX_ROWS (W1's steps run up to ~200) is one fused call, with the modules' tokens."""
-    from tokenmill.config import CacheConfig, EngineConfig
-
     rows = fused_decode.MAX_ROWS + 9
-    engine = LLMEngine(EngineConfig(
-        quantization="gguf-a16", max_num_seqs=rows, max_num_batched_tokens=2048,
-        cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_bytes=128 * 2**20)))
+    engine = small_engine(kv_cache_mib=128, quantization="gguf-a16", max_num_seqs=rows,
+                          max_num_batched_tokens=2048)
     assert engine.runner.fused_decode.max_rows == fused_decode.WIDE_MAX_ROWS
     rec = _Recorder(engine, monkeypatch)
     prompts = [f"Item {i} of the list is" for i in range(rows)]

@@ -135,19 +135,24 @@ def test_gguf_a8_needs_its_kernel(monkeypatch):
         resolve_method("gguf-a8", model)
 
 
-def test_threads_split_rows_without_changing_a_bit():
-    codes, scale, zero, repeats, _ = _weights(Q.Q4_1, 3072, 576)
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_threads_split_rows_without_changing_a_bit(threads):
+    """Each thread takes its own run of the row groups, then what is left of the others'
+    (8 threads on 2 cores: some are descheduled mid-run and the others take their
+    groups): every output row computed once, with the one-thread bits."""
+    codes, scale, zero, repeats, _ = _weights(Q.Q4_1, 3072 + 16 * 5 + 7, 576)
+    n = codes.shape[0]
     packed, fmt = vnni.repack(codes, scale, zero, repeats)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
-    threads = torch.get_num_threads()
+    saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = q4q8_gemv.linear(x, packed, 3072, fmt, bits=16)
-        torch.set_num_threads(2)
-        two = q4q8_gemv.linear(x, packed, 3072, fmt, bits=16)
-    finally:
+        one = q4q8_gemv.linear(x, packed, n, fmt, bits=16)
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+        for _ in range(5):
+            assert torch.equal(q4q8_gemv.linear(x, packed, n, fmt, bits=16), one)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _records(qtype, n, k):

@@ -17,9 +17,10 @@
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits, as the module path's).
- * The groups of 3-5 and the LM head go to the threads a few at a time as they come
- * free (each thread holds the whole quantized row), so that on a busy host a vCPU
- * that runs slower takes fewer instead of holding the other at the barrier.
+ * The groups of 3-5 and the LM head go to the threads in runs (q4q8_gemv.c): each its
+ * own contiguous run, then what is left of the others' (each thread holds the whole
+ * quantized row), so that each reads one stream and a vCPU that runs slower on a busy
+ * host takes fewer instead of holding the other at the barrier.
  *
  * The arithmetic is the module path's own, compiled from the same source:
  * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
@@ -91,14 +92,15 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
 
 /* a thread's share of the groups of w (N rows, K inputs) on the M rows quantized in a
  * (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 (fp32 when y_f32).
- * Every thread of the team calls it: the groups go to the threads as they come free
- * (an orphaned worksharing loop, no barrier at its end) */
+ * Every thread of the team calls it, between barriers: its own run of the groups, then
+ * what is left of the others' (q4q8_gemv.c's runs, nth of them, all empty between
+ * linears) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
                               int64_t bits, int64_t M, const act_t *a, void *y, int64_t y_f32,
-                              int nth) {
-    const int64_t groups = (N + ROWS - 1) / ROWS;
-#pragma omp for schedule(dynamic, group_chunk(groups, nth)) nowait
-    for (int64_t g = 0; g < groups; g++)
+                              uint64_t *runs, int tid, int nth) {
+    own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
+    int from = 0;
+    for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;)
         linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, y_f32);
 }
 
@@ -106,10 +108,10 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t 
  * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
 static inline int linear_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
                                int64_t bits, int64_t M, const act_t *a, int wide, uint16_t *y,
-                               int nth) {
+                               uint64_t *runs, int tid, int nth) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
-    gemv_share(w, fmt, K, N, bits, M, a, y, 0, nth);
+    gemv_share(w, fmt, K, N, bits, M, a, y, 0, runs, tid, nth);
     return 0;
 }
 
@@ -192,8 +194,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
                                 up64(12 * (size_t)(K_ATTN / QK)) +
                                 up64(4 * (size_t)(G * seq_len));
-    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes);
+    const size_t runs_bytes = (size_t)num_threads * RUN_STRIDE * sizeof(uint64_t);
+    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes + runs_bytes);
     if (!buf) return -2;
+    uint64_t *runs = (uint64_t *)(buf + shared_bytes + (size_t)num_threads * thread_bytes);
+    memset(runs, 0, runs_bytes); /* every run empty */
     uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
     uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
     memcpy(res[0], m->embed + token * H, (size_t)H * 2);
@@ -262,19 +267,20 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, 0, nth);
+            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, 0, runs, tid, nth);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, 0, nth);
+            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, 0, runs, tid,
+                       nth);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
-            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, 0, nth);
+            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, 0, runs, tid, nth);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -283,7 +289,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, 1, &a, logits, 1, nth);
+            gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, 1, &a, logits, 1, runs,
+                       tid, nth);
         }
     }
     free(buf);
@@ -365,8 +372,9 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
      * batch and its longest sequence, fragmented the heap (RSS crept up under a soak) */
     static __thread char *kept = NULL;
     static __thread size_t kept_bytes = 0;
-    const size_t need =
-        rows_bytes + act_bytes + (size_t)num_threads * thread_bytes + cascade_bytes;
+    const size_t runs_bytes = (size_t)num_threads * RUN_STRIDE * sizeof(uint64_t);
+    const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes +
+                        cascade_bytes + runs_bytes;
     if (need > kept_bytes) {
         const size_t grown = up64(need + need / 4);
         char *fresh = aligned_alloc(64, grown);
@@ -394,6 +402,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (cascade_setup(&cas, cascade_words, num_threads))
             return -1; /* tables that differ in the shared blocks */
     }
+    uint64_t *runs = (uint64_t *)(buf + need - runs_bytes);
+    memset(runs, 0, runs_bytes); /* every run empty */
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
@@ -427,7 +437,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             /* 2. QKV */
             failed |= linear_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, wide, qkv,
-                                   nth);
+                                   runs, tid, nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -456,7 +466,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
             failed |= linear_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, wide, o_out,
-                                   nth);
+                                   runs, tid, nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
             for (int64_t r = r0; r < r1; r++)
@@ -465,7 +475,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             failed |= linear_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act,
-                                   wide, gu, nth);
+                                   wide, gu, runs, tid, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
@@ -473,7 +483,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
             failed |= linear_share(L->down, L->down_fmt, I, H, m->bits, B, &act, wide, x,
-                                   nth);
+                                   runs, tid, nth);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -490,7 +500,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
                 gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, B, &act, logits,
-                           1, nth);
+                           1, runs, tid, nth);
             }
         }
 #undef TM_QUANTIZE_MINE

@@ -192,6 +192,25 @@ def test_fused_silu_mul_matches_torch(rows, torch_ops):
     assert_within_one_bf16_ulp(silu_and_mul(gate_up), torch_ops(silu_and_mul, gate_up), ulps=2)
 
 
+@needs_layer_ops
+def test_native_argmax_picks_what_torch_argmax_picks():
+    """Greedy sampling's argmax: the first of equal maxima, a NaN as the largest (the
+    first NaN), -0.0 equal to 0.0, a row of -inf, and SmolLM2's vocabulary size."""
+    rows = torch.randn(6, 49152, generator=torch.Generator().manual_seed(1))
+    rows[1, [7, 300, 40000]] = 9.0  # a tie: the first
+    rows[2, 5000], rows[2, 9000], rows[2, 100] = float("nan"), float("nan"), 50.0
+    rows[3] = float("-inf")
+    rows[4] = -1.0
+    rows[4, 20], rows[4, 10] = 0.0, -0.0  # -0.0 equals 0.0: index 10
+    rows[5, -1] = float("inf")
+    want = rows.argmax(dim=-1)
+    assert want.tolist()[1:5] == [7, 5000, 0, 10]
+    assert torch.equal(layer_ops.argmax(rows), want)
+    assert torch.equal(layer_ops.argmax(rows[:1, :3].contiguous()), rows[:1, :3].argmax(-1))
+    assert layer_ops.argmax(rows.bfloat16()) is None  # not fp32: torch's
+    assert layer_ops.argmax(rows[:, ::2]) is None  # not contiguous: torch's
+
+
 def test_fused_ops_leave_float32_to_torch():
     x = torch.randn(3, 64)
     assert layer_ops.rms_norm(x, torch.ones(64), 1e-5) is None

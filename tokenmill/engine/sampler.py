@@ -21,6 +21,7 @@ import torch
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.staging import HostCopy
+from tokenmill.kernels import layer_ops
 from tokenmill.sampling_params import SamplingParams
 
 # A draw needs a cumulative sum over the vocabulary; doing it in two levels
@@ -57,7 +58,9 @@ class SampledBatch:
     step's inputs on the device; `packed` is what `Sampler.fetch` copies to the host."""
 
     token_ids: torch.Tensor
-    packed: torch.Tensor  # (N, 1 [+ 2 + 2k]) float64: ids [, chosen logprob, rank, top k]
+    # (N, 1 + 2 + 2k) float64: ids, chosen logprob, rank, top k; (N,) the ids themselves
+    # when no row asked for logprobs
+    packed: torch.Tensor
     num_logprobs: list[int | None]
     host_copy: HostCopy | None = None  # `start_host_copy`: queued, not yet waited for
 
@@ -116,7 +119,7 @@ class Sampler:
         if self.constraints is not None:
             logits = self.constraints.apply(logits, seqs)
         if plan.greedy:
-            token_ids = logits.argmax(dim=-1)  # (N,)
+            token_ids = _argmax(logits)  # (N,)
         else:
             token_ids = self._sample(logits, seqs, plan)
         return SampledBatch(token_ids, _pack(token_ids, raw_logprobs, num_logprobs),
@@ -160,7 +163,7 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
 
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                              device=device)
@@ -180,7 +183,7 @@ class Sampler:
         sampled = _inverse_cdf_draw(torch.softmax(scaled, dim=-1), plan.uniforms)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
-            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(is_greedy, _argmax(logits), sampled)
         return sampled
 
     def _uniforms(self, seqs: SequenceLike[Sequence]) -> torch.Tensor:
@@ -194,6 +197,13 @@ class Sampler:
                 seq.sampler_state = torch.Generator().manual_seed(_seed_for(seed, seq.index))
             u[row] = torch.rand(1, generator=seq.sampler_state)[0]
         return u
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # (N, V) -> (N,)
+    """torch.argmax over the vocabulary, natively for fp32 CPU logits (the same ids,
+    a third of the time: layer_ops.argmax)."""
+    ids = layer_ops.argmax(logits)
+    return ids if ids is not None else logits.argmax(dim=-1)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -302,7 +312,10 @@ def _pack(
 ) -> torch.Tensor:
     """The chosen ids and the requested logprobs in one float64 tensor (N, C), computed
     where the logits are, so that one copy brings them to the host (ids < 2^53 stay
-    exact)."""
+    exact). Without logprobs: the ids as they are (no op to run: each tiny op costs
+    ~30 us at batch 1 on a CPU, where the step's weights have just swept the caches)."""
+    if logprobs is None:
+        return token_ids
     cols = [token_ids.double()[:, None]]  # (N, 1)
     if logprobs is not None:
         chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
@@ -319,9 +332,11 @@ def _k_max(num_logprobs: list[int | None], vocab: int) -> int:
     return min(max((k for k in num_logprobs if k is not None), default=0), vocab)
 
 
-def _unpack(host: list[list[float]], num_logprobs: list[int | None]
+def _unpack(host: list, num_logprobs: list[int | None]
             ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-    """`_pack`'s rows, on the host, as token ids and logprobs entries."""
+    """`_pack`'s rows (or ids), on the host, as token ids and logprobs entries."""
+    if host and not isinstance(host[0], list):  # the ids alone
+        return host, [None] * len(host)
     token_list = [int(row[0]) for row in host]
     if all(k is None for k in num_logprobs):
         return token_list, [None] * len(host)

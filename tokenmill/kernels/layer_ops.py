@@ -18,6 +18,7 @@ _lib = Library("layer_ops", {
     "tm_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64], None),
     "tm_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64], None),
     "tm_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
+    "tm_argmax_f32": ([_PTR, _I64, _I64, _PTR], None),
 })
 
 
@@ -70,4 +71,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
     fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
        torch.get_num_threads())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(logits, dim=-1) for fp32 logits (N, V) on the CPU, the same indices
+    (the first of equal maxima, NaN as the largest); None if not taken."""
+    fn = _lib.get("tm_argmax_f32")
+    if (fn is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out

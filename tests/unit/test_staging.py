@@ -26,3 +26,15 @@ def test_a_step_larger_than_the_buffer_grows_it():
     big = staging.acquire(100)
     big.copy_(torch.arange(100))
     assert staging.upload(big).tolist() == list(range(100))
+
+
+def test_written_steps_keep_their_own_values_on_cpu():
+    # async scheduling writes step N+1 while step N's ints are still in use: on a CPU
+    # each written step is a tensor of its own, uploaded as it is
+    staging = HostStaging(8, torch.device("cpu"))
+    first = staging.write([1, 2, 3])
+    second = staging.write([4, 5, 6, 7])
+    dev_first = staging.upload(first)
+    assert dev_first.dtype == torch.int64 and dev_first.tolist() == [1, 2, 3]
+    assert staging.upload(second).tolist() == [4, 5, 6, 7]
+    assert dev_first.data_ptr() != second.data_ptr()

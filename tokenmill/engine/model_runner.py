@@ -225,8 +225,7 @@ class ModelRunner:
             tables = [x for t in tables_of for x in (*t, *[0] * (width - len(t)))]
             flat = [*input_ids, *inputs.positions, *inputs.slots, *inputs.query_start,
                     *seq_lens, *tables]
-        host = self.staging.acquire(len(flat) + 2 * len(dst))
-        host.copy_(torch.tensor([*flat, *dst, *src], dtype=torch.int64))
+        host = self.staging.write([*flat, *dst, *src])
         return StagedBatch(host, len(input_ids), width, inputs.query_lens, seq_lens,
                            logit_rows, inputs.fresh_blocks, graphed, len(dst), inputs)
 
@@ -260,16 +259,15 @@ class ModelRunner:
                 staged.logit_rows
         ids, pos, slots = dev[:t], dev[t:2 * t], dev[2 * t:3 * t]
         o = 3 * t
-        query_start = dev[o:o + n + 1]
-        seq_lens = dev[o + n + 1:o + 2 * n + 1]
-        tables = dev[o + 2 * n + 1:o + 2 * n + 1 + n * staged.width].view(n, staged.width)
+        # query starts, sequence lengths and block tables as int32, in one conversion
+        ints = dev[o:o + 2 * n + 1 + n * staged.width].to(torch.int32)
         if patch is not None:
             ids.index_copy_(0, *patch)
         meta = AttentionMetadata(
             slot_mapping=slots,
-            query_start_loc=query_start.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            block_tables=tables.to(torch.int32),
+            query_start_loc=ints[:n + 1],
+            seq_lens=ints[n + 1:2 * n + 1],
+            block_tables=ints[2 * n + 1:].view(n, staged.width),
             block_size=bs,
             max_query_len=max(staged.query_lens, default=0),
             max_seq_len=max(staged.seq_lens, default=0),

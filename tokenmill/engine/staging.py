@@ -60,12 +60,22 @@ class HostStaging:
         self._owner[view.data_ptr()] = i
         return view
 
-    def upload(self, view: torch.Tensor) -> torch.Tensor:
-        """The device copy of an acquired view; its buffer may be written again once
-        the copy has run (the event says when)."""
-        i = self._owner.pop(view.data_ptr())
+    def write(self, values: list[int]) -> torch.Tensor:
+        """`values` on the host, for `upload`: in the next buffer on CUDA; on a CPU a
+        tensor of their own (nothing to copy to a device, nothing to guard: at batch 1
+        a step's weights sweep the caches, and each tiny op after costs ~30 us)."""
         if self.device.type != "cuda":
-            return view.clone()
+            return torch.tensor(values, dtype=torch.int64)
+        view = self.acquire(len(values))
+        view.copy_(torch.tensor(values, dtype=torch.int64))
+        return view
+
+    def upload(self, view: torch.Tensor) -> torch.Tensor:
+        """The device copy of an acquired view (its buffer may be written again once
+        the copy has run: the event says when), or on a CPU `write`'s tensor itself."""
+        i = self._owner.pop(view.data_ptr(), None)
+        if self.device.type != "cuda":
+            return view if i is None else view.clone()
         dev = view.to(self.device, non_blocking=True)
         self._events[i].record()
         return dev

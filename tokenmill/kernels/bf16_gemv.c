@@ -1,0 +1,130 @@
+/* bf16 linears for the few rows of a decode step: y (M, N) = x (M, K) W^T (+ bias), x, W
+ * and the bias bf16, products summed in fp32, y rounded to bf16 (nearest even), as torch's
+ * bf16 linear does (the sums in another order: within a bf16 rounding of it).
+ *
+ * Why: a model loaded from a bf16 checkpoint (`--quantization none`, the default for
+ * float checkpoints) ran its decode linears through F.linear, and oneDNN reorders the
+ * weight on every call: at one row on the 2-core Zen 4, 17 GB/s on a 3.5 MB weight and
+ * 9.6 GB/s on SmolLM2's 57 MB LM head, where reading the weight once is the whole job.
+ * Here each thread streams its own run of the rows (runs.h) once, whatever M is.
+ *
+ * With AVX512-BF16 a vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 sums (products
+ * exact in fp32, flushed subnormals); elsewhere the bf16 values are widened exactly and
+ * multiplied-added in fp32, in a loop gcc vectorises (AVX2, AVX-512F).
+ * Built at first use by tokenmill/kernels/build.py; see bf16_gemv.py.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "runs.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TM_GEMV_BF16 1
+#else
+#define TM_GEMV_BF16 0
+#endif
+
+#define GROUP 16     /* weight rows a work item */
+#define MAX_M 8      /* activation rows a call */
+#define PARALLEL_GROUPS 8 /* fewer groups run on the calling thread */
+#define PF_BYTES 4096 /* prefetched ahead of the load in use (of 0.5, 2 and 4 KB, 4 read fastest) */
+
+int64_t tm_bf16_gemv_max_rows(void) { return MAX_M; }
+int64_t tm_bf16_gemv_native(void) { return TM_GEMV_BF16; }
+
+#if TM_GEMV_BF16
+/* sums[i] = W row . x row i for M activation rows, in U * M accumulators (M and U
+ * constants once inlined): U chunks of 32 inputs a pass, each into its own accumulator,
+ * so that U * M vdpbf16ps chains run side by side. One weight row at a time, the rows in
+ * order: one stream from memory (four rows interleaved, 1,152 bytes apart, read ~8 GB/s
+ * a core from DRAM against ~13-22 for one) */
+static inline __attribute__((always_inline)) void dots(const uint16_t *w, const uint16_t *x,
+                                                      int64_t K, const int M, const int U,
+                                                      float *sums) {
+    __m512 acc[4][MAX_M]; /* [u][i] */
+    for (int u = 0; u < U; u++)
+        for (int i = 0; i < M; i++) acc[u][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 * U <= K; k += 32 * U)
+        for (int u = 0; u < U; u++) {
+            const uint16_t *wk = w + k + 32 * u;
+            _mm_prefetch((const char *)wk + PF_BYTES, _MM_HINT_T0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)wk);
+            for (int i = 0; i < M; i++)
+                acc[u][i] = _mm512_dpbf16_ps(
+                    acc[u][i], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k + 32 * u)));
+        }
+    for (; k < K; k += 32) { /* the rest, 32 at a time, the last one masked */
+        const __mmask32 keep = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + k);
+        for (int i = 0; i < M; i++)
+            acc[0][i] = _mm512_dpbf16_ps(
+                acc[0][i], wv, (__m512bh)_mm512_maskz_loadu_epi16(keep, x + i * K + k));
+    }
+    for (int i = 0; i < M; i++) {
+        __m512 t = acc[0][i];
+        for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[u][i]);
+        sums[i] = _mm512_reduce_add_ps(t);
+    }
+}
+#endif
+
+/* rows [n0, n1) of y from x (M rows) */
+static void rows_out(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                     const uint16_t *bias, uint16_t *y, int64_t n0, int64_t n1) {
+    float sums[MAX_M];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wn = w + n * K;
+#if TM_GEMV_BF16
+        switch (M) { /* accumulators: 4 chains at one or two rows, 2 at 3-4, 1 from 5 */
+        case 1: dots(wn, x, K, 1, 4, sums); break;
+        case 2: dots(wn, x, K, 2, 4, sums); break;
+        case 3: dots(wn, x, K, 3, 2, sums); break;
+        case 4: dots(wn, x, K, 4, 2, sums); break;
+        case 5: dots(wn, x, K, 5, 1, sums); break;
+        case 6: dots(wn, x, K, 6, 1, sums); break;
+        case 7: dots(wn, x, K, 7, 1, sums); break;
+        default: dots(wn, x, K, 8, 1, sums); break;
+        }
+#else
+        for (int64_t i = 0; i < M; i++) {
+            const uint16_t *xi = x + i * K;
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(wn[k]) * bf16_to_f32(xi[k]);
+            sums[i] = s;
+        }
+#endif
+        const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+        for (int64_t i = 0; i < M; i++) y[i * N + n] = f32_to_bf16(sums[i] + b);
+    }
+}
+
+/* y (M, N) bf16 = x (M, K) W (N, K)^T (+ bias (N,)), all bf16 and contiguous, M <= MAX_M,
+ * the groups of GROUP rows split across num_threads OpenMP threads in runs. Returns 0;
+ * -1 when M is out of range or the scratch cannot be allocated. */
+int64_t tm_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                     const uint16_t *bias, uint16_t *y, int64_t num_threads) {
+    if (M < 1 || M > MAX_M || K < 1 || N < 0) return -1;
+    const int64_t groups = (N + GROUP - 1) / GROUP;
+    const int parallel = groups >= PARALLEL_GROUPS && num_threads > 1;
+    const int64_t team = parallel ? num_threads : 1;
+    uint64_t *runs = aligned_alloc(64, (size_t)team * RUN_STRIDE * sizeof(uint64_t));
+    if (!runs) return -1;
+    memset(runs, 0, (size_t)team * RUN_STRIDE * sizeof(uint64_t)); /* every run empty */
+#pragma omp parallel num_threads(team) if (parallel)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        own_run(runs, groups, tid, nth);
+        int from = 0;
+        for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;) {
+            const int64_t n0 = g * GROUP, n1 = n0 + GROUP < N ? n0 + GROUP : N;
+            rows_out(x, M, K, w, N, bias, y, n0, n1);
+        }
+    }
+    free(runs);
+    return 0;
+}

@@ -316,15 +316,13 @@ def _pack(
     ~30 us at batch 1 on a CPU, where the step's weights have just swept the caches)."""
     if logprobs is None:
         return token_ids
-    cols = [token_ids.double()[:, None]]  # (N, 1)
-    if logprobs is not None:
-        chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
-        ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # (N, 1)
-        cols += [chosen.double(), ranks.double()]
-        k_max = _k_max(num_logprobs, logprobs.shape[1])
-        if k_max > 0:
-            top = logprobs.topk(k_max, dim=-1)  # (N, k_max) each
-            cols += [top.values.double(), top.indices.double()]
+    chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # (N, 1)
+    cols = [token_ids.double()[:, None], chosen.double(), ranks.double()]
+    k_max = _k_max(num_logprobs, logprobs.shape[1])
+    if k_max > 0:
+        top = logprobs.topk(k_max, dim=-1)  # (N, k_max) each
+        cols += [top.values.double(), top.indices.double()]
     return torch.cat(cols, dim=1)
 
 

@@ -16,7 +16,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 #include "runs.h"
@@ -34,7 +33,6 @@
 #define PF_BYTES 4096 /* prefetched ahead of the load in use (of 0.5, 2 and 4 KB, 4 read fastest) */
 
 int64_t tm_bf16_gemv_max_rows(void) { return MAX_M; }
-int64_t tm_bf16_gemv_native(void) { return TM_GEMV_BF16; }
 
 #if TM_GEMV_BF16
 /* sums[i] = W row . x row i for M activation rows, in U * M accumulators (M and U
@@ -112,9 +110,8 @@ int64_t tm_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
     const int64_t groups = (N + GROUP - 1) / GROUP;
     const int parallel = groups >= PARALLEL_GROUPS && num_threads > 1;
     const int64_t team = parallel ? num_threads : 1;
-    uint64_t *runs = aligned_alloc(64, (size_t)team * RUN_STRIDE * sizeof(uint64_t));
+    uint64_t *runs = runs_new(team);
     if (!runs) return -1;
-    memset(runs, 0, (size_t)team * RUN_STRIDE * sizeof(uint64_t)); /* every run empty */
 #pragma omp parallel num_threads(team) if (parallel)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();

@@ -16,7 +16,6 @@ from tokenmill.kernels.build import Library
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _lib = Library("bf16_gemv", {
     "tm_bf16_gemv_max_rows": ([], _I64),
-    "tm_bf16_gemv_native": ([], _I64),
     "tm_bf16_gemv": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64], _I64),
 })
 
@@ -29,12 +28,6 @@ def max_rows() -> int:
     """The most rows a call takes (0 when the kernel is not built)."""
     fn = _lib.get("tm_bf16_gemv_max_rows")
     return fn() if fn is not None else 0
-
-
-def native_bf16() -> bool:
-    """The build multiplies with AVX512-BF16's vdpbf16ps (else widened fp32 FMAs)."""
-    fn = _lib.get("tm_bf16_gemv_native")
-    return bool(fn and fn())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

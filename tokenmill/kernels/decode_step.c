@@ -17,7 +17,7 @@
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits, as the module path's).
- * The groups of 3-5 and the LM head go to the threads in runs (q4q8_gemv.c): each its
+ * The groups of 3-5 and the LM head go to the threads in runs (runs.h): each its
  * own contiguous run, then what is left of the others' (each thread holds the whole
  * quantized row), so that each reads one stream and a vCPU that runs slower on a busy
  * host takes fewer instead of holding the other at the barrier.
@@ -93,7 +93,7 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
 /* a thread's share of the groups of w (N rows, K inputs) on the M rows quantized in a
  * (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 (fp32 when y_f32).
  * Every thread of the team calls it, between barriers: its own run of the groups, then
- * what is left of the others' (q4q8_gemv.c's runs, nth of them, all empty between
+ * what is left of the others' (runs.h; nth runs, all empty between
  * linears) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
                               int64_t bits, int64_t M, const act_t *a, void *y, int64_t y_f32,
@@ -194,11 +194,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
                                 up64(12 * (size_t)(K_ATTN / QK)) +
                                 up64(4 * (size_t)(G * seq_len));
-    const size_t runs_bytes = (size_t)num_threads * RUN_STRIDE * sizeof(uint64_t);
-    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes + runs_bytes);
+    char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes +
+                                      runs_bytes(num_threads));
     if (!buf) return -2;
     uint64_t *runs = (uint64_t *)(buf + shared_bytes + (size_t)num_threads * thread_bytes);
-    memset(runs, 0, runs_bytes); /* every run empty */
+    memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
     uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
     uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
     memcpy(res[0], m->embed + token * H, (size_t)H * 2);
@@ -372,9 +372,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
      * batch and its longest sequence, fragmented the heap (RSS crept up under a soak) */
     static __thread char *kept = NULL;
     static __thread size_t kept_bytes = 0;
-    const size_t runs_bytes = (size_t)num_threads * RUN_STRIDE * sizeof(uint64_t);
     const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes +
-                        cascade_bytes + runs_bytes;
+                        cascade_bytes + runs_bytes(num_threads);
     if (need > kept_bytes) {
         const size_t grown = up64(need + need / 4);
         char *fresh = aligned_alloc(64, grown);
@@ -402,8 +401,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (cascade_setup(&cas, cascade_words, num_threads))
             return -1; /* tables that differ in the shared blocks */
     }
-    uint64_t *runs = (uint64_t *)(buf + need - runs_bytes);
-    memset(runs, 0, runs_bytes); /* every run empty */
+    uint64_t *runs = (uint64_t *)(buf + need - runs_bytes(num_threads));
+    memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 

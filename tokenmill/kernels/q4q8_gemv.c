@@ -676,12 +676,11 @@ int64_t tm_q4q8_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     int32_t *sum = (int32_t *)(s + M * nb);
     const int parallel = groups >= PARALLEL_GROUPS && num_threads > 1;
     const int64_t team = parallel ? num_threads : 1;
-    uint64_t *runs = aligned_alloc(64, (size_t)team * RUN_STRIDE * sizeof(uint64_t));
+    uint64_t *runs = runs_new(team);
     if (!runs) {
         free(scratch);
         return -1;
     }
-    memset(runs, 0, (size_t)team * RUN_STRIDE * sizeof(uint64_t)); /* every run empty */
 #pragma omp parallel num_threads(team) if (parallel)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();

@@ -18,8 +18,22 @@
 #ifndef TOKENMILL_RUNS_H
 #define TOKENMILL_RUNS_H
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define RUN_STRIDE 8 /* uint64 words: a run a cache line */
+
+/* the bytes of `threads` runs (a buffer that holds them: 64-byte aligned) */
+static inline size_t runs_bytes(int64_t threads) {
+    return (size_t)threads * RUN_STRIDE * sizeof(uint64_t);
+}
+
+/* `threads` runs, all empty, in a buffer of their own (free() it); NULL without memory */
+static inline uint64_t *runs_new(int64_t threads) {
+    uint64_t *runs = aligned_alloc(64, runs_bytes(threads));
+    if (runs) memset(runs, 0, runs_bytes(threads));
+    return runs;
+}
 
 static inline int64_t take_front(uint64_t *run) {
     uint64_t cur = __atomic_load_n(run, __ATOMIC_RELAXED);

@@ -79,3 +79,34 @@ def test_a_linear_layer_runs_decode_rows_on_it_and_prompts_on_torch():
         assert y.shape == (1, 3, 40)
         prompt = torch.randn(20, 96, generator=g).bfloat16()
         assert torch.equal(layer(prompt), F.linear(prompt, layer.weight, layer.bias))
+
+
+def test_a_build_without_avx512_bf16_gives_the_same_rounding():
+    """Built for AVX2 (-march=x86-64-v3, the widened fp32 loop CPUs without vdpbf16ps
+    run), the kernel's outputs are the exact product rounded once to bf16 too."""
+    import ctypes
+    import shutil
+    from pathlib import Path
+
+    from tokenmill.cpuinfo import cpu_flags
+    from tokenmill.kernels import build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    strict, link = build.FLAG_SETS[1]
+    path = build._build(compiler, Path(bf16_gemv.__file__).with_name("bf16_gemv.c"), (
+        ["-march=x86-64-v3" if f.startswith("-march=") else f for f in strict], link))
+    assert path is not None
+    fn = ctypes.CDLL(str(path)).tm_bf16_gemv
+    fn.argtypes, fn.restype = bf16_gemv._lib.signatures["tm_bf16_gemv"]
+    g = torch.Generator().manual_seed(11)
+    for rows, n, k in ((1, 100, 70), (5, 37, 576)):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        assert fn(x.data_ptr(), rows, k, w.data_ptr(), n, b.data_ptr(), y.data_ptr(), 2) == 0
+        _within_bf16_rounding(y, x, w, b)

@@ -26,7 +26,16 @@ PROMPTS = ["The capital of France is",  # 6 tokens: decode crosses the block at 
 @pytest.fixture(scope="module")
 def engines():
     return {"gguf-a16": small_engine(quantization="gguf-a16", max_num_seqs=8),
-            "gguf-a8": small_engine(quantization="gguf-a8", max_num_seqs=8)}
+            "gguf-a8": small_engine(quantization="gguf-a8", max_num_seqs=8),
+            # a bf16 model: every linear bf16_gemv.c's, inside the call
+            "none": small_engine(quantization="none", dtype="bfloat16", max_num_seqs=10)}
+
+
+def _same_logits(method: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if method == "none":  # the same bf16 GEMV rows as the modules': bit for bit
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class _Recorder:
@@ -73,7 +82,7 @@ def _greedy(engine: LLMEngine, prompt: str, n: int, fused: bool) -> list[int]:
         engine.runner.fused_decode.enabled = True
 
 
-@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8"])
+@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none"])
 def test_fused_decode_gives_the_module_paths_tokens_and_logits(engines, method, monkeypatch):
     engine = engines[method]
     assert engine.runner.fused_decode is not None, fused_decode.unsupported_reason(
@@ -90,7 +99,7 @@ def test_fused_decode_gives_the_module_paths_tokens_and_logits(engines, method, 
         assert fused_ids == module_ids
         assert len(fused_logits) == len(rec.logits[len(fused_logits):]) == 40
         for a, b in zip(fused_logits, rec.logits[len(fused_logits):], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            _same_logits(method, a, b)
         rec.logits.clear()
 
 
@@ -119,7 +128,7 @@ def _greedy_batch(engine: LLMEngine, prompts: list[str], n: int, fused: bool
 BATCH = PROMPTS + ["Write a haiku about the sea.", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
 
 
-@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8"])
+@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none"])
 def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, method,
                                                                      monkeypatch):
     engine = engines[method]
@@ -137,7 +146,35 @@ def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, 
     assert fused_ids == module_ids
     assert len(fused_logits) == len(rec.logits)
     for a, b in zip(fused_logits, rec.logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        _same_logits(method, a, b)
+
+
+def test_a_bf16_model_runs_fused_up_to_the_gemvs_rows_and_the_modules_past_them(
+        engines, monkeypatch):
+    """From 9 rows a bf16 model's linears are F.linear's (oneDNN), so its steps are the
+    module path's; 10 ragged requests decode 10, then 9, then 8 and fewer rows a step."""
+    engine = engines["none"]
+    fused = engine.runner.fused_decode
+    assert fused.plain and fused.max_rows == 8
+    assert fused.takes([1] * 8, list(range(8))) and not fused.takes([1] * 9, list(range(9)))
+    rec = _Recorder(engine, monkeypatch)
+    prompts = BATCH * 2
+    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def run(on: bool) -> dict[str, list[int]]:
+        fused.enabled = on
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), prompt, params[i])
+            return _drain(engine)
+        finally:
+            fused.enabled = True
+
+    got = run(True)
+    assert max(rec.batch_rows) == 8 and min(rec.batch_rows) == 2
+    assert got == run(False)
+    assert [len(got[str(i)]) for i in range(10)] == [3 + i for i in range(10)]
 
 
 def test_more_rows_than_the_kernel_serves_run_the_module_path(engines, monkeypatch):
@@ -196,7 +233,7 @@ def test_off_by_env_and_for_what_it_does_not_cover(engines, monkeypatch):
     monkeypatch.delenv("TOKENMILL_FUSED_DECODE")
     fp32 = small_engine(dtype="float32")  # the exact reference keeps its modules
     assert fp32.runner.fused_decode is None
-    assert "gguf-a16" in fused_decode.unsupported_reason(
+    assert "nor bf16 without a bias" in fused_decode.unsupported_reason(
         fp32.runner.model, fp32.runner.backend, fp32.runner.kv_caches)
 
 

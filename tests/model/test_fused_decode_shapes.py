@@ -24,14 +24,15 @@ SHAPES = {  # head_dim 16, 2 query heads per kv head (the plain-C attention tile
 }
 
 
-def _runner(tmp_path, overrides, q8_0=("embed_tokens", "down_proj")) -> ModelRunner:
+def _runner(tmp_path, overrides, q8_0=("embed_tokens", "down_proj"),
+            quantization="gguf-a16") -> ModelRunner:
     # v in Q4_1 like q and k: a fused QKV of mixed types has no exact quantized-activation
     # form, so it keeps bf16 activations and the fused step is not taken (the first test)
     path = write_tiny_gguf(make_hf_model("llama", **overrides), tmp_path / "tiny.gguf",
                            q8_0=q8_0)
     loaded, method = weights.load_engine_model(resolve_model(str(path)), "bfloat16",
-                                               "gguf-a16", torch.device("cpu"))
-    assert method == "gguf-a16"
+                                               quantization, torch.device("cpu"))
+    assert method == quantization
     return ModelRunner(loaded.model, loaded.config, BLOCK, 8, torch.bfloat16,
                        torch.device("cpu"), "cpu")
 
@@ -69,7 +70,25 @@ def test_fused_steps_match_the_module_path_on_other_shapes(tmp_path, shape, thre
     assert len(calls) == 2 * BLOCK + 3 - 7  # every decode step after the 7-token prompt
 
 
-def _decode_both_ways(runner: ModelRunner, fused) -> None:
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_bf16_models_fused_steps_give_the_module_paths_bits(tmp_path, shape, monkeypatch):
+    """`--quantization none`: every linear and the head as bf16_gemv.c's rows inside the
+    call, on the plain-C and the AVX512-BF16 attention tiles, 3 threads (uneven shares)."""
+    calls = []
+    step = decode_step.step
+    monkeypatch.setattr(decode_step, "step", lambda *a: calls.append(1) or step(*a))
+    runner = _runner(tmp_path, SHAPES[shape], quantization="none")
+    assert runner.fused_decode is not None and runner.fused_decode.plain
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        _decode_both_ways(runner, runner.fused_decode, exact=True)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2 * BLOCK + 3 - 7
+
+
+def _decode_both_ways(runner: ModelRunner, fused, exact: bool = False) -> None:
     assert fused is not None
     table = [3, 1, 6]  # not in order: the step reads blocks through the table
     prompt = [5, 17, 200, 33, 9, 101, 64]
@@ -80,17 +99,22 @@ def _decode_both_ways(runner: ModelRunner, fused) -> None:
         expected = _step(runner, [token], pos, table, [])
         fused.enabled = True
         got = _step(runner, [token], pos, table, [])  # writes the same K/V over the slot
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if exact:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         token, pos = int(got[0].argmax()), pos + 1
 
 
 def test_its_build_is_keyed_on_the_kernels_it_compiles_in():
-    # decode_step.c #includes q4q8_gemv.c and paged_decode.c: an edit there must rebuild it
+    # decode_step.c #includes q4q8_gemv.c, paged_decode.c and bf16_gemv.c: an edit there
+    # must rebuild it
     from pathlib import Path
 
     from tokenmill.kernels import build
 
     kernels = Path(build.__file__).parent
     included = build._included_sources(kernels / "decode_step.c")
-    assert included == [(kernels / n).read_text() for n in ("q4q8_gemv.c", "paged_decode.c")]
+    assert included == [(kernels / n).read_text() for n in ("q4q8_gemv.c", "paged_decode.c",
+                                                             "bf16_gemv.c")]
     assert build._included_sources(kernels / "layer_ops.c") == []

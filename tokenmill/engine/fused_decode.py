@@ -14,14 +14,20 @@ kernel (see MAX_ROWS), each row computed as it is at any smaller batch. Where th
 linears are gemm16 (AVX2 without native bf16: the same kernel on both paths), the
 fused step takes every decode step, whatever its rows (WIDE_MAX_ROWS).
 
+A bf16 model (`--quantization none`, the default for float checkpoints) takes it too,
+up to bf16_gemv.c's 8 rows: its linears are the module path's bf16 GEMV, called from
+inside the step on the plain bf16 weights (the LM head's logits rounded to bf16 and
+widened, as `head(x).float()`); from 9 rows the modules' F.linear takes over, and so
+does the module path.
+
 It covers what it can prove identical, and `FusedDecode.build` returns None (the
 model runner keeps the module path) for anything else; a step with a prompt chunk or
 speculative verification (a row of more than one token), more than `max_rows`
 rows, runs the module path. Rows sharing a prefix (a cached system prompt) read it once
 for all of them, inside the call, with the cpu backend's cascade arithmetic. Covered:
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
-kernel), a bf16 model and KV cache on the `cpu` attention backend, no tensor
-parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
+kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache on the `cpu`
+attention backend, no tensor parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
 it off (the A/B switch for benchmarks/decode_latency.py); `enabled` does the same
 for one engine at run time.
 """
@@ -37,9 +43,10 @@ from tokenmill.attention import cpu as cpu_attention
 from tokenmill.attention.cpu import CpuBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.kernels import bf16_gemv
 from tokenmill.kernels import decode_step as native
-from tokenmill.models.layers import RMSNorm
-from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.models.layers import Linear, RMSNorm
+from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
 from tokenmill.quant.widened import WidenedWeight
@@ -69,6 +76,7 @@ WIDE_MAX_ROWS = 1 << 30
 # gemm16 time (A/B alternating in one process): 1.00 at 8 rows, 1.12 at 16, 1.29 at 24
 # and 48, 1.38 at 64; 12 lies between the tie and the first win.
 WIDE_MIN_ROWS = 12
+FMT_BF16 = 2  # decode_step.c: a plain (N, K) bf16 weight, with the record's bits 0
 
 
 def enabled_by_env() -> bool:
@@ -84,6 +92,13 @@ def _lowbit(linear: object, bits: int | None) -> bool:
 
 def _bf16(t: torch.Tensor, *shape: int) -> bool:
     return t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape
+
+
+def _plain_bf16(linear: object) -> bool:
+    """The module is a bf16 linear without a bias that runs bf16_gemv at a few rows."""
+    return (isinstance(linear, Linear) and type(linear).forward is Linear.forward
+            and linear.bias is None and linear.weight.device.type == "cpu"
+            and _bf16(linear.weight, linear.out_features, linear.in_features))
 
 
 def unsupported_reason(model: torch.nn.Module, backend: object,
@@ -105,19 +120,27 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     bits = None
     first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
     heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
-    inter = first.mlp.down_proj.in_features if type(first.mlp) is FusedSiluMLP else 0
+    # every layer's linears on the quantized-activation kernel, or every one plain bf16
+    plain = type(first.mlp) is LlamaMLP
+    inter = first.mlp.down_proj.in_features if type(first.mlp) in (FusedSiluMLP, LlamaMLP) \
+        else 0
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
             return f"layer {i} is not a plain Llama layer"
-        if type(layer.mlp) is not FusedSiluMLP:
-            return (f"layer {i}: its MLP does not run silu * up in the down projection "
-                    "(--quantization gguf-a16 / gguf-a8)")
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
-        if not all(_lowbit(lin, bits) for lin in linears):
-            return (f"layer {i}: a linear not on the quantized-activation kernel "
-                    "(--quantization gguf-a16 / gguf-a8), or with a bias")
+        if plain:
+            if type(layer.mlp) is not LlamaMLP or not all(_plain_bf16(lin) for lin in linears):
+                return (f"layer {i}: a linear neither on the quantized-activation kernel "
+                        "(--quantization gguf-a16 / gguf-a8) nor bf16 without a bias")
+        else:
+            if type(layer.mlp) is not FusedSiluMLP:
+                return (f"layer {i}: its MLP does not run silu * up in the down projection "
+                        "(--quantization gguf-a16 / gguf-a8)")
+            bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
+            if not all(_lowbit(lin, bits) for lin in linears):
+                return (f"layer {i}: a linear not on the quantized-activation kernel "
+                        "(--quantization gguf-a16 / gguf-a8), or with a bias")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if type(norm) is not RMSNorm or not _bf16(norm.weight, hidden) \
                     or norm.eps != cfg.rms_norm_eps:
@@ -140,6 +163,8 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         return "embedding or final norm not bf16"
     if not native.available():
         return "the native kernel (tokenmill/kernels/decode_step.c) could not be built"
+    if plain and bf16_gemv.max_rows() < 1:
+        return "the bf16 GEMV (tokenmill/kernels/bf16_gemv.c) could not be built"
     return None
 
 
@@ -152,22 +177,30 @@ class FusedDecode:
         self.enabled = True
         self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
         layers = (native.LayerRecord * len(inner.layers))()
-        wide = True  # every linear's large-batch path is gemm16 (widened.py)
+        # a bf16 model (every linear plain bf16: unsupported_reason) or the kernel's
+        self.plain = type(inner.layers[0].mlp) is LlamaMLP
+        wide = not self.plain  # every linear's large-batch path is gemm16 (widened.py)
         for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             rec.input_norm = layer.input_layernorm.weight.data_ptr()
             rec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                               ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                if self.plain:
+                    setattr(rec, name, lin.weight.data_ptr())
+                    setattr(rec, f"{name}_fmt", FMT_BF16)
+                    continue
                 setattr(rec, name, lin.vnni_packed.data_ptr())
                 setattr(rec, f"{name}_fmt", lin.vnni_format)
                 wide = wide and isinstance(lin.dense, WidenedWeight)
             rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
         first = inner.layers[0].self_attn
         head = model.lm_head
+        bits = 0 if self.plain else first.qkv_proj.vnni_bits
         # the LM head runs inside the call when it is on the same kernel (the embedded
-        # model's Q8_0 head is); otherwise the runner calls compute_logits after it
-        self.lm_head_fused = (_lowbit(head, first.qkv_proj.vnni_bits)
+        # model's Q8_0 head is, and a bf16 model's plain one); otherwise the runner calls
+        # compute_logits after it
+        self.lm_head_fused = ((_plain_bf16(head) if self.plain else _lowbit(head, bits))
                               and head.out_features == cfg.vocab_size
                               and head.in_features == cfg.hidden_size
                               and type(model).compute_logits is LlamaForCausalLM.compute_logits)
@@ -177,13 +210,16 @@ class FusedDecode:
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
             inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
-            bits=first.qkv_proj.vnni_bits, num_blocks=num_blocks, block_size=block_size,
+            bits=bits, num_blocks=num_blocks, block_size=block_size,
             max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
             embed=inner.embed_tokens.weight.data_ptr(), cos=rotary.cos_cache.data_ptr(),
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
-            lm_head=head.vnni_packed.data_ptr() if self.lm_head_fused else None,
-            lm_head_fmt=head.vnni_format if self.lm_head_fused else 0, layers=layers)
-        self.max_rows = MAX_ROWS
+            lm_head=(None if not self.lm_head_fused else head.weight.data_ptr() if self.plain
+                     else head.vnni_packed.data_ptr()),
+            lm_head_fmt=(0 if not self.lm_head_fused else FMT_BF16 if self.plain
+                         else head.vnni_format), layers=layers)
+        # a bf16 model's modules run bf16_gemv up to its rows, F.linear past them
+        self.max_rows = min(MAX_ROWS, bf16_gemv.max_rows()) if self.plain else MAX_ROWS
         if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
             self.record.wide_min_rows = WIDE_MIN_ROWS
             self.max_rows = WIDE_MAX_ROWS

@@ -71,9 +71,10 @@ static inline __attribute__((always_inline)) void dots(const uint16_t *w, const 
 }
 #endif
 
-/* rows [n0, n1) of y from x (M rows) */
+/* rows [n0, n1) of y from x (M rows): bf16 into y, or, given yf, that bf16 value widened
+ * to fp32 into yf (M, N) (decode_step.c's logits: the module path's head(x).float()) */
 static void rows_out(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
-                     const uint16_t *bias, uint16_t *y, int64_t n0, int64_t n1) {
+                     const uint16_t *bias, uint16_t *y, float *yf, int64_t n0, int64_t n1) {
     float sums[MAX_M];
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wn = w + n * K;
@@ -97,7 +98,10 @@ static void rows_out(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
         }
 #endif
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-        for (int64_t i = 0; i < M; i++) y[i * N + n] = f32_to_bf16(sums[i] + b);
+        if (yf)
+            for (int64_t i = 0; i < M; i++) yf[i * N + n] = bf16_to_f32(f32_to_bf16(sums[i] + b));
+        else
+            for (int64_t i = 0; i < M; i++) y[i * N + n] = f32_to_bf16(sums[i] + b);
     }
 }
 
@@ -119,7 +123,7 @@ int64_t tm_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
         int from = 0;
         for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;) {
             const int64_t n0 = g * GROUP, n1 = n0 + GROUP < N ? n0 + GROUP : N;
-            rows_out(x, M, K, w, N, bias, y, n0, n1);
+            rows_out(x, M, K, w, N, bias, y, NULL, n0, n1);
         }
     }
     free(runs);

@@ -23,7 +23,8 @@
  * host takes fewer instead of holding the other at the barrier.
  *
  * The arithmetic is the module path's own, compiled from the same source:
- * q4q8_gemv.c's quantizer and linear_group, layer_ops.h's rows, paged_decode.c's
+ * q4q8_gemv.c's quantizer and linear_group (for a bf16 model, bits 0: bf16_gemv.c's rows
+ * on the plain bf16 weights, no activation quantized), layer_ops.h's rows, paged_decode.c's
  * score and weighted-V tiles (over some of a kv head's query heads where the
  * module path takes all of them: each head's sums are the same operations). The residual
  * stream alternates between two buffers, so a thread reading one never races with
@@ -34,13 +35,19 @@
  */
 #include "q4q8_gemv.c"
 #include "paged_decode.c"
+#include "bf16_gemv.c"
 #include "layer_ops.h"
+
+/* a linear's weight as plain (N, K) bf16 rows, multiplied as bf16_gemv.c does (its rows
+ * of 16 are q4q8_gemv.c's groups): a bf16 model's, whose record says bits 0 (no
+ * activation quantized) and every linear FMT_BF16 */
+#define FMT_BF16 2
 
 #include <omp.h>
 
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* (hidden,) bf16 */
-    const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records */
+    const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records, or FMT_BF16 rows */
     int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
     uint16_t *k_cache, *v_cache; /* (KVH, NB, BS, D) bf16 */
 } tm_layer_t;
@@ -66,15 +73,44 @@ int64_t tm_decode_step_abi(void) {
     return (int64_t)sizeof(tm_model_t) * 1000 + (int64_t)sizeof(tm_layer_t);
 }
 
-/* per-thread buffers for one row's quantized activations (K inputs at most) */
+/* per-thread buffers for one row's quantized activations (K inputs at most), and the
+ * bf16 rows they were quantized from (what an FMT_BF16 weight multiplies) */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int32_t *sum;
+    const uint16_t *x;
 } act_t;
 
 static inline void quantize_row(const uint16_t *x, int64_t K, int64_t bits, act_t *a) {
-    tm_q8_quantize_bf16(x, 1, K, bits, a->q, a->d, a->s, a->sum);
+    a->x = x;
+    if (bits) tm_q8_quantize_bf16(x, 1, K, bits, a->q, a->d, a->s, a->sum);
+}
+
+/* rows [16 g, 16 g + 16) of y (M, N) = the M rows of a times w: q4q8_gemv.c's
+ * linear_group, or bf16_gemv.c's rows for an FMT_BF16 weight (y fp32 when y_f32) */
+static inline void group_out(const uint8_t *w, int64_t fmt, int64_t g, int64_t M, int64_t K,
+                             int64_t N, int64_t bits, const act_t *a, void *y, int64_t y_f32) {
+    if (fmt == FMT_BF16) {
+        const int64_t n0 = g * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
+        rows_out(a->x, M, K, (const uint16_t *)w, N, NULL, y_f32 ? NULL : (uint16_t *)y,
+                 y_f32 ? (float *)y : NULL, n0, n1);
+    } else {
+        linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, y_f32);
+    }
+}
+
+/* the weights' formats agree with the activations: every one FMT_BF16 with bits 0 (a
+ * bf16 model, at most MAX_M rows a call: bf16_gemv.c's), none of them with 8 or 16 */
+static int formats_ok(const tm_model_t *m) {
+    if (m->bits != 0 && m->bits != 8 && m->bits != 16) return 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const tm_layer_t *L = m->layers + l;
+        const int64_t f[4] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt};
+        for (int i = 0; i < 4; i++)
+            if ((f[i] == FMT_BF16) != (m->bits == 0)) return 0;
+    }
+    return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
 }
 
 /* this thread's share [*lo, *hi) of n items, contiguous */
@@ -101,7 +137,7 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t 
     own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
     int from = 0;
     for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;)
-        linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, y_f32);
+        group_out(w, fmt, g, M, K, N, bits, a, y, y_f32);
 }
 
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
@@ -180,8 +216,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
-        H % QK || I % QK || (NH * D) % QK ||
-        (m->bits != 8 && m->bits != 16))
+        H % QK || I % QK || (NH * D) % QK || !formats_ok(m))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
         if (table[j] < 0 || table[j] >= NB) return -1;
@@ -238,8 +273,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 g0 = head_aligned(g0, q_groups, head_groups);
                 g1 = head_aligned(g1, q_groups, head_groups);
                 for (int64_t g = g0; g < g1; g++)
-                    linear_group(L->qkv, g, 1, H, QKV, L->qkv_fmt, m->bits, a.q, a.d, a.s,
-                                 a.sum, qkv, 0);
+                    group_out(L->qkv, L->qkv_fmt, g, 1, H, QKV, m->bits, &a, qkv, 0);
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
@@ -330,7 +364,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || (m->bits != 8 && m->bits != 16) || shared_blocks < 0 ||
+        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > MAX_M) || shared_blocks < 0 ||
         shared_blocks > table_stride)
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
@@ -390,6 +424,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     act.d = (float *)(buf + rows_bytes + up64(2 * (size_t)B * K_ATTN));
     act.s = act.d + B * nbk;
     act.sum = (int32_t *)(act.s + B * nbk);
+    act.x = xn; /* every linear's input rows (B, K), K its inputs */
     if (shared_blocks) {
         char *cb = buf + rows_bytes + act_bytes + (size_t)num_threads * thread_bytes;
         cas.scratch = (float *)cb;
@@ -417,7 +452,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #define TM_QUANTIZE_MINE(K)                                                           \
     if (wide)                                                                         \
         quantize16_rows(xn, (K), r0, r1, (int16_t *)act.q, act.d, act.s);             \
-    else                                                                              \
+    else if (m->bits)                                                                 \
         for (int64_t r = r0; r < r1; r++)                                             \
             for (int64_t b = 0; b < (K) / QK; b++)                                    \
                 quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);

@@ -11,7 +11,7 @@ from tests.engine.conftest import small_engine
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.engine import fused_decode
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.kernels import decode_step, q4q8_gemv
+from tokenmill.kernels import bf16_gemv, decode_step, q4q8_gemv
 from tokenmill.quant import widened
 from tokenmill.sampling_params import SamplingParams
 
@@ -151,12 +151,15 @@ def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, 
 
 def test_a_bf16_model_runs_fused_up_to_the_gemvs_rows_and_the_modules_past_them(
         engines, monkeypatch):
-    """From 9 rows a bf16 model's linears are F.linear's (oneDNN), so its steps are the
-    module path's; 10 ragged requests decode 10, then 9, then 8 and fewer rows a step."""
+    """A bf16 model's steps are fused up to bf16_gemv.c's rows (passes of 8 past 8
+    rows), with the modules' bits; past them its linears are F.linear's (oneDNN), and
+    the step the module path's. 10 ragged requests decode 10 rows a step, then fewer."""
     engine = engines["none"]
     fused = engine.runner.fused_decode
-    assert fused.plain and fused.max_rows == 8
-    assert fused.takes([1] * 8, list(range(8))) and not fused.takes([1] * 9, list(range(9)))
+    assert fused.plain and fused.max_rows == bf16_gemv.max_rows() >= 16
+    n = fused.max_rows
+    assert fused.takes([1] * n, list(range(n)))
+    assert not fused.takes([1] * (n + 1), list(range(n + 1)))
     rec = _Recorder(engine, monkeypatch)
     prompts = BATCH * 2
     params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True)
@@ -171,10 +174,17 @@ def test_a_bf16_model_runs_fused_up_to_the_gemvs_rows_and_the_modules_past_them(
         finally:
             fused.enabled = True
 
-    got = run(True)
-    assert max(rec.batch_rows) == 8 and min(rec.batch_rows) == 2
+    got, got_logits = run(True), list(rec.logits)
+    assert max(rec.batch_rows) == 10 and min(rec.batch_rows) == 2
+    rec.logits.clear()
     assert got == run(False)
     assert [len(got[str(i)]) for i in range(10)] == [3 + i for i in range(10)]
+    assert len(got_logits) == len(rec.logits)
+    for a, b in zip(got_logits, rec.logits, strict=True):
+        assert torch.equal(a, b)
+    rec.batch_rows.clear()
+    monkeypatch.setattr(fused, "max_rows", 8)  # 9 and 10 rows: the modules
+    assert run(True) == got and max(rec.batch_rows) == 8
 
 
 def test_more_rows_than_the_kernel_serves_run_the_module_path(engines, monkeypatch):

@@ -22,12 +22,14 @@ def _within_bf16_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     assert (err <= exact.abs() * 2.0 ** -8 + 1e-4).all(), err.max()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 21, 48])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (100, 70), (37, 1536)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_match_the_exact_product_rounded_to_bf16(rows, n, k, bias):
-    """Every row count the kernel takes, weights not a multiple of its 16-row groups and
-    inputs not of its 32-wide chunks (the masked tail), with and without a bias."""
+    """Row counts of one pass (up to 8) and of several (two weight rows at a time, the
+    last pass shorter), weights not a multiple of its 16-row groups (an odd count: a
+    weight row without a pair) and inputs not of its 32-wide chunks (the masked tail),
+    with and without a bias."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -77,7 +79,7 @@ def test_a_linear_layer_runs_decode_rows_on_it_and_prompts_on_torch():
         y = layer(decode)
         assert torch.equal(y, bf16_gemv.linear(decode, layer.weight, layer.bias))
         assert y.shape == (1, 3, 40)
-        prompt = torch.randn(20, 96, generator=g).bfloat16()
+        prompt = torch.randn(bf16_gemv.max_rows() + 1, 96, generator=g).bfloat16()
         assert torch.equal(layer(prompt), F.linear(prompt, layer.weight, layer.bias))
 
 
@@ -103,7 +105,7 @@ def test_a_build_without_avx512_bf16_gives_the_same_rounding():
     fn = ctypes.CDLL(str(path)).tm_bf16_gemv
     fn.argtypes, fn.restype = bf16_gemv._lib.signatures["tm_bf16_gemv"]
     g = torch.Generator().manual_seed(11)
-    for rows, n, k in ((1, 100, 70), (5, 37, 576)):
+    for rows, n, k in ((1, 100, 70), (5, 37, 576), (21, 37, 576)):
         x = torch.randn(rows, k, generator=g).bfloat16()
         w = torch.randn(n, k, generator=g).bfloat16()
         b = torch.randn(n, generator=g).bfloat16()

@@ -15,9 +15,9 @@ linears are gemm16 (AVX2 without native bf16: the same kernel on both paths), th
 fused step takes every decode step, whatever its rows (WIDE_MAX_ROWS).
 
 A bf16 model (`--quantization none`, the default for float checkpoints) takes it too,
-up to bf16_gemv.c's 8 rows: its linears are the module path's bf16 GEMV, called from
+up to bf16_gemv.c's 48 rows: its linears are the module path's bf16 GEMV, called from
 inside the step on the plain bf16 weights (the LM head's logits rounded to bf16 and
-widened, as `head(x).float()`); from 9 rows the modules' F.linear takes over, and so
+widened, as `head(x).float()`); past them the modules' F.linear takes over, and so
 does the module path.
 
 It covers what it can prove identical, and `FusedDecode.build` returns None (the

@@ -1,4 +1,4 @@
-"""bf16 linears for the few rows of a decode step (bf16_gemv.c).
+"""bf16 linears for the rows of a decode step, up to 48 (bf16_gemv.c).
 
 `linear` returns None when the kernel is not built or does not take the tensors
 (not bf16 on the CPU, more than `max_rows()` rows); the caller then runs F.linear,

@@ -39,7 +39,10 @@
 #define PARALLEL_GROUPS 8 /* fewer groups run on the calling thread */
 #define PF_BYTES 4096 /* prefetched ahead of the load in use (of 0.5, 2 and 4 KB, 4 read fastest) */
 
-int64_t tm_bf16_gemv_max_rows(void) { return MAX_ROWS; }
+/* the most rows a call takes: MAX_ROWS with vdpbf16ps; without it, the portable loop
+ * (~26 G multiply-adds/s from 4 rows on the Zen 4 built for AVX2) against oneDNN's
+ * emulated bf16 is not measured past one pass, so it takes one pass at most */
+int64_t tm_bf16_gemv_max_rows(void) { return TM_GEMV_BF16 ? MAX_ROWS : MAX_M; }
 
 #if TM_GEMV_BF16
 /* sums[i] = W row . x row i for M activation rows, in U * M accumulators (M and U
@@ -114,10 +117,42 @@ static inline __attribute__((always_inline)) void dots_pair(
 }
 #endif
 
+#if !TM_GEMV_BF16
+/* w . x over K bf16 pairs in LANES independent fp32 chains, lane j taking inputs j, j +
+ * LANES, ..., then added pairwise, for R rows of x at once (each row's sums the same): gcc vectorises the chains without reassociating any
+ * sum (AVX2: two ymm of widened bf16 and FMAs), so strict fp32 flags, which CPUs
+ * without AVX-512 build with (build.py), keep it a vector loop. A plain running sum
+ * cannot be vectorised there: it ran scalar, at ~2 G multiply-adds/s on the Zen 4. */
+#define LANES 16
+static inline __attribute__((always_inline)) void lane_dots(const uint16_t *w,
+                                                           const uint16_t *x, int64_t K,
+                                                           const int R, float *sums) {
+    float acc[4][LANES]; /* R <= 4 rows of x against one weight row: w widened once */
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < LANES; j++) acc[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {
+        float wf[LANES];
+        for (int j = 0; j < LANES; j++) wf[j] = bf16_to_f32(w[k + j]);
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < LANES; j++) acc[i][j] += wf[j] * bf16_to_f32(x[i * K + k + j]);
+    }
+    for (int i = 0; i < R; i++) {
+        for (int j = 0; k + j < K; j++)
+            acc[i][j] += bf16_to_f32(w[k + j]) * bf16_to_f32(x[i * K + k + j]);
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int j = 0; j < width; j++) acc[i][j] += acc[i][j + width];
+        sums[i] = acc[i][0];
+    }
+}
+#endif
+
 /* rows [n0, n1) of y from x (M <= MAX_M rows): bf16 into y, or, given yf, that bf16 value
  * widened to fp32 into yf (M, N) (decode_step.c's logits: the module path's
  * head(x).float()); y and yf have row stride N */
-static void rows_pass(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+/* noipa: one compiled body, whatever its callers (decode_step.c compiles this file into
+ * its own library: the fused step must give the module path's bits) */
+static __attribute__((noipa)) void rows_pass(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                       const uint16_t *bias, uint16_t *y, float *yf, int64_t n0, int64_t n1) {
     float sums[MAX_M];
     for (int64_t n = n0; n < n1; n++) {
@@ -134,12 +169,9 @@ static void rows_pass(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w
         default: dots(wn, x, K, 8, 1, sums); break;
         }
 #else
-        for (int64_t i = 0; i < M; i++) {
-            const uint16_t *xi = x + i * K;
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(wn[k]) * bf16_to_f32(xi[k]);
-            sums[i] = s;
-        }
+        int64_t i = 0; /* four rows of x at a time, then the rest one by one */
+        for (; i + 4 <= M; i += 4) lane_dots(wn, x + i * K, K, 4, sums + i);
+        for (; i < M; i++) lane_dots(wn, x + i * K, K, 1, sums + i);
 #endif
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
         if (yf)
@@ -193,7 +225,7 @@ static void rows_out(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
  * -1 when M is out of range or the scratch cannot be allocated. */
 int64_t tm_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                      const uint16_t *bias, uint16_t *y, int64_t num_threads) {
-    if (M < 1 || M > MAX_ROWS || K < 1 || N < 0) return -1;
+    if (M < 1 || M > tm_bf16_gemv_max_rows() || K < 1 || N < 0) return -1;
     const int64_t groups = (N + GROUP - 1) / GROUP;
     const int parallel = groups >= PARALLEL_GROUPS && num_threads > 1;
     const int64_t team = parallel ? num_threads : 1;

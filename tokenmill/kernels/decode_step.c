@@ -101,7 +101,7 @@ static inline void group_out(const uint8_t *w, int64_t fmt, int64_t g, int64_t M
 }
 
 /* the weights' formats agree with the activations: every one FMT_BF16 with bits 0 (a
- * bf16 model, at most MAX_ROWS rows a call: bf16_gemv.c's), none of them with 8 or 16 */
+ * bf16 model, at most tm_bf16_gemv_max_rows() rows a call), none of them with 8 or 16 */
 static int formats_ok(const tm_model_t *m) {
     if (m->bits != 0 && m->bits != 8 && m->bits != 16) return 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -364,7 +364,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > MAX_ROWS) || shared_blocks < 0 ||
+        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
         shared_blocks > table_stride)
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.conftest import make_hf_model, write_tiny_gguf
+from tests.model.conftest import make_hf_model, save_hf, write_tiny_gguf
 from tokenmill.engine import weights
 from tokenmill.engine.model_runner import ModelRunner, StepInputs
 from tokenmill.kernels import decode_step, q4q8_gemv
@@ -86,6 +86,25 @@ def test_a_bf16_models_fused_steps_give_the_module_paths_bits(tmp_path, shape, m
     finally:
         torch.set_num_threads(before)
     assert len(calls) == 2 * BLOCK + 3 - 7
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_bf16_models_biases_are_added_inside_the_fused_step(tmp_path, arch):
+    """Qwen2's q/k/v biases (Llama's attention_bias: q/k/v and o), from a bf16 HF
+    checkpoint: the fused step adds them before rounding, as the modules' GEMV does."""
+    overrides = {"attention_bias": True} if arch == "llama" else {}
+    path = save_hf(make_hf_model(arch, **overrides).bfloat16(), tmp_path / arch)
+    loaded, method = weights.load_engine_model(resolve_model(str(path)), "bfloat16", "none",
+                                               torch.device("cpu"))
+    assert method == "none"
+    runner = ModelRunner(loaded.model, loaded.config, BLOCK, 8, torch.bfloat16,
+                         torch.device("cpu"), "cpu")
+    fused = runner.fused_decode
+    assert fused is not None and fused.plain
+    layer = fused.record.layers[0]
+    assert layer.qkv_bias and bool(layer.o_bias) == (arch == "llama")
+    assert not layer.gate_up_bias and not layer.down_bias
+    _decode_both_ways(runner, fused, exact=True)
 
 
 def _decode_both_ways(runner: ModelRunner, fused, exact: bool = False) -> None:

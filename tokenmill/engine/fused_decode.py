@@ -27,7 +27,8 @@ rows, runs the module path. Rows sharing a prefix (a cached system prompt) read 
 for all of them, inside the call, with the cpu backend's cascade arithmetic. Covered:
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
 kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache on the `cpu`
-attention backend, no tensor parallelism, Llama layers without q/k norm or biases. TOKENMILL_FUSED_DECODE=0 turns
+attention backend, no tensor parallelism, Llama layers without q/k norm (and without
+biases but a bf16 model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns
 it off (the A/B switch for benchmarks/decode_latency.py); `enabled` does the same
 for one engine at run time.
 """
@@ -94,11 +95,13 @@ def _bf16(t: torch.Tensor, *shape: int) -> bool:
     return t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape
 
 
-def _plain_bf16(linear: object) -> bool:
-    """The module is a bf16 linear without a bias that runs bf16_gemv at a few rows."""
+def _plain_bf16(linear: object, bias: bool = True) -> bool:
+    """The module is a bf16 linear (with a bf16 bias, if `bias` allows one) that runs
+    bf16_gemv at a decode step's rows."""
     return (isinstance(linear, Linear) and type(linear).forward is Linear.forward
-            and linear.bias is None and linear.weight.device.type == "cpu"
-            and _bf16(linear.weight, linear.out_features, linear.in_features))
+            and linear.weight.device.type == "cpu"
+            and _bf16(linear.weight, linear.out_features, linear.in_features)
+            and (linear.bias is None or (bias and _bf16(linear.bias, linear.out_features))))
 
 
 def unsupported_reason(model: torch.nn.Module, backend: object,
@@ -132,7 +135,7 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         if plain:
             if type(layer.mlp) is not LlamaMLP or not all(_plain_bf16(lin) for lin in linears):
                 return (f"layer {i}: a linear neither on the quantized-activation kernel "
-                        "(--quantization gguf-a16 / gguf-a8) nor bf16 without a bias")
+                        "(--quantization gguf-a16 / gguf-a8) nor bf16")
         else:
             if type(layer.mlp) is not FusedSiluMLP:
                 return (f"layer {i}: its MLP does not run silu * up in the down projection "
@@ -189,6 +192,7 @@ class FusedDecode:
                 if self.plain:
                     setattr(rec, name, lin.weight.data_ptr())
                     setattr(rec, f"{name}_fmt", FMT_BF16)
+                    setattr(rec, f"{name}_bias", None if lin.bias is None else lin.bias.data_ptr())
                     continue
                 setattr(rec, name, lin.vnni_packed.data_ptr())
                 setattr(rec, f"{name}_fmt", lin.vnni_format)
@@ -200,7 +204,8 @@ class FusedDecode:
         # the LM head runs inside the call when it is on the same kernel (the embedded
         # model's Q8_0 head is, and a bf16 model's plain one); otherwise the runner calls
         # compute_logits after it
-        self.lm_head_fused = ((_plain_bf16(head) if self.plain else _lowbit(head, bits))
+        self.lm_head_fused = ((_plain_bf16(head, bias=False) if self.plain
+                               else _lowbit(head, bits))
                               and head.out_features == cfg.vocab_size
                               and head.in_features == cfg.hidden_size
                               and type(model).compute_logits is LlamaForCausalLM.compute_logits)

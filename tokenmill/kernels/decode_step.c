@@ -50,6 +50,9 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records, or FMT_BF16 rows */
     int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
     uint16_t *k_cache, *v_cache; /* (KVH, NB, BS, D) bf16 */
+    /* (N,) bf16 biases of qkv, o, gate_up, down (Qwen2's q/k/v): FMT_BF16 weights only,
+     * added to the fp32 sum before it is rounded, as bf16_gemv.c does; NULL: none */
+    const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 } tm_layer_t;
 
 typedef struct {
@@ -89,11 +92,12 @@ static inline void quantize_row(const uint16_t *x, int64_t K, int64_t bits, act_
 
 /* rows [16 g, 16 g + 16) of y (M, N) = the M rows of a times w: q4q8_gemv.c's
  * linear_group, or bf16_gemv.c's rows for an FMT_BF16 weight (y fp32 when y_f32) */
-static inline void group_out(const uint8_t *w, int64_t fmt, int64_t g, int64_t M, int64_t K,
-                             int64_t N, int64_t bits, const act_t *a, void *y, int64_t y_f32) {
+static inline void group_out(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t g,
+                             int64_t M, int64_t K, int64_t N, int64_t bits, const act_t *a,
+                             void *y, int64_t y_f32) {
     if (fmt == FMT_BF16) {
         const int64_t n0 = g * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
-        rows_out(a->x, M, K, (const uint16_t *)w, N, NULL, y_f32 ? NULL : (uint16_t *)y,
+        rows_out(a->x, M, K, (const uint16_t *)w, N, bias, y_f32 ? NULL : (uint16_t *)y,
                  y_f32 ? (float *)y : NULL, n0, n1);
     } else {
         linear_group(w, g, M, K, N, fmt, bits, a->q, a->d, a->s, a->sum, y, y_f32);
@@ -101,14 +105,16 @@ static inline void group_out(const uint8_t *w, int64_t fmt, int64_t g, int64_t M
 }
 
 /* the weights' formats agree with the activations: every one FMT_BF16 with bits 0 (a
- * bf16 model, at most tm_bf16_gemv_max_rows() rows a call), none of them with 8 or 16 */
+ * bf16 model, at most tm_bf16_gemv_max_rows() rows a call), none of them with 8 or 16;
+ * biases only on FMT_BF16 weights */
 static int formats_ok(const tm_model_t *m) {
     if (m->bits != 0 && m->bits != 8 && m->bits != 16) return 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tm_layer_t *L = m->layers + l;
         const int64_t f[4] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt};
+        const uint16_t *b[4] = {L->qkv_bias, L->o_bias, L->gate_up_bias, L->down_bias};
         for (int i = 0; i < 4; i++)
-            if ((f[i] == FMT_BF16) != (m->bits == 0)) return 0;
+            if ((f[i] == FMT_BF16) != (m->bits == 0) || (b[i] && f[i] != FMT_BF16)) return 0;
     }
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
 }
@@ -131,23 +137,25 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
  * Every thread of the team calls it, between barriers: its own run of the groups, then
  * what is left of the others' (runs.h; nth runs, all empty between
  * linears) */
-static inline void gemv_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
+static inline void gemv_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
+                              int64_t N,
                               int64_t bits, int64_t M, const act_t *a, void *y, int64_t y_f32,
                               uint64_t *runs, int tid, int nth) {
     own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
     int from = 0;
     for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;)
-        group_out(w, fmt, g, M, K, N, bits, a, y, y_f32);
+        group_out(w, fmt, bias, g, M, K, N, bits, a, y, y_f32);
 }
 
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
  * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
-static inline int linear_share(const uint8_t *w, int64_t fmt, int64_t K, int64_t N,
+static inline int linear_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
+                               int64_t N,
                                int64_t bits, int64_t M, const act_t *a, int wide, uint16_t *y,
                                uint64_t *runs, int tid, int nth) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
-    gemv_share(w, fmt, K, N, bits, M, a, y, 0, runs, tid, nth);
+    gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth);
     return 0;
 }
 
@@ -273,7 +281,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 g0 = head_aligned(g0, q_groups, head_groups);
                 g1 = head_aligned(g1, q_groups, head_groups);
                 for (int64_t g = g0; g < g1; g++)
-                    group_out(L->qkv, L->qkv_fmt, g, 1, H, QKV, m->bits, &a, qkv, 0);
+                    group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, m->bits, &a, qkv,
+                              0);
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
@@ -301,20 +310,20 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, NH * D, H, m->bits, 1, &a, o_out, 0, runs, tid, nth);
+            gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs, tid, nth);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, 1, &a, gu, 0, runs, tid,
+            gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a, gu, 0, runs, tid,
                        nth);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
-            gemv_share(L->down, L->down_fmt, I, H, m->bits, 1, &a, x, 0, runs, tid, nth);
+            gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs, tid, nth);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -323,7 +332,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, 1, &a, logits, 1, runs,
+            gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, 1, &a, logits, 1, runs,
                        tid, nth);
         }
     }
@@ -470,7 +479,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             /* 2. QKV */
-            failed |= linear_share(L->qkv, L->qkv_fmt, H, QKV, m->bits, B, &act, wide, qkv,
+            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act, wide, qkv,
                                    runs, tid, nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
@@ -499,7 +508,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
-            failed |= linear_share(L->o, L->o_fmt, NH * D, H, m->bits, B, &act, wide, o_out,
+            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act, wide, o_out,
                                    runs, tid, nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
@@ -508,7 +517,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                              H, m->eps);
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            failed |= linear_share(L->gate_up, L->gate_up_fmt, H, 2 * I, m->bits, B, &act,
+            failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, B, &act,
                                    wide, gu, runs, tid, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
@@ -516,7 +525,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
-            failed |= linear_share(L->down, L->down_fmt, I, H, m->bits, B, &act, wide, x,
+            failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act, wide, x,
                                    runs, tid, nth);
 #pragma omp barrier
         }
@@ -533,7 +542,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
-                gemv_share(m->lm_head, m->lm_head_fmt, H, m->vocab, m->bits, B, &act, logits,
+                gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, B, &act, logits,
                            1, runs, tid, nth);
             }
         }

@@ -21,7 +21,8 @@ class LayerRecord(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _PTR), ("o", _PTR),
                 ("gate_up", _PTR), ("down", _PTR), ("qkv_fmt", _I64), ("o_fmt", _I64),
                 ("gate_up_fmt", _I64), ("down_fmt", _I64), ("k_cache", _PTR),
-                ("v_cache", _PTR)]
+                ("v_cache", _PTR), ("qkv_bias", _PTR), ("o_bias", _PTR), ("gate_up_bias", _PTR),
+                ("down_bias", _PTR)]
 
 
 class ModelRecord(ctypes.Structure):

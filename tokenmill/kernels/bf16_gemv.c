@@ -119,10 +119,11 @@ static inline __attribute__((always_inline)) void dots_pair(
 
 #if !TM_GEMV_BF16
 /* w . x over K bf16 pairs in LANES independent fp32 chains, lane j taking inputs j, j +
- * LANES, ..., then added pairwise, for R rows of x at once (each row's sums the same): gcc vectorises the chains without reassociating any
- * sum (AVX2: two ymm of widened bf16 and FMAs), so strict fp32 flags, which CPUs
- * without AVX-512 build with (build.py), keep it a vector loop. A plain running sum
- * cannot be vectorised there: it ran scalar, at ~2 G multiply-adds/s on the Zen 4. */
+ * LANES, ..., then added pairwise, for R <= 4 rows of x at once (each row's sums as
+ * alone): gcc vectorises the chains without reassociating any sum (AVX2: two ymm of
+ * widened bf16 and FMAs), so strict fp32 flags, which CPUs without AVX-512 build with
+ * (build.py), keep it a vector loop. A plain running sum cannot be vectorised there: it
+ * ran scalar, at ~2 G multiply-adds/s on the Zen 4. */
 #define LANES 16
 static inline __attribute__((always_inline)) void lane_dots(const uint16_t *w,
                                                            const uint16_t *x, int64_t K,
@@ -149,11 +150,13 @@ static inline __attribute__((always_inline)) void lane_dots(const uint16_t *w,
 
 /* rows [n0, n1) of y from x (M <= MAX_M rows): bf16 into y, or, given yf, that bf16 value
  * widened to fp32 into yf (M, N) (decode_step.c's logits: the module path's
- * head(x).float()); y and yf have row stride N */
-/* noipa: one compiled body, whatever its callers (decode_step.c compiles this file into
- * its own library: the fused step must give the module path's bits) */
-static __attribute__((noipa)) void rows_pass(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
-                      const uint16_t *bias, uint16_t *y, float *yf, int64_t n0, int64_t n1) {
+ * head(x).float()); y and yf have row stride N. noipa: one compiled body, whatever its
+ * callers (decode_step.c compiles this file into its own library: the fused step must
+ * give the module path's bits) */
+static __attribute__((noipa)) void rows_pass(const uint16_t *x, int64_t M, int64_t K,
+                                             const uint16_t *w, int64_t N,
+                                             const uint16_t *bias, uint16_t *y, float *yf,
+                                             int64_t n0, int64_t n1) {
     float sums[MAX_M];
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wn = w + n * K;
@@ -175,7 +178,7 @@ static __attribute__((noipa)) void rows_pass(const uint16_t *x, int64_t M, int64
 #endif
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
         if (yf)
-            for (int64_t i = 0; i < M; i++) yf[i * N + n] = bf16_to_f32(f32_to_bf16(sums[i] + b));
+            for (int64_t i = 0; i < M; i++) yf[i * N + n] = round_bf16(sums[i] + b);
         else
             for (int64_t i = 0; i < M; i++) y[i * N + n] = f32_to_bf16(sums[i] + b);
     }

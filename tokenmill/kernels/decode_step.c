@@ -138,9 +138,8 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
  * what is left of the others' (runs.h; nth runs, all empty between
  * linears) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
-                              int64_t N,
-                              int64_t bits, int64_t M, const act_t *a, void *y, int64_t y_f32,
-                              uint64_t *runs, int tid, int nth) {
+                              int64_t N, int64_t bits, int64_t M, const act_t *a, void *y,
+                              int64_t y_f32, uint64_t *runs, int tid, int nth) {
     own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
     int from = 0;
     for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;)
@@ -150,9 +149,8 @@ static inline void gemv_share(const uint8_t *w, int64_t fmt, const uint16_t *bia
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
  * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
 static inline int linear_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
-                               int64_t N,
-                               int64_t bits, int64_t M, const act_t *a, int wide, uint16_t *y,
-                               uint64_t *runs, int tid, int nth) {
+                               int64_t N, int64_t bits, int64_t M, const act_t *a, int wide,
+                               uint16_t *y, uint64_t *runs, int tid, int nth) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
     gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth);
@@ -310,20 +308,22 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs, tid, nth);
+            gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
+                       tid, nth);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a, gu, 0, runs, tid,
-                       nth);
+            gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
+                       gu, 0, runs, tid, nth);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
-            gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs, tid, nth);
+            gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
+                       tid, nth);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -332,8 +332,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
-            gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, 1, &a, logits, 1, runs,
-                       tid, nth);
+            gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, 1, &a, logits,
+                       1, runs, tid, nth);
         }
     }
     free(buf);
@@ -373,8 +373,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
-        shared_blocks > table_stride)
+        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > tm_bf16_gemv_max_rows()) ||
+        shared_blocks < 0 || shared_blocks > table_stride)
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
     const int wide = TM_AVX2 && m->bits == 16 && m->wide_min_rows > 0 && B >= m->wide_min_rows;
@@ -479,8 +479,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             /* 2. QKV */
-            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act, wide, qkv,
-                                   runs, tid, nth);
+            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
+                                   wide, qkv, runs, tid, nth);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -508,8 +508,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
-            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act, wide, o_out,
-                                   runs, tid, nth);
+            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
+                                   wide, o_out, runs, tid, nth);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up */
             for (int64_t r = r0; r < r1; r++)
@@ -517,16 +517,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                              H, m->eps);
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, B, &act,
-                                   wide, gu, runs, tid, nth);
+            failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
+                                   m->bits, B, &act, wide, gu, runs, tid, nth);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
-            failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act, wide, x,
-                                   runs, tid, nth);
+            failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
+                                   wide, x, runs, tid, nth);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -542,8 +542,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
-                gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, B, &act, logits,
-                           1, runs, tid, nth);
+                gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, B, &act,
+                           logits, 1, runs, tid, nth);
             }
         }
 #undef TM_QUANTIZE_MINE

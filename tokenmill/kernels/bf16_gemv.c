@@ -148,6 +148,15 @@ static inline __attribute__((always_inline)) void lane_dots(const uint16_t *w,
 }
 #endif
 
+/* one output: the sum rounded to bf16 into y[at], or that bf16 value widened into yf[at] */
+static inline void put(uint16_t *y, float *yf, int64_t at, float sum) {
+    const uint16_t v = f32_to_bf16(sum);
+    if (yf)
+        yf[at] = bf16_to_f32(v);
+    else
+        y[at] = v;
+}
+
 /* rows [n0, n1) of y from x (M <= MAX_M rows): bf16 into y, or, given yf, that bf16 value
  * widened to fp32 into yf (M, N) (decode_step.c's logits: the module path's
  * head(x).float()); y and yf have row stride N. noipa: one compiled body, whatever its
@@ -177,10 +186,7 @@ static __attribute__((noipa)) void rows_pass(const uint16_t *x, int64_t M, int64
         for (; i < M; i++) lane_dots(wn, x + i * K, K, 1, sums + i);
 #endif
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-        if (yf)
-            for (int64_t i = 0; i < M; i++) yf[i * N + n] = round_bf16(sums[i] + b);
-        else
-            for (int64_t i = 0; i < M; i++) y[i * N + n] = f32_to_bf16(sums[i] + b);
+        for (int64_t i = 0; i < M; i++) put(y, yf, i * N + n, sums[i] + b);
     }
 }
 
@@ -207,11 +213,8 @@ static void rows_out(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
             dots_pair(w + n * K, w + (n + 1) * K, x + i0 * K, K, s[0], s[1]);
             for (int j = 0; j < 2; j++) {
                 const float b = bias ? bf16_to_f32(bias[n + j]) : 0.0f;
-                for (int64_t i = 0; i < MAX_M; i++) {
-                    const uint16_t v = f32_to_bf16(s[j][i] + b);
-                    if (yf) yf[(i0 + i) * N + n + j] = bf16_to_f32(v);
-                    else y[(i0 + i) * N + n + j] = v;
-                }
+                for (int64_t i = 0; i < MAX_M; i++)
+                    put(y, yf, (i0 + i) * N + n + j, s[j][i] + b);
             }
         }
 #endif

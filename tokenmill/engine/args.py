@@ -54,10 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
     g.add_argument("--batched-linears", default="auto",
-                   choices=["auto", "bf16", "w8a8", "int16"],
+                   choices=["auto", "bf16", "w8a8", "int16", "mlp-int8"],
                    help="weights the low-bit linears use for many rows a step: bf16 (packed "
                    "for oneDNN), w8a8 (int8 weights x per-token int8 activations on "
-                   "AVX512-VNNI) or int16 (gguf-a16's own integers widened, on AVX2); "
+                   "AVX512-VNNI), int16 (gguf-a16's own integers widened, on AVX2) or "
+                   "mlp-int8 (the MLP's GGUF integers x int8 activations on AVX512-VNNI, "
+                   "attention's linears bf16); "
                    "auto: int16 for gguf-a16 on AVX2 without native bf16, else the "
                    "default that passed the accuracy gate")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

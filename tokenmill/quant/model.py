@@ -30,8 +30,12 @@ weights are freed.
 `batched_linears` picks that large-batch weight: "bf16" (the packed bf16 copy),
 "w8a8" (int8 per channel x dynamic int8 activations on AVX512-VNNI,
 int8_dynamic.py; half the bytes, changed numerics, gated by benchmarks/accuracy.py),
-or "int16" (gguf-a16 only: the records' own integers widened to int16 for AVX2,
-widened.py; the per-row kernel's arithmetic at any batch, no float copy kept).
+"int16" (gguf-a16 only: the records' own integers widened to int16 for AVX2,
+widened.py; the per-row kernel's arithmetic at any batch, no float copy kept), or
+"mlp-int8" (gguf-a16 / gguf-a8 on AVX512-VNNI: the MLP's gate_up and down run their
+own records on int8 activations, mlp_int8.py, no float copy kept; the attention's
+linears and the LM head keep packed bf16; changed numerics, gated by
+benchmarks/accuracy.py).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 from torch import nn
 
 from tokenmill.cpuinfo import has_native_bf16
-from tokenmill.quant import huge_pages, vnni, widened
+from tokenmill.quant import huge_pages, mlp_int8, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -74,7 +78,7 @@ DENSE_MIN_ROWS = 8
 # time: 0.79 at 8 rows, 0.89 at 12, 0.91 at 16, 1.04 at 24, 1.03 at 31 (BENCHMARKS.md,
 # "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
 VNNI_DENSE_MIN_ROWS = 20
-BATCHED_LINEARS = ("bf16", "w8a8", "int16")  # the large-batch weight (module docstring)
+BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8")  # the large-batch weight (module docstring)
 DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
@@ -101,7 +105,8 @@ def quantize_model(model: nn.Module, method: str,
                          f"{', '.join(BATCHED_LINEARS)}")
     if dense_min_rows == "auto":
         vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
-        dense_min_rows = (VNNI_DENSE_MIN_ROWS if vnni_kernel and batched_linears in ("bf16", "int16")
+        dense_min_rows = (VNNI_DENSE_MIN_ROWS
+                          if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8")
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
     if method != "none":
@@ -121,6 +126,8 @@ def quantize_model(model: nn.Module, method: str,
         _packed_into_huge_pages(model)
         if batched_linears == "int16":
             _widen_for_batches(model, dense_min_rows)
+        if batched_linears == "mlp-int8":
+            _mlp_on_int8(model, dense_min_rows)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)
@@ -147,6 +154,21 @@ def _widen_for_batches(model: nn.Module, min_rows: int | None) -> None:
                 and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)):
             module.dense = widened.WidenedWeight(module.vnni_packed, module.in_features,
                                                  module.out_features, module.vnni_format)
+            module.dense_min_rows = min_rows
+
+
+def _mlp_on_int8(model: nn.Module, min_rows: int | None) -> None:
+    """Each MLP linear on the quantized-activation kernel takes its records at 8 bits
+    for `min_rows` rows or more (mlp_int8.py); after the records found their final home."""
+    if min_rows is None:
+        return
+    for name, module in model.named_modules():
+        if (name.rpartition(".")[2] in mlp_int8.MLP_LINEARS and isinstance(module, Int4Linear)
+                and module.activations != "bf16"
+                and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)):
+            module.dense = mlp_int8.Int8ActivationWeight(
+                module.vnni_packed, module.in_features, module.out_features,
+                module.vnni_format)
             module.dense_min_rows = min_rows
 
 
@@ -228,6 +250,13 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
     if requested == "int16" and not widened.available():
         raise ValueError("--batched-linears int16 needs the native kernel built with AVX2 "
                          "and without AVX512-VNNI (where packed bf16 is faster)")
+    if requested == "mlp-int8" and method not in ("gguf-a8", "gguf-a16"):
+        raise ValueError("--batched-linears mlp-int8 runs the MLP's GGUF records on int8 "
+                         "activations: it needs --quantization gguf-a16 or gguf-a8 "
+                         f"(here {method})")
+    if requested == "mlp-int8" and not mlp_int8.available():
+        raise ValueError("--batched-linears mlp-int8 needs the native kernel built with "
+                         "AVX512-VNNI (q4q8_gemv.c)")
     if requested == "auto":
         native = has_native_bf16() if native_bf16 is None else native_bf16
         if method == "gguf-a16" and widened.available() and not native:
@@ -245,8 +274,11 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     if weight.device.type != "cpu":
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
+    # int16 and mlp-int8: the records themselves, after (_widen_for_batches, _mlp_on_int8)
+    on_records = batched_linears == "int16" or (
+        batched_linears == "mlp-int8" and name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
-                  and batched_linears != "int16")  # int16: widened after (_widen_for_batches)
+                  and not on_records)
 
     dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
     if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
@@ -267,10 +299,10 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     else:
         new = Int8Linear(*int8_codes_from_float(weight), bias=bias, dense_weight=dense,
                          dense_min_rows=dense_min_rows)
-    if (batched_linears == "int16" and dense_min_rows is not None
-            and weight.dtype == torch.bfloat16
-            and not (isinstance(new, Int4Linear) and new.activations == "int16")):
-        # not on the int16 kernel (no exact record form): the float weight, as for bf16
+    if (on_records and dense_min_rows is not None and weight.dtype == torch.bfloat16
+            and not (isinstance(new, Int4Linear) and new.activations
+                     in (("int16",) if batched_linears == "int16" else ("int8", "int16")))):
+        # not on the kernel (no exact record form): the float weight, as for bf16
         new.dense, new.dense_min_rows = DenseWeight(weight), dense_min_rows
     parent, _, leaf = name.rpartition(".")
     model.get_submodule(parent).register_module(leaf, new)

@@ -1,0 +1,122 @@
+"""Issue 21: `--batched-linears mlp-int8` — a prompt chunk's MLP linears (gate_up and
+down, 20+ rows) on their own GGUF records times int8 activations (q4q8_gemv.c at 8
+bits), the attention's linears and the LM head on packed bf16; through the real engine,
+against the exact fp32 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.conftest import small_engine
+from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant import Int4Linear, mlp_int8
+from tokenmill.quant.dense import DenseWeight
+from tokenmill.quant.model import dense_copy_bytes, resolve_batched_linears
+from tokenmill.sampling_params import SamplingParams
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "opticks_book1.txt"
+needs_vnni = pytest.mark.skipif(not mlp_int8.available(), reason="needs AVX512-VNNI")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {"mlp-int8": small_engine(quantization="gguf-a16", batched_linears="mlp-int8"),
+            "bf16": small_engine(quantization="gguf-a16", batched_linears="bf16")}
+
+
+def _linears(engine):
+    return {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, Int4Linear)}
+
+
+@needs_vnni
+def test_the_mlp_takes_its_records_at_8_bits_and_keeps_no_float_copy(engines):
+    linears = _linears(engines["mlp-int8"])
+    mlp = {n: m for n, m in linears.items() if n.rpartition(".")[2] in mlp_int8.MLP_LINEARS}
+    assert len(mlp) == 60 and len(linears) == 30 * 4 + 1
+    assert all(isinstance(m.dense, mlp_int8.Int8ActivationWeight) and m.dense_min_rows == 20
+               and m.activations == "int16" for m in mlp.values())  # decode rows: int16
+    assert all(isinstance(m.dense, DenseWeight) for n, m in linears.items() if n not in mlp)
+    # the packed bf16 copies left are attention's and the LM head's: ~1/4 of the decoder's
+    model = engines["mlp-int8"].runner.model
+    kept, full = dense_copy_bytes(model), dense_copy_bytes(engines["bf16"].runner.model)
+    mlp_bytes = sum(m.in_features * m.out_features * 2 for m in mlp.values())
+    assert kept == full - mlp_bytes
+
+
+@needs_vnni
+def test_prompt_rows_are_the_8_bit_kernel_s_sums():
+    """One MLP linear at a prompt's 32 rows gives q4q8_gemv's 8-bit result bit for bit
+    (not the bf16 matmul's, nor the 16-bit kernel's), and it stays within the 8-bit
+    activations' error of the exact product with the dequantized weight."""
+    engine = small_engine(quantization="gguf-a16", batched_linears="mlp-int8")
+    lin = _linears(engine)["model.layers.2.mlp.gate_up_proj"]
+    torch.manual_seed(0)
+    x = torch.randn(32, lin.in_features).to(torch.bfloat16)
+    got = lin(x)
+    kernel8 = q4q8_gemv.linear(x, lin.vnni_packed, lin.out_features, lin.vnni_format, bits=8)
+    kernel16 = q4q8_gemv.linear(x, lin.vnni_packed, lin.out_features, lin.vnni_format, bits=16)
+    assert torch.equal(got, kernel8)
+    assert not torch.equal(got, kernel16)
+    exact = q4q8_gemv.linear(x, lin.vnni_packed, lin.out_features, lin.vnni_format,
+                             out_dtype=torch.float32, bits=16).double()
+    rel = (got.double() - exact).norm() / exact.norm()
+    assert rel < 0.02  # 8-bit activations per block of 32: ~0.5-1% here
+    assert lin(x[:8]).equal(kernel16[:8])  # fewer than 20 rows: the decode kernel (16 bits)
+
+
+@needs_vnni
+def test_greedy_answer_and_prompt_logprobs_stay_near_bf16(engines):
+    prompt = TEXT.read_text()[:400]  # ~90 tokens: one prompt step of 90 rows
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+    got = {}
+    for name, engine in engines.items():
+        engine.add_request("p", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[name] = out
+    lp = {n: torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
+          for n, o in got.items()}
+    assert len(lp["bf16"]) >= 60
+    assert not torch.equal(lp["mlp-int8"], lp["bf16"])  # the prompt ran another kernel
+    # the mean log-probability of the text moves by well under 1%
+    assert float(lp["mlp-int8"].mean()) == pytest.approx(float(lp["bf16"].mean()), rel=0.01)
+    for name, engine in engines.items():
+        engine.add_request("q", "The capital of France is", SamplingParams(temperature=0,
+                                                                           max_tokens=4))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[name] = out
+        assert "Paris" in got[name].outputs[0].text
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_a_prefill_s_top1_agrees_with_the_fp32_reference(engines):
+    """Every position of two 128-token windows scored from one prefill (vLLM's
+    prompt_logprobs): the 8-bit MLP keeps greedy top-1 with the exact fp32 model at the
+    bf16 path's level (the gate itself, benchmarks/accuracy.py, asks 97% over 1,000)."""
+    from tokenmill.engine.teacher_forced import score_prompts
+
+    fp32 = small_engine(dtype="float32")
+    ids = fp32.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    windows = [ids[:129], ids[129:258]]
+    ref = score_prompts(fp32, windows)
+    got = score_prompts(engines["mlp-int8"], windows)
+    assert sum(len(w) for w in got.argmax) == 256
+    assert got.agreement(ref) >= 0.95
+    assert got.perplexity() == pytest.approx(ref.perplexity(), rel=0.02)
+
+
+def test_mlp_int8_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="--batched-linears mlp-int8.*gguf-a16"):
+        resolve_batched_linears("mlp-int8", "gguf", torch.bfloat16)
+    with pytest.raises(ValueError, match="--batched-linears mlp-int8.*gguf-a16"):
+        resolve_batched_linears("mlp-int8", "none", torch.bfloat16)
+    if mlp_int8.available():
+        assert resolve_batched_linears("mlp-int8", "gguf-a16", torch.bfloat16) == "mlp-int8"
+    else:
+        with pytest.raises(ValueError, match="--batched-linears mlp-int8 needs"):
+            resolve_batched_linears("mlp-int8", "gguf-a16", torch.bfloat16)

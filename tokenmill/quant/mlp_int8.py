@@ -1,0 +1,51 @@
+"""The large-batch path of a GGUF MLP's linears on int8 activations: its own records.
+
+A prompt chunk's linears are compute-bound: 512 rows through oneDNN's packed bf16
+matmul run at ~85% of what `vdpbf16ps` allows (32 multiply-adds an instruction). The
+quantized-activation kernel (q4q8_gemv.c) at 8 bits does 64 with `vpdpbusd`, on the
+records the linear already holds (the GGUF weights' own integers, exact int32 block
+sums, fp32 scaling: llama.cpp's Q4_1 x Q8 arithmetic). Activations at 8 bits for
+every linear miss the accuracy gate (gguf-a8: ~96% greedy top-1 with fp32 against the
+97% asked); in the MLP alone (gate_up and down, ~¾ of a decoder layer's
+multiply-adds) they pass it: the attention's q/k/v carry the sensitive part
+(benchmarks/w8a8_sensitivity.py, BENCHMARKS.md). So `--batched-linears mlp-int8` gives
+the MLP's linears this weight for their large batches and leaves attention's and the
+LM head's on packed bf16. No float copy of the MLP's weights is kept.
+
+The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels import q4q8_gemv
+
+MLP_LINEARS = ("gate_up_proj", "down_proj")
+BITS = 8
+
+
+def available() -> bool:
+    """The kernel is built with AVX512-VNNI, where 8-bit activations run twice the
+    multiply-adds an instruction of bf16 (elsewhere they would not pay)."""
+    return q4q8_gemv.has_vnni()
+
+
+class Int8ActivationWeight:
+    weight = None  # never a model parameter
+    nbytes = 0  # no copy: the records are the linear's own
+
+    def __init__(self, records: torch.Tensor, in_features: int, out_features: int,
+                 fmt: int) -> None:
+        self.records, self.fmt = records, fmt
+        self.in_features, self.out_features = in_features, out_features
+
+    def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+                 ) -> torch.Tensor:
+        """x2d: (M, K) bf16 -> (M, N) in out_dtype (bf16 or fp32)."""
+        y = q4q8_gemv.linear(x2d.to(torch.bfloat16).contiguous(), self.records,
+                             self.out_features, self.fmt, out_dtype=out_dtype, bits=BITS)
+        if y is None:
+            raise RuntimeError("the quantized-activation kernel (q4q8_gemv) did not take "
+                               "its input")
+        return y

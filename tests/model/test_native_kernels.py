@@ -72,6 +72,44 @@ def test_native_decode_matches_reference(heads, kv_heads, head_dim, contiguous, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_native_decode_whole_tiles_of_16_tokens_match_the_reference(heads, kv_heads,
+                                                                    head_dim):
+    """Blocks of 16 tokens, as the engine allocates them: the scores run whole tiles of 16
+    keys (their own unrolled loop) and partial ones; lengths 1..200 cross both, in a
+    shuffled pool. Queries scaled so that the softmax is peaked (on random unit data it is
+    near uniform, and a score that drops half of head_dim still passed)."""
+    torch.manual_seed(0)
+    bs, lens = 16, [1, 15, 16, 17, 33, 200]
+    blocks = sum(-(-n // bs) for n in lens)
+    k_cache = torch.randn(kv_heads, blocks + 3, bs, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(blocks + 3)[:blocks].to(torch.int32)
+    width = max(-(-n // bs) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = perm[at:at + nb]
+        at += nb
+    q = (3 * torch.randn(len(lens), heads, head_dim)).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    scratch = torch.empty(len(lens) * heads * max(lens), dtype=torch.float32)
+    got = native.paged_decode(q, k_cache, v_cache, tables, 0, torch.tensor(lens, dtype=torch.int32),
+                              max(lens), scale, scratch)[0].float()
+    group = heads // kv_heads
+    for b, n in enumerate(lens):
+        rows = tables[b, :-(-n // bs)].long()
+        k = k_cache[:, rows].reshape(kv_heads, -1, head_dim)[:, :n].float()
+        v = v_cache[:, rows].reshape(kv_heads, -1, head_dim)[:, :n].float()
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        p = torch.softmax(torch.einsum("hd,htd->ht", q[b].float(), k) * scale, -1)
+        assert p.max() > min(0.5, 20 / n)  # peaked (uniform is 1 / n): the scores matter
+        ref = torch.einsum("ht,htd->hd", p, v)
+        assert_bf16_close(got[b], ref)
+
+
+@needs_kernel
 def test_native_decode_reads_only_each_sequences_own_tokens():
     # slots past a sequence's end may hold anything (here NaN); the kernel never reads them
     seq_lens = [5, 17, 9]

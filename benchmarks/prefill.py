@@ -2,7 +2,8 @@
 
 One prompt of 512 random token ids (seed 0), one output token. Metric: TTFT
 (request in -> first token out), median of --repeats runs. In the same run:
-tokenmill's default, tokenmill bf16 without quantization, transformers bf16
+tokenmill's default, tokenmill bf16 without quantization, the opt-in
+`--batched-linears mlp-int8` (where AVX512-VNNI runs it), transformers bf16
 and fp32 (`generate` with max_new_tokens=1), and llama.cpp's `llama-bench -p
 512 -n 0` (pp512 on the same Q4_1 GGUF, 2 threads; built by
 benchmarks/peers/build_llama_cpp.sh; its TTFT is 512 / pp512 tok/s). The
@@ -29,6 +30,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import embedded_gguf, load_transformers, machine, median_spread
 from floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
 from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
+
+from tokenmill.quant.mlp_int8 import available as mlp_int8_available
 
 PEERS = ("llama", "transformers")
 
@@ -89,6 +92,9 @@ def main() -> None:
     results["tokenmill default"] = run_tokenmill(prompt, args.repeats)
     results["tokenmill bf16, no quantization"] = run_tokenmill(
         prompt, args.repeats, dtype="bfloat16", quantization="none")
+    if mlp_int8_available():  # opt-in: it misses the accuracy gate (BENCHMARKS.md)
+        results["tokenmill --batched-linears mlp-int8"] = run_tokenmill(
+            prompt, args.repeats, batched_linears="mlp-int8")
     if "transformers" in peers:
         results["transformers bf16"] = run_transformers(prompt, args.repeats, "bfloat16")
         if not args.skip_fp32:

@@ -1233,9 +1233,21 @@ static void cascade_phases(const cascade_t *a, int tid) {
     float *part_o = scratch + L.own, *part_m = part_o + items * L.NQP * D;
     float *part_l = part_m + items * L.NQP, *thread_ws = scratch + L.own + L.parts;
     float *ws = thread_ws + (int64_t)tid * L.per_thread;
+    const int nth = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         const int64_t kh = item / L.nch, t0 = (item % L.nch) * L.CH;
+        /* this chunk's V rows (read after its scores) and the K and V rows of the chunk
+         * a thread is likely to take next, into L2: the prefix's blocks are scattered */
+        for (int64_t nx = item; nx <= item + nth && nx < items; nx += nth) {
+            const int64_t nk = nx / L.nch, n0 = (nx % L.nch) * L.CH;
+            const int64_t n1 = P - n0 < L.CH ? P : n0 + L.CH;
+            for (int64_t j = n0 / BS; j < (n1 + BS - 1) / BS; j++) {
+                const int64_t at = (nk * NB + a->tables[j]) * BS * D;
+                if (nx != item) prefetch_block_l2(a->k_cache + at, BS * D * 2);
+                prefetch_block_l2(a->v_cache + at, BS * D * 2);
+            }
+        }
         const chunk_t c = {a->q, a->q_stride, G, D, BS, L.NQ, L.NQP,
                            a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
                            a->tables, t0, P - t0 < L.CH ? P - t0 : L.CH, a->scale, NULL};
@@ -1246,6 +1258,14 @@ static void cascade_phases(const cascade_t *a, int tid) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < a->B * a->KVH; item++) {
         const int64_t b = item / a->KVH, kh = item % a->KVH;
+        if (item + nth < a->B * a->KVH) { /* the own blocks a thread is likely to take next */
+            const int64_t nb_ = (item + nth) / a->KVH, nk = (item + nth) % a->KVH;
+            const int32_t *tab = a->tables + nb_ * a->table_stride + a->shared_blocks;
+            for (int64_t j = 0; j < (a->lens[nb_] + BS - 1) / BS; j++) {
+                prefetch_block_l2(a->k_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
+                prefetch_block_l2(a->v_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
+            }
+        }
         item_t it = {a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
                      a->tables + b * a->table_stride + a->shared_blocks, a->lens[b], BS, D, G,
                      max_len, a->scale, NULL, NULL, NULL, NULL, NULL};

@@ -1,0 +1,181 @@
+"""A/B of a native kernel against its build at another git revision, in one process.
+
+This VM's speed drifts by 10-30% between runs minutes apart, so a kernel change is
+measured by alternating the two builds round by round (or step by step) in one process,
+not by two runs. The other revision's `tokenmill/kernels/*.c` and `*.h` are read with
+`git show`, built by tokenmill/kernels/build.py into the kernel cache, and swapped in
+for `build.load` of one library name.
+
+    # decode attention alone (SmolLM2's heads, 30 layers' pools, from DRAM)
+    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 512
+    # the shared-prefix (cascade) path: --shared tokens read once for the batch
+    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 80 \\
+        --shared 1024
+    # whole engine decode steps (the fused step, decode_step.c), alternating step by step
+    .venv/bin/python benchmarks/native_ab.py step --rev HEAD~1 --rows 16 --context 128
+
+Prints each build's median and minimum, old / new, and (kernel mode) whether the two
+builds gave the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "tokenmill" / "kernels"
+
+
+def build_at(rev: str, name: str) -> ctypes.CDLL:
+    """Library `name` built from the kernel sources at git revision `rev`."""
+    from tokenmill.kernels import build
+
+    src = Path(tempfile.mkdtemp(prefix="tokenmill-ab-"))
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "tokenmill/kernels/"],
+                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for path in listed.split():
+        if path.endswith((".c", ".h")):
+            text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+            (src / Path(path).name).write_text(text)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    for flags in build.flag_sets():
+        so = build._build(compiler, src / f"{name}.c", flags)
+        if so is not None:
+            return ctypes.CDLL(str(so))
+    sys.exit(f"{name}.c at {rev} did not build")
+
+
+def swap(name: str, lib: ctypes.CDLL) -> None:
+    """`build.load(name)` returns `lib` from now on (Library.get rebinds on a new lib)."""
+    from tokenmill.kernels import build
+
+    original = getattr(build, "_ab_original_load", build.load)
+    build._ab_original_load = original
+    build.load = lambda n: lib if n == name else original(n)
+
+
+def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
+    from tokenmill.kernels import paged_decode
+
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    rng = random.Random(0)
+    shared = args.shared // bs
+    own = -(-args.context // bs)
+    num_blocks = shared + args.rows * own + 8
+    order = list(range(num_blocks))
+    rng.shuffle(order)
+    tables = torch.tensor([order[:shared] + order[shared + b * own:shared + (b + 1) * own]
+                           for b in range(args.rows)], dtype=torch.int32)
+    lens = torch.full((args.rows,), args.context, dtype=torch.int32)
+    pools = [(torch.randn(kv_heads, num_blocks, bs, dim).to(torch.bfloat16),
+              torch.randn(kv_heads, num_blocks, bs, dim).to(torch.bfloat16))
+             for _ in range(args.layers)]
+    q = torch.randn(args.rows, heads, dim).to(torch.bfloat16)
+    scratch = torch.empty(args.rows * heads * args.context * 2, dtype=torch.float32)
+
+    def workspace(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32)
+
+    def one_pass() -> torch.Tensor:
+        for k, v in pools:
+            if shared:
+                out = paged_decode.cascade_decode(q, k, v, tables, shared, lens, args.context,
+                                                  dim ** -0.5, workspace)
+            else:
+                out = paged_decode.paged_decode(q, k, v, tables, 0, lens, args.context,
+                                                dim ** -0.5, scratch)[0]
+            if out is None:
+                sys.exit("the kernel did not take these inputs")
+        return out
+
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    outs = {}
+    for _ in range(args.rounds):
+        for label, lib in (("old", old), ("new", new)):
+            swap("paged_decode", lib)
+            outs[label] = one_pass()
+            t0 = time.perf_counter()
+            one_pass()
+            times[label].append(time.perf_counter() - t0)
+    what = (f"{args.rows} rows x ({args.shared} shared + {args.context}) tokens" if shared
+            else f"{args.rows} rows x {args.context} tokens")
+    report(f"decode attention, {what}, {args.layers} layers", times)
+    print(f"same bits: {torch.equal(outs['old'], outs['new'])}")
+
+
+def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
+    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+
+    swap("decode_step", new)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = [] if args.shared else ["--no-prefix-caching"]
+    engine = LLMEngine(engine_config_from_args(parser.parse_args(["smollm2-135m", *flags])))
+    rng = random.Random(0)
+    prefix = [rng.randrange(100, 49000) for _ in range(args.shared)]
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for rnd in range(2):
+        for i in range(args.rows):
+            ids = prefix + [rng.randrange(100, 49000) for _ in range(args.context)]
+            engine.add_request(f"{rnd}-{i}", ids, SamplingParams(
+                temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
+        k = 0
+        while engine.has_unfinished_requests():
+            label = "old" if k % 2 else "new"
+            swap("decode_step", old if label == "old" else new)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            if len(outs) == args.rows and all(len(o.outputs[0].token_ids) > 1 for o in outs):
+                times[label].append(dt)  # a decode step of every row
+            k += 1
+    report(f"engine decode steps of {args.rows} rows, {args.shared} + {args.context}-token "
+           "prompts", times)
+
+
+def report(what: str, times: dict[str, list[float]]) -> None:
+    parts = [f"{label} median {statistics.median(t) * 1e3:.2f} ms, min {min(t) * 1e3:.2f}"
+             f" ({len(t)})" for label, t in times.items()]
+    ratio = statistics.median(times["old"]) / statistics.median(times["new"])
+    print(f"{what}: " + "; ".join(parts) + f"; old / new {ratio:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["kernel", "step"])
+    ap.add_argument("--rev", required=True, help="the other build's git revision (old)")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--context", type=int, default=512,
+                    help="each row's own tokens (step mode: its prompt)")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="tokens of a prefix every row shares (a multiple of 16)")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--new-tokens", type=int, default=100)
+    args = ap.parse_args()
+    name = "paged_decode" if args.mode == "kernel" else "decode_step"
+    from tokenmill.kernels import build
+
+    new = build.load(name)
+    if new is None:
+        sys.exit(f"{name} is not built here")
+    old = build_at(args.rev, name)
+    (kernel_mode if args.mode == "kernel" else step_mode)(args, old, new)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,11 +6,14 @@ quantized-activation kernel (q4q8_gemv.c) at 8 bits does 64 with `vpdpbusd`, on 
 records the linear already holds (the GGUF weights' own integers, exact int32 block
 sums, fp32 scaling: llama.cpp's Q4_1 x Q8 arithmetic). Activations at 8 bits for
 every linear miss the accuracy gate (gguf-a8: ~96% greedy top-1 with fp32 against the
-97% asked); in the MLP alone (gate_up and down, ~¾ of a decoder layer's
-multiply-adds) they pass it: the attention's q/k/v carry the sensitive part
-(benchmarks/w8a8_sensitivity.py, BENCHMARKS.md). So `--batched-linears mlp-int8` gives
-the MLP's linears this weight for their large batches and leaves attention's and the
-LM head's on packed bf16. No float copy of the MLP's weights is kept.
+97% asked); the attention's q/k/v carry the sensitive part, and a torch emulation
+with them left in bf16 reads 97.7% (BENCHMARKS.md). `--batched-linears mlp-int8` gives
+the MLP's linears (gate_up and down, ~¾ of a decoder layer's multiply-adds) this weight
+for their large batches and leaves attention's and the LM head's on packed bf16; no
+float copy of the MLP's weights is kept. It is opt-in: the engine's own gate run in
+prefill mode reads 96.6% (its bf16 baseline 97.1%), perplexity within 0.12%; decode
+after an 8-bit prompt 98.9% (BENCHMARKS.md, 2026-12-04 12:40). A 512-token prefill:
+323 -> 295 ms on the 2-core Zen 4.
 
 The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.
 """

@@ -124,6 +124,19 @@ static inline __attribute__((always_inline)) void prefetch_block_l2(const void *
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)blk + off, 0, 2);
 }
 
+/* the K and V rows of blocks tab[0..n) of one kv head's pools into L2 (K skipped when k
+ * is NULL): a work item a thread is likely to take next */
+static inline __attribute__((always_inline)) void prefetch_blocks_l2(const uint16_t *k,
+                                                                     const uint16_t *v,
+                                                                     const int32_t *tab,
+                                                                     int64_t n,
+                                                                     int64_t block_elems) {
+    for (int64_t j = 0; j < n; j++) {
+        if (k) prefetch_block_l2(k + tab[j] * block_elems, block_elems * 2);
+        prefetch_block_l2(v + tab[j] * block_elems, block_elems * 2);
+    }
+}
+
 /* Blocks read ahead of the one in use. The blocks of a sequence are scattered over the
  * pool, so the hardware's stream prefetchers do not find them; at 64 sequences x 350
  * tokens (SmolLM2's heads, 30 layers' pools, so from DRAM) decode attention read
@@ -375,6 +388,21 @@ static inline __m512 hsum16(const __m512 *a) {
     return _mm512_permutexvar_ps(idx, r);
 }
 
+/* a[i] = sum over the C chunks of q . row i of the tile (rows D apart), for i < nt; 0
+ * after */
+static inline __attribute__((always_inline)) void tile_sums(__m512 *a, const __m512bh *q,
+                                                            const uint16_t *rows, int64_t D,
+                                                            const int64_t C, const int64_t nt) {
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < 16; i++) {
+        a[i] = _mm512_setzero_ps();
+        if (i < nt)
+            for (int64_t c = 0; c < C; c++)
+                a[i] = _mm512_dpbf16_ps(
+                    a[i], q[c], (__m512bh)_mm512_loadu_si512((const void *)(rows + i * D + 32 * c)));
+    }
+}
+
 /* scores 16 tokens at a time, G and C (= D / 32) known at compile time once inlined */
 static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
                                                                const uint16_t *qb, float *s,
@@ -396,30 +424,11 @@ static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
             const __mmask16 keep = nt == 16 ? 0xFFFF : (__mmask16)((1u << nt) - 1);
             for (int64_t g = 0; g < G; g++) {
                 __m512 a[16];
-                if (nt == 16) {
-                    /* a whole tile: no test inside, so gcc unrolls it and a[] stays in
-                     * registers (with the test it kept a[] on the stack: each token's
-                     * sums went through a store and a load, ~3x the time) */
-#pragma GCC unroll 16
-                    for (int64_t i = 0; i < 16; i++) {
-                        a[i] = _mm512_setzero_ps();
-                        for (int64_t c = 0; c < C; c++)
-                            a[i] = _mm512_dpbf16_ps(
-                                a[i], qv[g * C + c],
-                                (__m512bh)_mm512_loadu_si512(
-                                    (const void *)(blk + (i0 + i) * D + 32 * c)));
-                    }
-                } else {
-                    for (int64_t i = 0; i < 16; i++) {
-                        a[i] = _mm512_setzero_ps();
-                        if (i < nt)
-                            for (int64_t c = 0; c < C; c++)
-                                a[i] = _mm512_dpbf16_ps(
-                                    a[i], qv[g * C + c],
-                                    (__m512bh)_mm512_loadu_si512(
-                                        (const void *)(blk + (i0 + i) * D + 32 * c)));
-                    }
-                }
+                /* a whole tile with the constant 16: the test folds away, so gcc unrolls
+                 * the loop and a[] stays in registers (with nt it kept a[] on the stack:
+                 * each token's sums went through a store and a load, ~3x the time) */
+                if (nt == 16) tile_sums(a, qv + g * C, blk + i0 * D, D, C, 16);
+                else tile_sums(a, qv + g * C, blk + i0 * D, D, C, nt);
                 const __m512 sc = _mm512_mul_ps(hsum16(a), scale);
                 _mm512_mask_storeu_ps(s + g * it->s_stride + t0 + i0, keep, sc);
                 vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], sc);
@@ -675,12 +684,9 @@ static int paged_decode(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
 #ifdef TM_AVX512BF16
         if (!quantized && item + 2 * num_threads < B * KVH) {
             const int64_t nx = item + 2 * num_threads, nb_ = nx / KVH, nk = nx % KVH;
-            const int32_t *tab = tables + nb_ * table_stride + first_block;
-            const int64_t nblk = (lens[nb_] + BS - 1) / BS;
-            for (int64_t j = 0; j < nblk; j++) {
-                prefetch_block_l2(k_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
-                prefetch_block_l2(v_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
-            }
+            prefetch_blocks_l2(k_cache + nk * NB * BS * D, v_cache + nk * NB * BS * D,
+                               tables + nb_ * table_stride + first_block,
+                               (lens[nb_] + BS - 1) / BS, BS * D);
         }
 #endif
         item_t it = {quantized ? NULL : k_cache + kh * NB * BS * D,
@@ -1242,11 +1248,9 @@ static void cascade_phases(const cascade_t *a, int tid) {
         for (int64_t nx = item; nx <= item + nth && nx < items; nx += nth) {
             const int64_t nk = nx / L.nch, n0 = (nx % L.nch) * L.CH;
             const int64_t n1 = P - n0 < L.CH ? P : n0 + L.CH;
-            for (int64_t j = n0 / BS; j < (n1 + BS - 1) / BS; j++) {
-                const int64_t at = (nk * NB + a->tables[j]) * BS * D;
-                if (nx != item) prefetch_block_l2(a->k_cache + at, BS * D * 2);
-                prefetch_block_l2(a->v_cache + at, BS * D * 2);
-            }
+            prefetch_blocks_l2(nx != item ? a->k_cache + nk * NB * BS * D : NULL,
+                               a->v_cache + nk * NB * BS * D, a->tables + n0 / BS,
+                               (n1 + BS - 1) / BS - n0 / BS, BS * D);
         }
         const chunk_t c = {a->q, a->q_stride, G, D, BS, L.NQ, L.NQP,
                            a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
@@ -1260,11 +1264,9 @@ static void cascade_phases(const cascade_t *a, int tid) {
         const int64_t b = item / a->KVH, kh = item % a->KVH;
         if (item + nth < a->B * a->KVH) { /* the own blocks a thread is likely to take next */
             const int64_t nb_ = (item + nth) / a->KVH, nk = (item + nth) % a->KVH;
-            const int32_t *tab = a->tables + nb_ * a->table_stride + a->shared_blocks;
-            for (int64_t j = 0; j < (a->lens[nb_] + BS - 1) / BS; j++) {
-                prefetch_block_l2(a->k_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
-                prefetch_block_l2(a->v_cache + (nk * NB + tab[j]) * BS * D, BS * D * 2);
-            }
+            prefetch_blocks_l2(a->k_cache + nk * NB * BS * D, a->v_cache + nk * NB * BS * D,
+                               a->tables + nb_ * a->table_stride + a->shared_blocks,
+                               (a->lens[nb_] + BS - 1) / BS, BS * D);
         }
         item_t it = {a->k_cache + kh * NB * BS * D, a->v_cache + kh * NB * BS * D,
                      a->tables + b * a->table_stride + a->shared_blocks, a->lens[b], BS, D, G,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant.widened import RecordsWeight
 
 MLP_LINEARS = ("gate_up_proj", "down_proj")
 BITS = 8
@@ -34,14 +35,8 @@ def available() -> bool:
     return q4q8_gemv.has_vnni()
 
 
-class Int8ActivationWeight:
-    weight = None  # never a model parameter
-    nbytes = 0  # no copy: the records are the linear's own
-
-    def __init__(self, records: torch.Tensor, in_features: int, out_features: int,
-                 fmt: int) -> None:
-        self.records, self.fmt = records, fmt
-        self.in_features, self.out_features = in_features, out_features
+class Int8ActivationWeight(RecordsWeight):
+    """The linear's own records, run by the per-row kernel at 8 bits."""
 
     def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
                  ) -> torch.Tensor:

@@ -40,6 +40,7 @@ benchmarks/accuracy.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,10 +125,12 @@ def quantize_model(model: nn.Module, method: str,
                               batched_linears)
         _fuse_silu_into_down(model)
         _packed_into_huge_pages(model)
-        if batched_linears == "int16":
-            _widen_for_batches(model, dense_min_rows)
-        if batched_linears == "mlp-int8":
-            _mlp_on_int8(model, dense_min_rows)
+        if batched_linears == "int16":  # the int16 records widened (widened.py)
+            _records_for_batches(model, dense_min_rows, widened.WidenedWeight,
+                                 lambda name, m: m.activations == "int16")
+        if batched_linears == "mlp-int8":  # the MLP's records at 8 bits (mlp_int8.py)
+            _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
+                                 lambda name, m: name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)
@@ -144,31 +147,20 @@ def _packed_into_huge_pages(model: nn.Module) -> None:
         module.vnni_packed = packed
 
 
-def _widen_for_batches(model: nn.Module, min_rows: int | None) -> None:
-    """Each int16-activation linear's large-batch weight: its records widened
-    (widened.py), from `min_rows` rows; after the records found their final home."""
-    if min_rows is None:
-        return
-    for module in model.modules():
-        if (isinstance(module, Int4Linear) and module.activations == "int16"
-                and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)):
-            module.dense = widened.WidenedWeight(module.vnni_packed, module.in_features,
-                                                 module.out_features, module.vnni_format)
-            module.dense_min_rows = min_rows
-
-
-def _mlp_on_int8(model: nn.Module, min_rows: int | None) -> None:
-    """Each MLP linear on the quantized-activation kernel takes its records at 8 bits
-    for `min_rows` rows or more (mlp_int8.py); after the records found their final home."""
+def _records_for_batches(model: nn.Module, min_rows: int | None,
+                         weight: type[widened.RecordsWeight],
+                         takes: Callable[[str, Int4Linear], bool]) -> None:
+    """Each linear on the quantized-activation kernel that `takes(name, module)` accepts
+    gets `weight` over its own records as its large-batch weight,
+    from `min_rows` rows; after the records found their final home."""
     if min_rows is None:
         return
     for name, module in model.named_modules():
-        if (name.rpartition(".")[2] in mlp_int8.MLP_LINEARS and isinstance(module, Int4Linear)
-                and module.activations != "bf16"
-                and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)):
-            module.dense = mlp_int8.Int8ActivationWeight(
-                module.vnni_packed, module.in_features, module.out_features,
-                module.vnni_format)
+        if (isinstance(module, Int4Linear) and module.activations != "bf16"
+                and isinstance(getattr(module, "vnni_packed", None), torch.Tensor)
+                and takes(name, module)):
+            module.dense = weight(module.vnni_packed, module.in_features,
+                                  module.out_features, module.vnni_format)
             module.dense_min_rows = min_rows
 
 
@@ -274,7 +266,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     if weight.device.type != "cpu":
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
-    # int16 and mlp-int8: the records themselves, after (_widen_for_batches, _mlp_on_int8)
+    # int16 and mlp-int8: the records themselves, after (_records_for_batches)
     on_records = batched_linears == "int16" or (
         batched_linears == "mlp-int8" and name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16

@@ -30,7 +30,10 @@ def available() -> bool:
     return q4q8_gemv.isa() == "avx2"
 
 
-class WidenedWeight:
+class RecordsWeight:
+    """A linear's own kernel records as its large-batch weight: no copy, never a model
+    parameter; a subclass's __call__ says which kernel runs them."""
+
     weight = None  # never a model parameter
     nbytes = 0  # no copy: the records are the linear's own
 
@@ -38,6 +41,10 @@ class WidenedWeight:
                  fmt: int) -> None:
         self.records, self.fmt = records, fmt
         self.in_features, self.out_features = in_features, out_features
+
+
+class WidenedWeight(RecordsWeight):
+    """The records widened to int16 as read (gemm16)."""
 
     def __call__(self, x2d: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
                  ) -> torch.Tensor:

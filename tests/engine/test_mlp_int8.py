@@ -47,12 +47,11 @@ def test_the_mlp_takes_its_records_at_8_bits_and_keeps_no_float_copy(engines):
 
 
 @needs_vnni
-def test_prompt_rows_are_the_8_bit_kernel_s_sums():
+def test_prompt_rows_are_the_8_bit_kernel_s_sums(engines):
     """One MLP linear at a prompt's 32 rows gives q4q8_gemv's 8-bit result bit for bit
     (not the bf16 matmul's, nor the 16-bit kernel's), and it stays within the 8-bit
     activations' error of the exact product with the dequantized weight."""
-    engine = small_engine(quantization="gguf-a16", batched_linears="mlp-int8")
-    lin = _linears(engine)["model.layers.2.mlp.gate_up_proj"]
+    lin = _linears(engines["mlp-int8"])["model.layers.2.mlp.gate_up_proj"]
     torch.manual_seed(0)
     x = torch.randn(32, lin.in_features).to(torch.bfloat16)
     got = lin(x)

@@ -1,5 +1,6 @@
-"""Triton kernels under the interpreter (TRITON_INTERPRET=1) on CPU tensors, or
-compiled on the GPU where CUDA is present (`kernel_device`).
+"""Triton kernels (attention's and the layer ops') under the interpreter
+(TRITON_INTERPRET=1) on CPU tensors, or compiled on the GPU where CUDA is present
+(`kernel_device`).
 
 Triton decides when a function is defined whether it is interpreted, and that
 includes its own library (tl.cdiv, tl.sum): so triton and the kernel modules
@@ -31,12 +32,14 @@ def _import_interpreted() -> str | None:
         from triton.runtime.interpreter import InterpretedFunction
 
         from tokenmill.attention.triton import decode, prefill, store_kv
+        from tokenmill.kernels import triton_layer_ops
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
-    kernels = (tl.cdiv, store_kv.store_kv_kernel, decode.decode_kernel, prefill.prefill_kernel)
+    kernels = (tl.cdiv, store_kv.store_kv_kernel, decode.decode_kernel, prefill.prefill_kernel,
+               triton_layer_ops._rms_norm_kernel)
     if not all(isinstance(k, InterpretedFunction) for k in kernels):
         return ("triton was imported before tests/attention/conftest.py could set "
                 f"TRITON_INTERPRET=1 (already imported: {already}); run these tests alone")

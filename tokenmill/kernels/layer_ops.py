@@ -1,13 +1,17 @@
-"""Fused per-layer steps for bf16 activations on the CPU (layer_ops.c).
+"""Fused per-layer steps: for bf16 activations on the CPU (layer_ops.c), and for
+CUDA tensors of any dtype as Triton kernels (triton_layer_ops.py, imported on
+first use: importing tokenmill does not import triton).
 
 Each function returns None (or False) when the kernel is not built or does
-not take the tensors (not bf16, not on the CPU, not laid out as it needs);
-the caller then runs its plain torch ops, which compute the same values.
+not take the tensors (not bf16 on the CPU, triton missing, not laid out as it
+needs); the caller then runs its plain torch ops, which compute the same values.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from types import ModuleType
 
 import torch
 
@@ -22,6 +26,16 @@ _lib = Library("layer_ops", {
 })
 
 
+@functools.cache
+def triton_ops() -> ModuleType | None:
+    """triton_layer_ops for CUDA tensors; None where triton is not installed."""
+    try:
+        from tokenmill.kernels import triton_layer_ops
+    except ImportError:
+        return None
+    return triton_layer_ops
+
+
 def _takes(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
 
@@ -34,6 +48,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """weight * norm(x), or with a residual: residual <- x + residual (in place) and
     the norm of that, written over x. None if the kernel does not take the inputs."""
+    if x.is_cuda:
+        ops = triton_ops()
+        return None if ops is None else ops.rms_norm(x, weight, eps, residual)
     fn = _lib.get("tm_rms_norm_bf16")
     if (fn is None or not _takes(x, weight) or not x.is_contiguous()
             or residual is not None and (not _takes(residual) or not residual.is_contiguous()
@@ -50,6 +67,9 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
             ) -> bool:
     """Rotate x (T, heads, D) in place at `positions` (T,) int64 with fp32 tables
     (max_pos, D). False (x untouched) if the kernel does not take the inputs."""
+    if x.is_cuda:
+        ops = triton_ops()
+        return ops is not None and ops.rotary_(x, positions, cos, sin)
     fn = _lib.get("tm_rotary_bf16")
     tokens, heads, d = x.shape
     if (fn is None or not _takes(x) or x.stride(2) != 1 or x.stride(1) != d or d > 1024
@@ -64,6 +84,9 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up (..., 2 * inter) = [gate | up]; None if not taken."""
+    if gate_up.is_cuda:
+        ops = triton_ops()
+        return None if ops is None else ops.silu_mul(gate_up)
     fn = _lib.get("tm_silu_mul_bf16")
     if fn is None or not _takes(gate_up) or not gate_up.is_contiguous():
         return None

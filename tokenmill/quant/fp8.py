@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import layer_ops
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # _scaled_mm wants both dimensions of its first operand to be multiples of 16
@@ -63,22 +65,28 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)  # (M, K)
-        codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
         if x.device.type == "cuda":
-            y = self._scaled_mm(codes, x_scale)
+            y = self._scaled_mm(x2d)
         else:
+            codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
             y = (dequantize_rows(codes, x_scale) @ dequantize_rows(
                 self.weight_fp8, self.weight_scale.reshape(-1, 1)).t()).to(self.out_dtype)
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _scaled_mm(self, codes: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        m = codes.shape[0]
-        pad = -m % _ROW_MULTIPLE
-        if pad:
-            codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
-            x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
+    def _scaled_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        m = x2d.shape[0]
+        ops = layer_ops.triton_ops()
+        done = None if ops is None else ops.quantize_rows_fp8(x2d, _ROW_MULTIPLE)
+        if done is not None:  # one kernel: the codes, the scales and the padding rows
+            codes, x_scale = done
+        else:
+            codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
+            pad = -m % _ROW_MULTIPLE
+            if pad:
+                codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+                x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
         # weight_fp8.t() is (K, N) column-major, the layout _scaled_mm's second operand needs
         y = torch._scaled_mm(codes, self.weight_fp8.t(), scale_a=x_scale,
                              scale_b=self.weight_scale, bias=self.bias,

@@ -64,7 +64,7 @@ def test_mixed_batch_matches_reference(kernel_device, heads, kv_heads, head_dim,
     assert (batch.meta.plan.num_splits > 1) == (splits > 1)
     assert out.shape == batch.q.shape and out.dtype == dtype
     assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), reference(batch, scale), atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(out.float().cpu(), reference(batch, scale), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("seqs", [
@@ -76,7 +76,7 @@ def test_decode_only_and_prefill_only_steps(kernel_device, seqs, dtype):
     skip_unless_launchable(kernel_device, dtype, 64)
     batch = make_batch(seqs, 9, 3, 64, 16, dtype, seed=1, device=kernel_device)
     out = run(batch, None, dtype, 0.125)
-    torch.testing.assert_close(out.float(), reference(batch, 0.125), atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(out.float().cpu(), reference(batch, 0.125), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -109,6 +109,8 @@ class Check:
     rows: list[Row] = field(default_factory=list)
     bandwidth_gb_s: float = 0.0
     matmul_tflop_s: float = 0.0
+    printed: int = 0  # rows already shown as progress
+    profile: bool = False  # print a batch-1 step's kernels by device time
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -240,6 +242,25 @@ class Check:
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio"))
 
+        def unfused() -> None:
+            # the same step with the model's plain torch ops where triton_layer_ops's
+            # kernels run (RMSNorm + residual, rotary, SiLU * up, fp8's activation scales)
+            from tokenmill.kernels import layer_ops
+
+            fused = layer_ops.triton_ops
+            layer_ops.triton_ops = lambda: None
+            try:
+                engine = self.engine(path, quantization=None, eager=False)
+                for batch in (1, max(plan.batches)):
+                    s = self.decode(engine, batch, f"batch {batch} decode, torch layer ops "
+                                    f"({label})", note="A/B: triton_layer_ops off")
+                    if f"b{batch}" in step_s:
+                        self.rows.append(Row("speed", f"fused layer ops vs torch ops at batch "
+                                             f"{batch}", sig(s / step_s[f"b{batch}"]), "x",
+                                             note="step-time ratio, graphs both ways"))
+            finally:
+                layer_ops.triton_ops = fused
+
         def overlapped() -> None:
             engine = self.engine(path, quantization=None, eager=False, async_scheduling=True)
             for batch in (1, max(plan.batches)):
@@ -249,8 +270,41 @@ class Check:
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio, graphs both ways"))
 
-        for name, part in (("eager", eager), ("graphs", graphs), ("fp8", fp8),
-                           ("async", overlapped)):
+        def profiled() -> None:
+            # where a batch-1 step's GPU time goes, kernel by kernel (eager: the same
+            # kernels a graph replays, each visible to the profiler)
+            engine = self.engine(path, quantization=None, eager=True)
+            self.decode(engine, 1, f"batch 1 TPOT, eager, profiled ({label})")
+            self.rows.pop()
+            vocab = engine.model_config.vocab_size
+            engine.add_request("prof", [3 + i % (vocab - 3) for i in range(plan.context)],
+                               SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            for _ in range(4):
+                engine.step()
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            steps = 5
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(steps):
+                    engine.step()
+            engine.abort_request(list(engine.requests))
+            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] \
+                if self.device.type == "cuda" else list(prof.key_averages())
+            key = "device_time_total" if hasattr(events[0], "device_time_total") else \
+                "cuda_time_total"
+            total = sum(getattr(e, key) for e in events) if self.device.type == "cuda" else 0
+            print(f"profile: batch 1 decode step, {steps} steps, kernels by device time "
+                  f"(total {total / steps / 1e3:.3f} ms/step)", file=sys.stderr)
+            for e in sorted(events, key=lambda e: -getattr(e, key))[:25]:
+                print(f"  {getattr(e, key) / steps:9.1f} us/step  {e.count // steps:5d} "
+                      f"calls/step  {e.key[:90]}", file=sys.stderr, flush=True)
+
+        parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused), ("fp8", fp8),
+                 ("async", overlapped)]
+        if self.profile:
+            parts.insert(1, ("profile", profiled))
+        for name, part in parts:
             self.guarded(f"speed: {name}", part)
             self.free()
 
@@ -263,6 +317,15 @@ class Check:
             traceback.print_exc()
             self.rows.append(Row(what.split(":")[0], f"{what} FAILED", "FAILED", "",
                                  note=f"{type(e).__name__}: {e}"[:300]))
+        self.progress()
+
+    def progress(self) -> None:
+        """Each new row on stderr as it comes: a run cut off by its time limit
+        still shows what it measured."""
+        for r in self.rows[self.printed:]:
+            print(f"[gpu_check] {r.section} | {r.check} | {r.value} {r.unit} | {r.floor} | "
+                  f"{r.vs_floor} | {r.note}", file=sys.stderr, flush=True)
+        self.printed = len(self.rows)
 
     def engine(self, path: Path, quantization: str | None, eager: bool,
                async_scheduling: bool = False) -> LLMEngine:
@@ -488,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny shapes, the triton interpreter: the same code paths")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a batch-1 decode step's kernels by device time")
     parser.add_argument("--json", action="store_true",
                         help='end with one JSON line: {"device": ..., "rows": [...]}')
     args = parser.parse_args(argv)
@@ -497,9 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         device, plan = torch.device("cuda"), GPU_PLAN
     else:
         parser.error("no CUDA device; run with --smoke for the CPU version")
-    check = Check(device, plan)
+    check = Check(device, plan, profile=args.profile)
     with tempfile.TemporaryDirectory() as tmp:
         check.hardware()  # the floors need it: no guard
+        check.progress()
         check.guarded("correctness", lambda: check.correctness(Path(tmp)))
         check.guarded("speed", lambda: check.speed(Path(tmp)))
     name = device_name(device)

@@ -56,9 +56,9 @@ def test_plan_splits_decodes_from_prefill_tiles():
     assert plan.decode_seqs.tolist() == [0, 2]
     tiles = list(zip(plan.tile_seqs.tolist(), plan.tile_starts.tolist()))
     assert tiles == [(1, 0), (1, PREFILL_BLOCK_M), (1, 2 * PREFILL_BLOCK_M), (3, 0)]
-    # two decodes cannot fill 132 SMs: split the longest (900) into 256+ token splits
-    assert plan.num_splits == 3 and plan.split_len % DECODE_BLOCK_N == 0
-    assert plan.num_splits * plan.split_len >= 900
+    # two decodes cannot fill 132 SMs: split the longest (900 keys, 15 tiles) into at
+    # most 14 splits of whole tiles: 8 of 2 tiles
+    assert plan.split_len == 2 * DECODE_BLOCK_N and plan.num_splits == 8
 
 
 def test_split_choice():

@@ -79,15 +79,20 @@ def test_decode_only_and_prefill_only_steps(kernel_device, seqs, dtype):
     torch.testing.assert_close(out.float().cpu(), reference(batch, 0.125), atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize(("seqs", "splits", "planned"), [
+    ([(300, 1), (5, 1), (130, 1)], 5, 5),
+    # 18 one-tile splits: the reduce combines the long row's in two chunks of 16 and
+    # the short row's one split alone
+    ([(5, 1), (1100, 1)], 20, 18),
+])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_k_agrees_with_one_split(kernel_device, dtype):
+def test_split_k_agrees_with_one_split(kernel_device, dtype, seqs, splits, planned):
     skip_unless_launchable(kernel_device, dtype, 64)
-    seqs = [(300, 1), (5, 1), (130, 1)]
     one = run(make_batch(seqs, 8, 2, 64, 16, dtype, seed=2, device=kernel_device), 1, dtype,
               0.125)
     batch = make_batch(seqs, 8, 2, 64, 16, dtype, seed=2, device=kernel_device)
-    many = run(batch, 5, dtype, 0.125)
-    assert batch.meta.plan.num_splits == 5
+    many = run(batch, splits, dtype, 0.125)
+    assert batch.meta.plan.num_splits == planned
     torch.testing.assert_close(many.float(), one.float(), atol=TOL[dtype], rtol=0)
 
 

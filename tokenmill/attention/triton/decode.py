@@ -17,7 +17,7 @@ import triton.language as tl
 from tokenmill.attention.triton.plan import (
     DECODE_BLOCK_H,
     DECODE_BLOCK_N,
-    MAX_SPLITS,
+    REDUCE_CHUNK,
     TritonPlan,
     launch_options,
 )
@@ -76,23 +76,36 @@ def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse
                  o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", *_PART_STRIDES])
+@triton.jit(do_not_specialize=["num_splits", "split_len", *_PART_STRIDES])
 def reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, decode_seqs_ptr, query_start_ptr,
-                  num_splits, stride_ot, stride_oh, stride_pd, stride_ph, stride_ps,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    # grid: (decodes, heads); combines the splits of one head of one sequence
+                  seq_lens_ptr, num_splits, split_len, stride_ot, stride_oh, stride_pd,
+                  stride_ph, stride_ps, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    # grid: (decodes, heads); combines the splits of one head of one sequence that hold
+    # keys (a captured graph's plan has splits for max_model_len; a short sequence
+    # fills the first few), CHUNK at a time with a running max
     i = tl.program_id(0)
     h = tl.program_id(1)
-    row = tl.load(query_start_ptr + tl.load(decode_seqs_ptr + i))
-    s = tl.arange(0, MAX_SPLITS)
-    part = i * stride_pd + h * stride_ph + s * stride_ps  # (MAX_SPLITS,)
-    lse = tl.load(part_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits: 0; at least one split is not empty
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
-                mask=(s < num_splits)[:, None], other=0.0)  # (MAX_SPLITS, D)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + tl.arange(0, HEAD_DIM),
-             out.to(out_ptr.dtype.element_ty))
+    b = tl.load(decode_seqs_ptr + i)
+    row = tl.load(query_start_ptr + b)
+    used = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(tl.load(seq_lens_ptr + b), split_len)))
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, used, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        part = i * stride_pd + h * stride_ph + s * stride_ps  # (CHUNK,)
+        lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))  # the first split always holds keys
+        w = tl.exp2(lse - m_new)  # empty splits: 0
+        alpha = tl.exp2(m - m_new)
+        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                    mask=(s < used)[:, None], other=0.0)  # (CHUNK, D)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d,
+             (acc / l).to(out_ptr.dtype.element_ty))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -121,9 +134,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **launch_options("decode"))
     if splits > 1:
         reduce_kernel[(n, num_heads)](
-            part_o, part_lse, out, plan.decode_seqs, plan.query_start_loc, splits,
-            out.stride(0), out.stride(1), *part_strides, HEAD_DIM=head_dim,
-            MAX_SPLITS=MAX_SPLITS)
+            part_o, part_lse, out, plan.decode_seqs, plan.query_start_loc, plan.seq_lens,
+            splits, plan.split_len, out.stride(0), out.stride(1), *part_strides,
+            HEAD_DIM=head_dim, CHUNK=REDUCE_CHUNK)
 
 
 def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
@@ -142,13 +155,14 @@ def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
                            "constexpr")}
     const = {"HEAD_DIM": head_dim, "BLOCK_H": DECODE_BLOCK_H, "BLOCK_N": DECODE_BLOCK_N}
     reduce_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": ptr,
-                  "decode_seqs_ptr": "*i32", "query_start_ptr": "*i32", "num_splits": i32,
+                  "decode_seqs_ptr": "*i32", "query_start_ptr": "*i32",
+                  "seq_lens_ptr": "*i32", "num_splits": i32, "split_len": i32,
                   **dict.fromkeys(["stride_ot", "stride_oh", "stride_pd", "stride_ph",
                                    "stride_ps"], i32),
-                  "HEAD_DIM": "constexpr", "MAX_SPLITS": "constexpr"}
+                  "HEAD_DIM": "constexpr", "CHUNK": "constexpr"}
     opts = launch_options("decode")
     return [KernelSpec("decode", decode_kernel, sig, {**const, "SPLIT": False}, opts, dots=2),
             KernelSpec("decode_split", decode_kernel, sig, {**const, "SPLIT": True}, opts,
                        dots=2),
             KernelSpec("decode_reduce", reduce_kernel, reduce_sig,
-                       {"HEAD_DIM": head_dim, "MAX_SPLITS": MAX_SPLITS})]
+                       {"HEAD_DIM": head_dim, "CHUNK": REDUCE_CHUNK})]

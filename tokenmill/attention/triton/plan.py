@@ -20,9 +20,12 @@ DECODE_BLOCK_H = 16  # query heads of one KV group per program (padded)
 DECODE_BLOCK_N = 64  # key positions per tile; split lengths are multiples of it
 PREFILL_BLOCK_M = 64  # queries per program
 PREFILL_BLOCK_N = 64
-MAX_SPLITS = 16
-# a split shorter than this costs more in the reduce than it gains in parallelism
-MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# a split is one tile or more. A captured decode graph's plan is sized for
+# max_model_len, so at 16 splits of 256+ keys a short context filled one to three of
+# them: at batch 1 (Llama-3-8B shapes, 512 keys) 16-24 programs on an H200's 132 SMs
+MIN_SPLIT_TOKENS = DECODE_BLOCK_N
+REDUCE_CHUNK = 16  # splits the reduce combines at a time (it reads only those with keys)
 NUM_WARPS = 4
 NUM_STAGES = 2
 

@@ -270,43 +270,67 @@ class Check:
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio, graphs both ways"))
 
+        def old_splits() -> None:
+            # decode attention's split-K as it was before this check's first GPU run
+            # (at most 16 splits of 256+ keys), the A/B of the present policy
+            from tokenmill.attention.triton import plan as triton_plan
+
+            now = triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS
+            triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS = 16, 256
+            try:
+                engine = self.engine(path, quantization=None, eager=False)
+                for batch in (1, 8, max(plan.batches)):
+                    s = self.decode(engine, batch, f"batch {batch} decode, 16 splits of 256+ "
+                                    f"keys ({label})", note="A/B: the previous split-K")
+                    if f"b{batch}" in step_s:
+                        self.rows.append(Row("speed", f"split-K now vs before at batch {batch}",
+                                             sig(s / step_s[f"b{batch}"]), "x",
+                                             note="step-time ratio, graphs both ways"))
+            finally:
+                triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS = now
+
         def profiled() -> None:
             # where a batch-1 step's GPU time goes, kernel by kernel (eager: the same
             # kernels a graph replays, each visible to the profiler)
-            engine = self.engine(path, quantization=None, eager=True)
-            self.decode(engine, 1, f"batch 1 TPOT, eager, profiled ({label})")
-            self.rows.pop()
-            vocab = engine.model_config.vocab_size
-            engine.add_request("prof", [3 + i % (vocab - 3) for i in range(plan.context)],
-                               SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-            for _ in range(4):
-                engine.step()
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            steps = 5
-            with torch.profiler.profile(activities=acts) as prof:
-                for _ in range(steps):
-                    engine.step()
-            engine.abort_request(list(engine.requests))
-            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] \
-                if self.device.type == "cuda" else list(prof.key_averages())
-            key = "device_time_total" if hasattr(events[0], "device_time_total") else \
-                "cuda_time_total"
-            total = sum(getattr(e, key) for e in events) if self.device.type == "cuda" else 0
-            print(f"profile: batch 1 decode step, {steps} steps, kernels by device time "
-                  f"(total {total / steps / 1e3:.3f} ms/step)", file=sys.stderr)
-            for e in sorted(events, key=lambda e: -getattr(e, key))[:25]:
-                print(f"  {getattr(e, key) / steps:9.1f} us/step  {e.count // steps:5d} "
-                      f"calls/step  {e.key[:90]}", file=sys.stderr, flush=True)
+            for quantization in (None, "fp8"):
+                engine = self.engine(path, quantization=quantization, eager=True)
+                self.profile_steps(engine, f"batch 1 decode step, {quantization or dtype}")
+                del engine
+                self.free()
 
-        parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused), ("fp8", fp8),
-                 ("async", overlapped)]
+        parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused),
+                 ("old splits", old_splits), ("fp8", fp8), ("async", overlapped)]
         if self.profile:
             parts.insert(1, ("profile", profiled))
         for name, part in parts:
             self.guarded(f"speed: {name}", part)
             self.free()
+
+    def profile_steps(self, engine: LLMEngine, what: str, steps: int = 5) -> None:
+        """A batch-1 decode's kernels by device time, on stderr."""
+        vocab = engine.model_config.vocab_size
+        engine.add_request("prof", [3 + i % (vocab - 3) for i in range(self.plan.context)],
+                           SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        for _ in range(4):  # the prefill, then warm decode steps
+            engine.step()
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                engine.step()
+        engine.abort_request(list(engine.requests))
+        events = list(prof.key_averages())
+        if self.device.type == "cuda":
+            events = [e for e in events if e.device_type.name == "CUDA"]
+        key = "device_time_total" if hasattr(events[0], "device_time_total") else \
+            "cuda_time_total"
+        total = sum(getattr(e, key) for e in events)
+        print(f"profile: {what}, {steps} steps, kernels by device time "
+              f"(total {total / steps / 1e3:.3f} ms/step)", file=sys.stderr)
+        for e in sorted(events, key=lambda e: -getattr(e, key))[:16]:
+            print(f"  {getattr(e, key) / steps:9.1f} us/step  {e.count // steps:5d} "
+                  f"calls/step  {e.key[:90]}", file=sys.stderr, flush=True)
 
     def guarded(self, what: str, part: Callable[[], None]) -> None:
         """Run one part; a failure becomes a FAILED row and the rest still runs

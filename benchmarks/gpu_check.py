@@ -165,6 +165,11 @@ class Check:
                              f"{err:.2e}", "max abs", floor="< 2e-2" if self.device.type == "cuda"
                              else "< 1e-4", note=str(self.plan.dtype).removeprefix("torch.")))
 
+        err = fp8_linear_error(self.device)
+        self.rows.append(Row("correctness", "fp8 linear vs its dequantized product",
+                             f"{err:.2e}", "max rel", floor="< 1e-2",
+                             note="rows 1, 16, 64 (triton_fp8_gemm), 80 (_scaled_mm)"))
+
     @property
     def engine_dtype_name(self) -> str:
         return str(self.plan.dtype).removeprefix("torch.")
@@ -237,10 +242,28 @@ class Check:
             engine = self.engine(path, quantization="fp8", eager=False)
             for batch in (1, max(plan.batches)):
                 s = self.decode(engine, batch, f"fp8 batch {batch} decode ({label})")
+                step_s[f"fp8 b{batch}"] = s
                 if f"b{batch}" in step_s:
                     self.rows.append(Row("speed", f"fp8 vs {dtype} at batch {batch}",
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio"))
+
+        def fp8_cublas() -> None:
+            # fp8 with torch._scaled_mm (cuBLASLt) for every batch: triton_fp8_gemm's A/B
+            from tokenmill.quant.fp8 import Fp8Linear
+
+            Fp8Linear.small_batch_kernel = False
+            try:
+                engine = self.engine(path, quantization="fp8", eager=False)
+                for batch in (1, max(plan.batches)):
+                    s = self.decode(engine, batch, f"fp8 batch {batch} decode, _scaled_mm "
+                                    f"({label})", note="A/B: triton_fp8_gemm off")
+                    if f"fp8 b{batch}" in step_s:
+                        self.rows.append(Row("speed", f"triton_fp8_gemm vs _scaled_mm at batch "
+                                             f"{batch}", sig(s / step_s[f"fp8 b{batch}"]), "x",
+                                             note="step-time ratio, graphs both ways"))
+            finally:
+                Fp8Linear.small_batch_kernel = True
 
         def unfused() -> None:
             # the same step with the model's plain torch ops where triton_layer_ops's
@@ -299,7 +322,8 @@ class Check:
                 self.free()
 
         parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused),
-                 ("old splits", old_splits), ("fp8", fp8), ("async", overlapped)]
+                 ("old splits", old_splits), ("fp8", fp8), ("fp8 cublas", fp8_cublas),
+                 ("async", overlapped)]
         if self.profile:
             parts.insert(1, ("profile", profiled))
         for name, part in parts:
@@ -520,6 +544,24 @@ def attention_error(device: torch.device, dtype: torch.dtype) -> float:
         step.plan = backend.plan(step)
         outs.append(backend.forward(q, None, None, kc, vc, step, head_dim**-0.5).float())
     return float((outs[0] - outs[1]).abs().max())
+
+
+def fp8_linear_error(device: torch.device) -> float:
+    """Fp8Linear (quantize the rows, multiply, scale) against the float32 product of
+    the same dequantized operands: the largest error relative to the largest output."""
+    from tokenmill.quant.fp8 import Fp8Linear, dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lin = Fp8Linear((torch.randn(1000, 4096, generator=g) * 0.02).to(device, dtype))
+    w = dequantize_rows(lin.weight_fp8, lin.weight_scale.reshape(-1, 1))
+    worst = 0.0
+    for rows in (1, 16, 64, 80):
+        x = torch.randn(rows, 4096, generator=g).to(device, dtype)
+        want = dequantize_rows(*quantize_rows(x)) @ w.t()
+        got = lin(x).float()
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:

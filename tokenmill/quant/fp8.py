@@ -1,8 +1,11 @@
 """fp8 (e4m3) weights for GPUs that have fp8 tensor cores (sm_89+: Ada, Hopper).
 
 Per-output-channel weight scales, fixed at load; per-token activation scales,
-computed each call; the matmul is `torch._scaled_mm`, which multiplies the two
-e4m3 operands on tensor cores and applies both scales in its epilogue. Halving
+computed each call (one triton kernel, triton_layer_ops.quantize_rows_fp8); the
+matmul is `torch._scaled_mm`, which multiplies the two e4m3 operands on tensor
+cores and applies both scales in its epilogue, or for decode batches of up to 64
+rows triton_fp8_gemm's kernel, which computes the same product at the rate the
+weights stream (cuBLASLt's 128 x 128 tiles do not, at a few rows). Halving
 the bytes a decode step reads is the first lever `explain` names on an
 H100/H200. On a CPU the same quantized numbers run through a dequantized
 matmul (what `_scaled_mm` computes, up to its accumulation order): tests only,
@@ -10,6 +13,9 @@ since `--quantization fp8` refuses devices without fp8.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +54,27 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale
 
 
+@functools.cache
+def _small_batch_gemm() -> ModuleType | None:
+    """triton_fp8_gemm (decode batches of up to 64 rows); None without triton."""
+    try:
+        from tokenmill.kernels import triton_fp8_gemm
+    except ImportError:
+        return None
+    return triton_fp8_gemm
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W as e4m3 per output channel and x as e4m3 per token."""
+
+    # decode batches (up to 64 rows) on triton_fp8_gemm's kernel; off: _scaled_mm for
+    # every batch (gpu_check.py's A/B)
+    small_batch_kernel = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -81,6 +106,12 @@ class Fp8Linear(nn.Module):
         done = None if ops is None else ops.quantize_rows_fp8(x2d, _ROW_MULTIPLE)
         if done is not None:  # one kernel: the codes, the scales and the padding rows
             codes, x_scale = done
+            gemm = _small_batch_gemm() if self.small_batch_kernel else None
+            y = None if gemm is None else gemm.fp8_gemm(
+                codes, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype,
+                m, _num_sms(x2d.device))
+            if y is not None:  # a decode batch: triton_fp8_gemm's kernel
+                return y
         else:
             codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
             pad = -m % _ROW_MULTIPLE

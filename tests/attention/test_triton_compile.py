@@ -1,7 +1,9 @@
-"""Every triton kernel variant the backend can launch on CUDA (bf16/fp16, head_dim 64
-and 128; GQA group, block size and split count are runtime arguments, split-K on
-and off are two variants) compiles for sm_80 and sm_90 with no GPU, fits the
-target's shared memory, and lowers every attention dot to tensor-core instructions.
+"""Every triton kernel variant a CUDA step can launch compiles for sm_80 and sm_90 with
+no GPU, fits the target's shared memory, and lowers every dot to tensor-core
+instructions: the attention backend's (bf16/fp16, head_dim 64 and 128; GQA group,
+block size and split count are runtime arguments, split-K on and off are two
+variants), the layer ops' (triton_layer_ops) and the fp8 decode GEMM's (sm_90 only:
+e4m3 needs sm_89+).
 
 Written against triton 3.9.0 (the version the test extra pins). It runs in its own
 process: the interpreter tests in this process import the kernels interpreted."""
@@ -36,14 +38,21 @@ def compiled() -> dict:
 @pytest.mark.slow
 def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
     results = compiled["results"]
-    kernels = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill"}
+    per_head = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill", "rotary"}
+    layer_ops = {"rms_norm", "rms_norm_add", "silu_mul"}
+    fp8 = {"fp8_rows", "fp8_gemm_reduce", *(f"fp8_gemm_m{m}{split}" for m in (16, 32, 64)
+                                           for split in ("", "_split"))}
+    dtypes, targets = ("bf16", "fp16"), ("sm_80", "sm_90")
     got = {(r["kernel"], r["dtype"], r["head_dim"], r["target"]) for r in results}
-    assert got == {(k, dt, d, t) for k in kernels for dt in ("bf16", "fp16")
-                   for d in (64, 128) for t in ("sm_80", "sm_90")}
+    assert got == ({(k, dt, d, t) for k in per_head for dt in dtypes for d in (64, 128)
+                    for t in targets}
+                   | {(k, dt, 0, t) for k in layer_ops for dt in dtypes for t in targets}
+                   | {(k, dt, 0, "sm_90") for k in fp8 for dt in dtypes})  # e4m3: sm_89+
     for r in results:
         assert r["shared"] <= r["shared_limit"], r
         assert r["tensor_core_dots"] == r["dots"], r
-        if r["kernel"] in ("decode", "decode_split", "prefill"):
+        if r["kernel"] in ("decode", "decode_split", "prefill") or \
+                r["kernel"].startswith("fp8_gemm_m"):
             assert r["dots"] > 0
             assert r["ptx_mma"] > 0 or (r["target"] == "sm_90" and r["ptx_wgmma"] > 0), r
         assert r["ok"], r

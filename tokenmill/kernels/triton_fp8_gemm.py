@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton.spec import KernelSpec
+
 BLOCK_N = 64
 BLOCK_K = 256
 MAX_ROWS = 64
@@ -112,3 +114,28 @@ def fp8_gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
             part, x_scale, w_scale, b, out, n, splits, out.stride(0), HAS_BIAS=has_bias,
             BLOCK_M=block_m, BLOCK=1024, num_warps=4)
     return out
+
+
+def compile_specs(dtype: str) -> list[KernelSpec]:
+    """Every variant fp8_gemm launches for outputs of `dtype` ("bf16", "fp16"): 16, 32
+    and 64 rows, K split or not, and the split reduce (sm_89+: e4m3 tensor cores)."""
+    i32 = "i32"
+    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+           "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+           **dict.fromkeys(["m", "n", "k", "tiles_per_split", "stride_x", "stride_w",
+                            "stride_out"], i32),
+           **dict.fromkeys(["HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
+                           "constexpr")}
+    reduce_sig = {"part_ptr": "*fp32", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                  "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                  **dict.fromkeys(["n", "splits", "stride_out"], i32),
+                  **dict.fromkeys(["HAS_BIAS", "BLOCK_M", "BLOCK"], "constexpr")}
+    specs = [KernelSpec(f"fp8_gemm_m{m}" + ("_split" if split else ""), _fp8_gemm_kernel, sig,
+                        {"HAS_BIAS": False, "SPLIT": split, "BLOCK_M": m, "BLOCK_N": BLOCK_N,
+                         "BLOCK_K": BLOCK_K}, {"num_warps": 4, "num_stages": 3}, dots=1,
+                        min_cc=89)
+             for m in (16, 32, 64) for split in (False, True)]
+    specs.append(KernelSpec("fp8_gemm_reduce", _fp8_gemm_reduce, reduce_sig,
+                            {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK": 1024},
+                            {"num_warps": 4}, min_cc=89))
+    return specs

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton.spec import KernelSpec
+
 _FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
 _MAX_ROW_BLOCK = 16384  # one program holds a whole row up to this width
 
@@ -180,3 +182,37 @@ def quantize_rows_fp8(x: torch.Tensor, row_multiple: int = 1,
         _fp8_rows_kernel[(rows,)](x, codes, scale, r, x.stride(0), codes.stride(0), c,
                                   BLOCK=block, num_warps=_warps(block))
     return codes, scale
+
+
+def compile_specs(dtype: str, head_dim: int, hidden: int = 4096, heads: int = 40
+                  ) -> list[KernelSpec]:
+    """The variants a Llama-3-8B-shaped step launches (hidden 4096, 32 + 8 q/k heads)
+    for activations of `dtype` ("bf16", "fp16") and head_dim, as the wrappers launch
+    them: compile_check builds them for sm_80/sm_90 with no GPU."""
+    ptr, i32 = f"*{dtype}", "i32"
+    block = triton.next_power_of_2(hidden)
+    norm_sig = {"x_ptr": ptr, "res_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr,
+                **dict.fromkeys(["stride_x", "stride_res", "stride_out", "n"], i32),
+                "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+    rotary_sig = {"x_ptr": ptr, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  **dict.fromkeys(["stride_t", "stride_h", "heads"], i32),
+                  "HALF": "constexpr", "BLOCK_H": "constexpr"}
+    silu_sig = {"gu_ptr": ptr, "out_ptr": ptr,
+                **dict.fromkeys(["stride_gu", "stride_out", "inter"], i32),
+                "BLOCK": "constexpr"}
+    fp8_sig = {"x_ptr": ptr, "codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+               **dict.fromkeys(["rows", "stride_x", "stride_codes", "n"], i32),
+               "BLOCK": "constexpr"}
+    block_h = triton.next_power_of_2(heads)
+    fp8_block = min(2048, block)
+    return [
+        *(KernelSpec("rms_norm" + ("_add" if res else ""), _rms_norm_kernel, norm_sig,
+                     {"HAS_RESIDUAL": res, "BLOCK": block}, {"num_warps": _warps(block)})
+          for res in (False, True)),
+        KernelSpec("rotary", _rotary_kernel, rotary_sig,
+                   {"HALF": head_dim // 2, "BLOCK_H": block_h},
+                   {"num_warps": _warps(block_h * head_dim)}),
+        KernelSpec("silu_mul", _silu_mul_kernel, silu_sig, {"BLOCK": 1024}, {"num_warps": 4}),
+        KernelSpec("fp8_rows", _fp8_rows_kernel, fp8_sig, {"BLOCK": fp8_block},
+                   {"num_warps": _warps(fp8_block)}, min_cc=89),
+    ]

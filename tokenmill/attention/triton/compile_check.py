@@ -1,6 +1,7 @@
-"""Compile every kernel variant the backend can launch on CUDA for sm_80 and
-sm_90, with no GPU: shared memory per variant against the target's limit, and
-whether every attention dot became a tensor-core instruction.
+"""Compile every kernel variant a CUDA step can launch (the attention backend's,
+the layer ops', the fp8 decode GEMM's) for sm_80 and sm_90 (fp8: sm_90 only), with
+no GPU: shared memory per variant against the target's limit, and whether every
+dot became a tensor-core instruction.
 
     python -m tokenmill.attention.triton.compile_check   # a table; exit 1 on failure
 
@@ -14,6 +15,8 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from tokenmill.attention.triton.spec import KernelSpec
 
 # (compute capability, shared memory per block in bytes: 163 KB, 227 KB)
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
@@ -55,40 +58,55 @@ def _all_dots(ttgir: str) -> int:
     return len(re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) ", ttgir))
 
 
+def _specs() -> list[tuple[str, int, KernelSpec]]:
+    """(dtype, head_dim, spec) of every variant: the attention backend's, and the
+    layer ops' and fp8 GEMM's that a CUDA step launches (head_dim 0: not per head)."""
+    from tokenmill.attention.triton import decode, prefill, store_kv
+    from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
+    from tokenmill.kernels import triton_fp8_gemm, triton_layer_ops
+
+    jobs = []
+    for dtype in CUDA_DTYPES.values():
+        for head_dim in CUDA_HEAD_DIMS:
+            jobs += [(dtype, head_dim, spec) for spec in (
+                store_kv.compile_specs(dtype, head_dim) + decode.compile_specs(dtype, head_dim)
+                + prefill.compile_specs(dtype, head_dim))]
+            jobs += [(dtype, head_dim, spec) for spec in
+                     triton_layer_ops.compile_specs(dtype, head_dim) if spec.name == "rotary"]
+        jobs += [(dtype, 0, spec) for spec in
+                 triton_layer_ops.compile_specs(dtype, CUDA_HEAD_DIMS[0])
+                 if spec.name != "rotary"]
+        jobs += [(dtype, 0, spec) for spec in triton_fp8_gemm.compile_specs(dtype)]
+    return jobs
+
+
 def compile_all() -> list[CompileResult]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tokenmill.attention.triton import decode, prefill, store_kv
-    from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
-
     results = []
-    for dtype in CUDA_DTYPES.values():
-        for head_dim in CUDA_HEAD_DIMS:
-            for spec in (store_kv.compile_specs(dtype, head_dim)
-                         + decode.compile_specs(dtype, head_dim)
-                         + prefill.compile_specs(dtype, head_dim)):
-                kernel = spec.kernel
-                assert list(spec.signature) == kernel.arg_names, spec.name
-                # what the JIT's specialisation gives at launch: aligned pointers and
-                # strides (multiples of head_dim); do_not_specialize ints get nothing
-                plain = {p.name for p in kernel.params if p.do_not_specialize}
-                attrs = {(i,): [["tt.divisibility", 16]]
-                         for i, (name, ty) in enumerate(spec.signature.items())
-                         if ty.startswith("*") or (ty == "i32" and name not in plain)}
-                for target, (cc, limit) in TARGETS.items():
-                    start = time.perf_counter()
-                    binary = triton.compile(ASTSource(kernel, spec.signature, spec.constexprs,
-                                                      attrs),
-                                            target=GPUTarget("cuda", cc, 32),
-                                            options=spec.options)
-                    ttgir, ptx = binary.asm["ttgir"], binary.asm["ptx"]
-                    assert _all_dots(ttgir) == spec.dots, (spec.name, _all_dots(ttgir))
-                    results.append(CompileResult(
-                        spec.name, dtype, head_dim, target, binary.metadata.shared, limit,
-                        spec.dots, _tensor_core_dots(ttgir), ptx.count("mma.sync"),
-                        ptx.count("wgmma.mma_async"), round(time.perf_counter() - start, 2)))
+    for dtype, head_dim, spec in _specs():
+        kernel = spec.kernel
+        assert list(spec.signature) == kernel.arg_names, spec.name
+        # what the JIT's specialisation gives at launch: aligned pointers and
+        # strides (multiples of head_dim); do_not_specialize ints get nothing
+        plain = {p.name for p in kernel.params if p.do_not_specialize}
+        attrs = {(i,): [["tt.divisibility", 16]]
+                 for i, (name, ty) in enumerate(spec.signature.items())
+                 if ty.startswith("*") or (ty == "i32" and name not in plain)}
+        for target, (cc, limit) in TARGETS.items():
+            if cc < spec.min_cc:
+                continue
+            start = time.perf_counter()
+            binary = triton.compile(ASTSource(kernel, spec.signature, spec.constexprs, attrs),
+                                    target=GPUTarget("cuda", cc, 32), options=spec.options)
+            ttgir, ptx = binary.asm["ttgir"], binary.asm["ptx"]
+            assert _all_dots(ttgir) == spec.dots, (spec.name, _all_dots(ttgir))
+            results.append(CompileResult(
+                spec.name, dtype, head_dim, target, binary.metadata.shared, limit,
+                spec.dots, _tensor_core_dots(ttgir), ptx.count("mma.sync"),
+                ptx.count("wgmma.mma_async"), round(time.perf_counter() - start, 2)))
     return results
 
 
@@ -103,10 +121,10 @@ def main() -> int:
                           "results": [asdict(r) | {"ok": r.ok} for r in results]}))
     else:
         print(f"triton {triton.__version__}")
-        print(f"{'kernel':14} {'dtype':5} {'d':>4} {'target':6} {'shared':>8} {'limit':>7} "
+        print(f"{'kernel':18} {'dtype':5} {'d':>4} {'target':6} {'shared':>8} {'limit':>7} "
               f"{'tc dots':>7} {'mma':>5} {'wgmma':>5} {'s':>5}")
         for r in results:
-            print(f"{r.kernel:14} {r.dtype:5} {r.head_dim:4} {r.target:6} {r.shared:8} "
+            print(f"{r.kernel:18} {r.dtype:5} {r.head_dim:4} {r.target:6} {r.shared:8} "
                   f"{r.shared_limit:7} {r.tensor_core_dots:>3}/{r.dots:<3} {r.ptx_mma:5} "
                   f"{r.ptx_wgmma:5} {r.seconds:5.1f}{'' if r.ok else '  FAIL'}")
     return 0 if all(r.ok for r in results) else 1

@@ -18,3 +18,4 @@ class KernelSpec:
     constexprs: dict[str, object]
     options: dict[str, int] = field(default_factory=dict)  # num_warps, num_stages
     dots: int = 0  # tl.dot calls in the kernel: each must map to tensor cores
+    min_cc: int = 80  # the oldest target it is built for (fp8 needs sm_89+)

@@ -57,6 +57,20 @@ def test_quantize_model_swaps_all_but_the_lm_head():
     assert isinstance(model.lm_head, nn.Linear)
 
 
+def test_a_width_scaled_mm_cannot_take_stays_float_and_says_why():
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv_proj = nn.Linear(32, 48, bias=False).bfloat16()
+            self.o_proj = nn.Linear(40, 32, bias=False).bfloat16()  # 40: not a multiple of 16
+
+    model = Tiny()
+    summary = quantize_model(model, "fp8")
+    assert isinstance(model.qkv_proj, Fp8Linear) and summary.quantized == ["qkv_proj"]
+    assert isinstance(model.o_proj, nn.Linear)
+    assert "divisible by 16, not (32, 40)" in summary.kept_float["o_proj"]
+
+
 def test_fp8_on_a_cpu_is_a_clear_error():
     assert "compute capability 8.9" in fp8_unavailable_reason(torch.device("cpu"))
     model = nn.Linear(16, 16).bfloat16()

@@ -48,4 +48,9 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
     logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
                 "large batches", method, loaded.dtype, len(summary.quantized),
                 summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20, large)
+    if summary.kept_float:  # what --quantization did not reach, and why
+        shown = "; ".join(f"{name}: {why}" for name, why in list(summary.kept_float.items())[:3])
+        logger.warning("weights: %d linears kept in %s, not %s (%s%s)", len(summary.kept_float),
+                       loaded.dtype, method, shown, "; ..." if len(summary.kept_float) > 3
+                       else "")
     return loaded, method

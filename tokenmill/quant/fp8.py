@@ -25,8 +25,10 @@ from tokenmill.kernels import layer_ops
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-# _scaled_mm wants both dimensions of its first operand to be multiples of 16
+# _scaled_mm wants both dimensions of its first operand to be multiples of 16 (rows are
+# padded), and the weight's too (quantize_model keeps a linear of another width float)
 _ROW_MULTIPLE = 16
+FP8_DIM_MULTIPLE = 16
 
 
 def fp8_unavailable_reason(device: torch.device) -> str | None:

@@ -56,7 +56,7 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.dense import DenseWeight
-from tokenmill.quant.fp8 import Fp8Linear, fp8_unavailable_reason
+from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.int8_dynamic import K_MULTIPLE as W8A8_K_MULTIPLE
 from tokenmill.quant.int8_dynamic import Int8DynamicWeight
@@ -114,6 +114,11 @@ def quantize_model(model: nn.Module, method: str,
         for name, module in list(model.named_modules()):
             leaf = name.rpartition(".")[2]
             if method == "fp8" and leaf in TARGET_MODULES and leaf != "lm_head":
+                if any(d % FP8_DIM_MULTIPLE for d in module.weight.shape):
+                    summary.kept_float[name] = (
+                        f"fp8: torch._scaled_mm needs both dimensions divisible by "
+                        f"{FP8_DIM_MULTIPLE}, not {tuple(module.weight.shape)}")
+                    continue
                 parent = name.rpartition(".")[0]
                 fp8 = Fp8Linear(module.weight, getattr(module, "bias", None))
                 model.get_submodule(parent).register_module(leaf, fp8)

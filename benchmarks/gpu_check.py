@@ -20,6 +20,7 @@ wheel: carry it where it is missing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +32,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 if "--smoke" in sys.argv:  # triton reads it when a kernel is defined: before any import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -250,41 +252,37 @@ class Check:
                                          sig(step_s[f"b{batch}"] / s), "x",
                                          note="step-time ratio"))
 
+        def switched_off(switch: contextlib.AbstractContextManager, quantization: str | None,
+                         batches: tuple[int, ...], what: str, versus: str, base: str,
+                         off: str) -> None:
+            # the A/B of one change: the same step with it switched off, each batch's
+            # step time against `base`'s (an earlier part's) in this run
+            with switch:
+                engine = self.engine(path, quantization=quantization, eager=False)
+                for batch in batches:
+                    s = self.decode(engine, batch, f"{what.format(batch=batch)} ({label})",
+                                    note=f"A/B: {off}")
+                    if f"{base}b{batch}" in step_s:
+                        self.rows.append(Row("speed", f"{versus} at batch {batch}",
+                                             sig(s / step_s[f"{base}b{batch}"]), "x",
+                                             note="step-time ratio, graphs both ways"))
+
         def fp8_cublas() -> None:
             # fp8 with torch._scaled_mm (cuBLASLt) for every batch: triton_fp8_gemm's A/B
             from tokenmill.quant.fp8 import Fp8Linear
 
-            Fp8Linear.small_batch_kernel = False
-            try:
-                engine = self.engine(path, quantization="fp8", eager=False)
-                for batch in (1, max(plan.batches)):
-                    s = self.decode(engine, batch, f"fp8 batch {batch} decode, _scaled_mm "
-                                    f"({label})", note="A/B: triton_fp8_gemm off")
-                    if f"fp8 b{batch}" in step_s:
-                        self.rows.append(Row("speed", f"triton_fp8_gemm vs _scaled_mm at batch "
-                                             f"{batch}", sig(s / step_s[f"fp8 b{batch}"]), "x",
-                                             note="step-time ratio, graphs both ways"))
-            finally:
-                Fp8Linear.small_batch_kernel = True
+            switched_off(mock.patch.object(Fp8Linear, "small_batch_kernel", False), "fp8",
+                         (1, max(plan.batches)), "fp8 batch {batch} decode, _scaled_mm",
+                         "triton_fp8_gemm vs _scaled_mm", "fp8 ", "triton_fp8_gemm off")
 
         def unfused() -> None:
             # the same step with the model's plain torch ops where triton_layer_ops's
             # kernels run (RMSNorm + residual, rotary, SiLU * up, fp8's activation scales)
             from tokenmill.kernels import layer_ops
 
-            fused = layer_ops.triton_ops
-            layer_ops.triton_ops = lambda: None
-            try:
-                engine = self.engine(path, quantization=None, eager=False)
-                for batch in (1, max(plan.batches)):
-                    s = self.decode(engine, batch, f"batch {batch} decode, torch layer ops "
-                                    f"({label})", note="A/B: triton_layer_ops off")
-                    if f"b{batch}" in step_s:
-                        self.rows.append(Row("speed", f"fused layer ops vs torch ops at batch "
-                                             f"{batch}", sig(s / step_s[f"b{batch}"]), "x",
-                                             note="step-time ratio, graphs both ways"))
-            finally:
-                layer_ops.triton_ops = fused
+            switched_off(mock.patch.object(layer_ops, "triton_ops", lambda: None), None,
+                         (1, max(plan.batches)), "batch {batch} decode, torch layer ops",
+                         "fused layer ops vs torch ops", "", "triton_layer_ops off")
 
         def overlapped() -> None:
             engine = self.engine(path, quantization=None, eager=False, async_scheduling=True)
@@ -300,19 +298,10 @@ class Check:
             # (at most 16 splits of 256+ keys), the A/B of the present policy
             from tokenmill.attention.triton import plan as triton_plan
 
-            now = triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS
-            triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS = 16, 256
-            try:
-                engine = self.engine(path, quantization=None, eager=False)
-                for batch in (1, 8, max(plan.batches)):
-                    s = self.decode(engine, batch, f"batch {batch} decode, 16 splits of 256+ "
-                                    f"keys ({label})", note="A/B: the previous split-K")
-                    if f"b{batch}" in step_s:
-                        self.rows.append(Row("speed", f"split-K now vs before at batch {batch}",
-                                             sig(s / step_s[f"b{batch}"]), "x",
-                                             note="step-time ratio, graphs both ways"))
-            finally:
-                triton_plan.MAX_SPLITS, triton_plan.MIN_SPLIT_TOKENS = now
+            switched_off(mock.patch.multiple(triton_plan, MAX_SPLITS=16, MIN_SPLIT_TOKENS=256),
+                         None, (1, 8, max(plan.batches)),
+                         "batch {batch} decode, 16 splits of 256+ keys",
+                         "split-K now vs before", "", "the previous split-K")
 
         def profiled() -> None:
             # where a batch-1 step's GPU time goes, kernel by kernel (eager: the same

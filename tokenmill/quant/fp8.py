@@ -15,7 +15,6 @@ since `--quantization fp8` refuses devices without fp8.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -54,16 +53,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale
-
-
-@functools.cache
-def _small_batch_gemm() -> ModuleType | None:
-    """triton_fp8_gemm (decode batches of up to 64 rows); None without triton."""
-    try:
-        from tokenmill.kernels import triton_fp8_gemm
-    except ImportError:
-        return None
-    return triton_fp8_gemm
 
 
 @functools.cache
@@ -108,12 +97,13 @@ class Fp8Linear(nn.Module):
         done = None if ops is None else ops.quantize_rows_fp8(x2d, _ROW_MULTIPLE)
         if done is not None:  # one kernel: the codes, the scales and the padding rows
             codes, x_scale = done
-            gemm = _small_batch_gemm() if self.small_batch_kernel else None
-            y = None if gemm is None else gemm.fp8_gemm(
-                codes, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype,
-                m, _num_sms(x2d.device))
-            if y is not None:  # a decode batch: triton_fp8_gemm's kernel
-                return y
+            if self.small_batch_kernel:  # triton imported above: its fp8 GEMM imports too
+                from tokenmill.kernels import triton_fp8_gemm
+
+                y = triton_fp8_gemm.fp8_gemm(codes, x_scale, self.weight_fp8, self.weight_scale,
+                                             self.bias, self.out_dtype, m, _num_sms(x2d.device))
+                if y is not None:  # a decode batch (up to 64 rows)
+                    return y
         else:
             codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
             pad = -m % _ROW_MULTIPLE

@@ -13,9 +13,11 @@ for `build.load` of one library name.
         --shared 1024
     # whole engine decode steps (the fused step, decode_step.c), alternating step by step
     .venv/bin/python benchmarks/native_ab.py step --rev HEAD~1 --rows 16 --context 128
+    # one decode step's linears on q4q8_gemv.c (benchmarks/q4q8_step.py's records)
+    .venv/bin/python benchmarks/native_ab.py linears --rev HEAD~1 --rows 16 [--bits 8]
 
-Prints each build's median and minimum, old / new, and (kernel mode) whether the two
-builds gave the same bits.
+Prints each build's median and minimum, old / new, and (kernel and linears modes)
+whether the two builds gave the same bits.
 """
 
 from __future__ import annotations
@@ -147,6 +149,37 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
            "prompts", times)
 
 
+def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
+    from q4q8_step import LM_HEAD, SHAPES, records
+
+    from tokenmill.kernels import q4q8_gemv
+    from tokenmill.quant import huge_pages
+
+    gen = torch.Generator().manual_seed(0)
+    step = SHAPES * args.layers + [LM_HEAD]
+    weights = [records(k, n, f, gen) for k, n, f in step]
+    weights = huge_pages.gather(weights) or weights
+    xs = [torch.randn((args.rows, k), generator=gen).bfloat16() for k, _, _ in step]
+
+    def one_pass() -> list[torch.Tensor]:
+        return [q4q8_gemv.linear(x, w, n, f, bits=args.bits)
+                for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
+
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    outs = {}
+    for _ in range(args.rounds):
+        for label, lib in (("old", old), ("new", new)):
+            swap("q4q8_gemv", lib)
+            outs[label] = one_pass()
+            t0 = time.perf_counter()
+            one_pass()
+            times[label].append(time.perf_counter() - t0)
+    report(f"one decode step's linears ({args.layers} layers + LM head), {args.rows} rows, "
+           f"{args.bits}-bit activations", times)
+    same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"], strict=True))
+    print(f"same bits: {same}")
+
+
 def report(what: str, times: dict[str, list[float]]) -> None:
     parts = [f"{label} median {statistics.median(t) * 1e3:.2f} ms, min {min(t) * 1e3:.2f}"
              f" ({len(t)})" for label, t in times.items()]
@@ -156,7 +189,7 @@ def report(what: str, times: dict[str, list[float]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["kernel", "step"])
+    ap.add_argument("mode", choices=["kernel", "step", "linears"])
     ap.add_argument("--rev", required=True, help="the other build's git revision (old)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=512,
@@ -166,15 +199,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=100)
+    ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
     args = ap.parse_args()
-    name = "paged_decode" if args.mode == "kernel" else "decode_step"
+    name = {"kernel": "paged_decode", "step": "decode_step", "linears": "q4q8_gemv"}[args.mode]
     from tokenmill.kernels import build
 
     new = build.load(name)
     if new is None:
         sys.exit(f"{name} is not built here")
     old = build_at(args.rev, name)
-    (kernel_mode if args.mode == "kernel" else step_mode)(args, old, new)
+    {"kernel": kernel_mode, "step": step_mode, "linears": linears_mode}[args.mode](
+        args, old, new)
 
 
 if __name__ == "__main__":

@@ -182,21 +182,25 @@ static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every
 }
 
 /* The int32 dot products of 16 rows with one activation block: Q4 records. With two
- * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. */
+ * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. Each
+ * plane's 8 vpdpbusd run as two chains of 4 (the low nibbles' inputs and the high
+ * ones'): a single chain of 8 dependent instructions a row left the cores waiting on
+ * vpdpbusd's latency. Integer sums: any order gives the same exact values. */
 static inline __attribute__((always_inline)) __m512i q4_dots(
     const __m512i *lo, const __m512i *hi, const int8_t *xb, const int8_t *xl, int planes) {
-    __m512i s = _mm512_setzero_si512();
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
-        s = _mm512_dpbusd_epi32(s, lo[c], bcast4(xb + 4 * c));
-        s = _mm512_dpbusd_epi32(s, hi[c], bcast4(xb + 16 + 4 * c));
+        a = _mm512_dpbusd_epi32(a, lo[c], bcast4(xb + 4 * c));
+        b = _mm512_dpbusd_epi32(b, hi[c], bcast4(xb + 16 + 4 * c));
     }
+    __m512i s = _mm512_add_epi32(a, b);
     if (planes == 2) {
-        __m512i t = _mm512_setzero_si512();
+        __m512i e = _mm512_setzero_si512(), f = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            t = _mm512_dpbusd_epi32(t, lo[c], bcast4(xl + 4 * c));
-            t = _mm512_dpbusd_epi32(t, hi[c], bcast4(xl + 16 + 4 * c));
+            e = _mm512_dpbusd_epi32(e, lo[c], bcast4(xl + 4 * c));
+            f = _mm512_dpbusd_epi32(f, hi[c], bcast4(xl + 16 + 4 * c));
         }
-        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), t);
+        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(e, f));
     }
     return s;
 }
@@ -223,6 +227,7 @@ static inline __attribute__((always_inline)) void q4_group(
         }
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
         const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+#pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
             const __m512 dot = _mm512_cvtepi32_ps(q4_dots(lo, hi, xb, xb + plane, planes));

@@ -132,6 +132,71 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
                                               head_groups;
 }
 
+/* The next layer's K and V blocks, prefetched while this layer's MLP runs. The MLP's
+ * GEMVs are compute-bound at a decode batch's rows and leave the memory bus idle, while
+ * attention (a few hundred KB a row a layer) waits on it: a cursor over a thread's rows'
+ * (row, kv head, block) items issues a few blocks' L2 prefetches after each group of
+ * 16 output rows. Lines pushed out of L2 by then land in L3 (a victim cache on Zen),
+ * still far closer than DRAM. Only the order of loads changes: the same bits. */
+#define KV_PREFETCH_MAX_BYTES (3 << 20) /* a layer's whole batch; more: none */
+#define KV_PREFETCH_CALLS 96             /* groups a thread takes in the MLP, about */
+typedef struct {
+    const char *k, *v;          /* the next layer's pools (KVH, NB, BS, D) bf16; NULL: off */
+    const int32_t *tables;
+    const int64_t *lens;
+    int64_t stride, shared, sh0, sh1, r0, r1, r, kh, j, KVH, NB, BS, D, per_call;
+} kv_prefetch_t;
+
+/* the cursor of thread tid over the next layer L, or an idle one where the batch's
+ * blocks exceed KV_PREFETCH_MAX_BYTES or there is no next layer. Its items: with
+ * `shared` blocks every row's table starts with (the cascade), its share of those as
+ * row -1 (row 0's table), then its rows' own blocks. */
+static inline kv_prefetch_t kv_prefetch_init(const tm_layer_t *L, const int32_t *tables,
+                                             int64_t stride, const int64_t *lens, int64_t B,
+                                             int64_t shared, int tid, int nth, int64_t KVH,
+                                             int64_t NB, int64_t BS, int64_t D) {
+    kv_prefetch_t c = {NULL, NULL, tables, lens, stride, shared, 0, 0, 0, 0, 0, 0, 0,
+                       KVH, NB, BS, D, 0};
+    if (!L) return c;
+    share(B, tid, nth, &c.r0, &c.r1);
+    share(shared, tid, nth, &c.sh0, &c.sh1);
+    int64_t all = shared, mine = c.sh1 - c.sh0;
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t own = (lens[r] + BS - 1) / BS - shared;
+        all += own;
+        if (r >= c.r0 && r < c.r1) mine += own;
+    }
+    if ((size_t)(all * KVH) * 4 * (size_t)(BS * D) > KV_PREFETCH_MAX_BYTES) return c;
+    c.r = c.sh1 > c.sh0 ? -1 : c.r0;
+    c.j = c.sh1 > c.sh0 ? c.sh0 : shared;
+    c.k = (const char *)L->k_cache;
+    c.v = (const char *)L->v_cache;
+    c.per_call = (mine * KVH + KV_PREFETCH_CALLS - 1) / KV_PREFETCH_CALLS;
+    return c;
+}
+
+/* the next per_call items' K and V blocks */
+static inline void kv_prefetch_step(kv_prefetch_t *c) {
+    if (!c || !c->k) return;
+    const int64_t bytes = 2 * c->BS * c->D;
+    for (int64_t n = 0; n < c->per_call && c->r < c->r1; n++) {
+        const int64_t row = c->r < 0 ? 0 : c->r;
+        const int64_t at = (c->kh * c->NB + c->tables[row * c->stride + c->j]) * bytes;
+        for (int64_t l = 0; l < bytes; l += 64) {
+            _mm_prefetch(c->k + at + l, _MM_HINT_T1);
+            _mm_prefetch(c->v + at + l, _MM_HINT_T1);
+        }
+        const int64_t lo = c->r < 0 ? c->sh0 : c->shared;
+        const int64_t hi = c->r < 0 ? c->sh1 : (c->lens[c->r] + c->BS - 1) / c->BS;
+        if (++c->j < hi) continue;
+        c->j = lo;
+        if (++c->kh < c->KVH) continue;
+        c->kh = 0;
+        c->r = c->r < 0 ? c->r0 : c->r + 1;
+        c->j = c->shared;
+    }
+}
+
 /* a thread's share of the groups of w (N rows, K inputs) on the M rows quantized in a
  * (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 (fp32 when y_f32).
  * Every thread of the team calls it, between barriers: its own run of the groups, then
@@ -139,21 +204,25 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
  * linears) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
                               int64_t N, int64_t bits, int64_t M, const act_t *a, void *y,
-                              int64_t y_f32, uint64_t *runs, int tid, int nth) {
+                              int64_t y_f32, uint64_t *runs, int tid, int nth,
+                              kv_prefetch_t *pf) {
     own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
     int from = 0;
-    for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;)
+    for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;) {
         group_out(w, fmt, bias, g, M, K, N, bits, a, y, y_f32);
+        kv_prefetch_step(pf);
+    }
 }
 
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
  * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
 static inline int linear_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
                                int64_t N, int64_t bits, int64_t M, const act_t *a, int wide,
-                               uint16_t *y, uint64_t *runs, int tid, int nth) {
+                               uint16_t *y, uint64_t *runs, int tid, int nth,
+                               kv_prefetch_t *pf) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
-    gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth);
+    gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth, pf);
     return 0;
 }
 
@@ -309,21 +378,21 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
             gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
-                       tid, nth);
+                       tid, nth, NULL);
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
-                       gu, 0, runs, tid, nth);
+                       gu, 0, runs, tid, nth, NULL);
 #pragma omp barrier
             cur ^= 1;
             /* 5. silu * up, down */
             silu_mul_row(gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
             gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
-                       tid, nth);
+                       tid, nth, NULL);
 #pragma omp barrier
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
@@ -333,7 +402,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
             gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, 1, &a, logits,
-                       1, runs, tid, nth);
+                       1, runs, tid, nth, NULL);
         }
     }
     free(buf);
@@ -359,6 +428,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      gate_up groups;                                                         barrier
  *   6. rows split: silu * up, quantized;                                       barrier
  *      down groups;                                                            barrier
+ *      (between the groups of 5 and 6, the next layer's K/V blocks are prefetched:
+ *      kv_prefetch_step)
  * then the final norm, hidden_out, and the LM head's groups (fp32 logits, as
  * the module path's). tokens, positions, slots, seq_lens: (B,) int64; tables
  * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading
@@ -480,7 +551,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             /* 2. QKV */
             failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
-                                   wide, qkv, runs, tid, nth);
+                                   wide, qkv, runs, tid, nth, NULL);
 #pragma omp barrier
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
@@ -509,16 +580,20 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
             failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
-                                   wide, o_out, runs, tid, nth);
+                                   wide, o_out, runs, tid, nth, NULL);
 #pragma omp barrier
-            /* 5. residual add + norm, gate_up */
+            /* 5. residual add + norm, gate_up (and down, below) with the next layer's
+             * K/V blocks prefetched */
+            kv_prefetch_t pf = kv_prefetch_init(l + 1 < m->num_layers ? L + 1 : NULL, tables,
+                                                table_stride, seq_lens, B, shared_blocks,
+                                                tid, nth, KVH, NB, BS, D);
             for (int64_t r = r0; r < r1; r++)
                 rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
                              H, m->eps);
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
-                                   m->bits, B, &act, wide, gu, runs, tid, nth);
+                                   m->bits, B, &act, wide, gu, runs, tid, nth, &pf);
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
@@ -526,7 +601,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
             failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
-                                   wide, x, runs, tid, nth);
+                                   wide, x, runs, tid, nth, &pf);
 #pragma omp barrier
         }
         /* the final norm, then the LM head */
@@ -543,7 +618,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
                 gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, B, &act,
-                           logits, 1, runs, tid, nth);
+                           logits, 1, runs, tid, nth, NULL);
             }
         }
 #undef TM_QUANTIZE_MINE

@@ -137,3 +137,32 @@ def test_its_build_is_keyed_on_the_kernels_it_compiles_in():
     assert included == [(kernels / n).read_text() for n in ("q4q8_gemv.c", "paged_decode.c",
                                                              "bf16_gemv.c")]
     assert build._included_sources(kernels / "layer_ops.c") == []
+
+
+@pytest.mark.parametrize("march, needs", [("x86-64-v3", {"avx2", "fma", "f16c"}),
+                                          ("x86-64-v2", set())], ids=["avx2", "plain"])
+def test_it_builds_for_cpus_without_avx512(march, needs):
+    """decode_step.c with every kernel it includes, built as a CPU without AVX-512 builds
+    it (strict fp32 flags; AVX2, or plain x86-64): it compiles, links and loads with the
+    ABI the Python side expects. An x86 intrinsic used outside its ISA's #if (the first
+    version of the next layer's K/V prefetch) compiled only for AVX2 and AVX-512."""
+    import ctypes
+    import platform
+    import shutil
+    from pathlib import Path
+
+    from tokenmill.cpuinfo import cpu_flags
+    from tokenmill.kernels import build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build needs an x86 host and a C compiler")
+    strict, link = build.FLAG_SETS[1]
+    path = build._build(compiler, Path(decode_step.__file__).with_name("decode_step.c"), (
+        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
+    assert path is not None
+    if not needs <= cpu_flags():
+        return  # built; this CPU cannot load it
+    lib = ctypes.CDLL(str(path))
+    lib.tm_decode_step_abi.restype = ctypes.c_int64
+    assert lib.tm_decode_step_abi() == decode_step._lib.get("tm_decode_step_abi")()

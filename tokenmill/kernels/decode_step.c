@@ -141,7 +141,7 @@ static inline int64_t head_aligned(int64_t b, int64_t q_groups, int64_t head_gro
 #define KV_PREFETCH_MAX_BYTES (3 << 20) /* a layer's whole batch; more: none */
 #define KV_PREFETCH_CALLS 96             /* groups a thread takes in the MLP, about */
 typedef struct {
-    const char *k, *v;          /* the next layer's pools (KVH, NB, BS, D) bf16; NULL: off */
+    const uint16_t *k, *v;      /* the next layer's pools (KVH, NB, BS, D) bf16; NULL: off */
     const int32_t *tables;
     const int64_t *lens;
     int64_t stride, shared, sh0, sh1, r0, r1, r, kh, j, KVH, NB, BS, D, per_call;
@@ -169,23 +169,21 @@ static inline kv_prefetch_t kv_prefetch_init(const tm_layer_t *L, const int32_t 
     if ((size_t)(all * KVH) * 4 * (size_t)(BS * D) > KV_PREFETCH_MAX_BYTES) return c;
     c.r = c.sh1 > c.sh0 ? -1 : c.r0;
     c.j = c.sh1 > c.sh0 ? c.sh0 : shared;
-    c.k = (const char *)L->k_cache;
-    c.v = (const char *)L->v_cache;
+    c.k = L->k_cache;
+    c.v = L->v_cache;
     c.per_call = (mine * KVH + KV_PREFETCH_CALLS - 1) / KV_PREFETCH_CALLS;
     return c;
 }
 
-/* the next per_call items' K and V blocks */
+/* the next per_call items' K and V blocks (paged_decode.c's L2 prefetch) */
 static inline void kv_prefetch_step(kv_prefetch_t *c) {
     if (!c || !c->k) return;
-    const int64_t bytes = 2 * c->BS * c->D;
+    const int64_t elems = c->BS * c->D;
     for (int64_t n = 0; n < c->per_call && c->r < c->r1; n++) {
         const int64_t row = c->r < 0 ? 0 : c->r;
-        const int64_t at = (c->kh * c->NB + c->tables[row * c->stride + c->j]) * bytes;
-        for (int64_t l = 0; l < bytes; l += 64) {
-            _mm_prefetch(c->k + at + l, _MM_HINT_T1);
-            _mm_prefetch(c->v + at + l, _MM_HINT_T1);
-        }
+        const int64_t head = c->kh * c->NB * elems;
+        prefetch_blocks_l2(c->k + head, c->v + head, c->tables + row * c->stride + c->j, 1,
+                           elems);
         const int64_t lo = c->r < 0 ? c->sh0 : c->shared;
         const int64_t hi = c->r < 0 ? c->sh1 : (c->lens[c->r] + c->BS - 1) / c->BS;
         if (++c->j < hi) continue;

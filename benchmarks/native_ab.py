@@ -31,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,6 +70,22 @@ def swap(name: str, lib: ctypes.CDLL) -> None:
     build.load = lambda n: lib if n == name else original(n)
 
 
+def alternate(name: str, old: ctypes.CDLL, new: ctypes.CDLL, one_pass: Callable[[], Any],
+              rounds: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """one_pass timed with library `name` swapped to each build in turn, `rounds` times
+    (a warm pass before each timed one): each build's times, and its last output."""
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    outs: dict[str, Any] = {}
+    for _ in range(rounds):
+        for label, lib in (("old", old), ("new", new)):
+            swap(name, lib)
+            outs[label] = one_pass()
+            t0 = time.perf_counter()
+            one_pass()
+            times[label].append(time.perf_counter() - t0)
+    return times, outs
+
+
 def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
     from tokenmill.kernels import paged_decode
 
@@ -102,15 +120,7 @@ def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) ->
                 sys.exit("the kernel did not take these inputs")
         return out
 
-    times: dict[str, list[float]] = {"old": [], "new": []}
-    outs = {}
-    for _ in range(args.rounds):
-        for label, lib in (("old", old), ("new", new)):
-            swap("paged_decode", lib)
-            outs[label] = one_pass()
-            t0 = time.perf_counter()
-            one_pass()
-            times[label].append(time.perf_counter() - t0)
+    times, outs = alternate("paged_decode", old, new, one_pass, args.rounds)
     what = (f"{args.rows} rows x ({args.shared} shared + {args.context}) tokens" if shared
             else f"{args.rows} rows x {args.context} tokens")
     report(f"decode attention, {what}, {args.layers} layers", times)
@@ -165,15 +175,7 @@ def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -
         return [q4q8_gemv.linear(x, w, n, f, bits=args.bits)
                 for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
 
-    times: dict[str, list[float]] = {"old": [], "new": []}
-    outs = {}
-    for _ in range(args.rounds):
-        for label, lib in (("old", old), ("new", new)):
-            swap("q4q8_gemv", lib)
-            outs[label] = one_pass()
-            t0 = time.perf_counter()
-            one_pass()
-            times[label].append(time.perf_counter() - t0)
+    times, outs = alternate("q4q8_gemv", old, new, one_pass, args.rounds)
     report(f"one decode step's linears ({args.layers} layers + LM head), {args.rows} rows, "
            f"{args.bits}-bit activations", times)
     same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"], strict=True))

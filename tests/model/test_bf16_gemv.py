@@ -87,20 +87,14 @@ def test_a_build_without_avx512_bf16_gives_the_same_rounding():
     """Built for AVX2 (-march=x86-64-v3, the widened fp32 loop CPUs without vdpbf16ps
     run), the kernel's outputs are the exact product rounded once to bf16 too."""
     import ctypes
-    import shutil
     from pathlib import Path
 
+    from tests.model.conftest import build_for_march
     from tokenmill.cpuinfo import cpu_flags
-    from tokenmill.kernels import build
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU cannot run an x86-64-v3 build")
-    strict, link = build.FLAG_SETS[1]
-    path = build._build(compiler, Path(bf16_gemv.__file__).with_name("bf16_gemv.c"), (
-        ["-march=x86-64-v3" if f.startswith("-march=") else f for f in strict], link))
+    path = build_for_march(Path(bf16_gemv.__file__).with_name("bf16_gemv.c"), "x86-64-v3")
     assert path is not None
     fn = ctypes.CDLL(str(path)).tm_bf16_gemv
     fn.argtypes, fn.restype = bf16_gemv._lib.signatures["tm_bf16_gemv"]

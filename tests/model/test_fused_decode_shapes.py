@@ -148,18 +148,14 @@ def test_it_builds_for_cpus_without_avx512(march, needs):
     version of the next layer's K/V prefetch) compiled only for AVX2 and AVX-512."""
     import ctypes
     import platform
-    import shutil
     from pathlib import Path
 
+    from tests.model.conftest import build_for_march
     from tokenmill.cpuinfo import cpu_flags
-    from tokenmill.kernels import build
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("an x86 build needs an x86 host and a C compiler")
-    strict, link = build.FLAG_SETS[1]
-    path = build._build(compiler, Path(decode_step.__file__).with_name("decode_step.c"), (
-        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build needs an x86 host")
+    path = build_for_march(Path(decode_step.__file__).with_name("decode_step.c"), march)
     assert path is not None
     if not needs <= cpu_flags():
         return  # built; this CPU cannot load it

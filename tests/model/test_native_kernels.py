@@ -308,16 +308,11 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone(fresh_
 def _layer_ops_build(march: str):
     """layer_ops.c built as a CPU without AVX-512 builds it (strict fp32), for `march`."""
     import ctypes
-    import shutil
     from pathlib import Path
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source = Path(layer_ops.__file__).with_name("layer_ops.c")
-    strict, link = build.FLAG_SETS[1]
-    path = build._build(compiler, source, (
-        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
+    from tests.model.conftest import build_for_march
+
+    path = build_for_march(Path(layer_ops.__file__).with_name("layer_ops.c"), march)
     assert path is not None
     lib = ctypes.CDLL(str(path))
     for name in ("tm_rms_norm_bf16", "tm_silu_mul_bf16"):

@@ -208,21 +208,14 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
     the same fp32 order as the build in use (AVX512-VNNI on such a CPU), so the same fp32
     outputs, for both weight formats, both activation precisions and ragged rows."""
     import ctypes
-    import shutil
     from pathlib import Path
 
+    from tests.model.conftest import build_for_march
     from tokenmill.cpuinfo import cpu_flags
-    from tokenmill.kernels import build
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
     if isa == 1 and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU cannot run an x86-64-v3 build")
-    source = Path(q4q8_gemv.__file__).with_name("q4q8_gemv.c")
-    strict, link = build.FLAG_SETS[1]  # what a CPU without AVX-512 builds with
-    path = build._build(compiler, source, (
-        [f"-march={march}" if f.startswith("-march=") else f for f in strict], link))
+    path = build_for_march(Path(q4q8_gemv.__file__).with_name("q4q8_gemv.c"), march)
     assert path is not None
     lib = ctypes.CDLL(str(path))
     assert lib.tm_q4q8_has_vnni() == 0 and lib.tm_q4q8_isa() == isa

@@ -147,32 +147,36 @@ typedef struct {
     int64_t stride, shared, sh0, sh1, r0, r1, r, kh, j, KVH, NB, BS, D, per_call;
 } kv_prefetch_t;
 
-/* the cursor of thread tid over the next layer L, or an idle one where the batch's
- * blocks exceed KV_PREFETCH_MAX_BYTES or there is no next layer. Its items: with
- * `shared` blocks every row's table starts with (the cascade), its share of those as
- * row -1 (row 0's table), then its rows' own blocks. */
-static inline kv_prefetch_t kv_prefetch_init(const tm_layer_t *L, const int32_t *tables,
-                                             int64_t stride, const int64_t *lens, int64_t B,
-                                             int64_t shared, int tid, int nth, int64_t KVH,
-                                             int64_t NB, int64_t BS, int64_t D) {
-    kv_prefetch_t c = {NULL, NULL, tables, lens, stride, shared, 0, 0, 0, 0, 0, 0, 0,
+/* the cursor of a thread with rows r0..r1 (and its share of `shared` blocks every
+ * row's table starts with, the cascade's, first: row -1, row 0's table), for no layer
+ * yet (kv_prefetch_layer); per_call 0 (off) where the batch's blocks of a layer exceed
+ * KV_PREFETCH_MAX_BYTES. The rows and their lengths are the step's: once a step. */
+static inline kv_prefetch_t kv_prefetch_init(const int32_t *tables, int64_t stride,
+                                             const int64_t *lens, int64_t B, int64_t shared,
+                                             int64_t r0, int64_t r1, int tid, int nth,
+                                             int64_t KVH, int64_t NB, int64_t BS, int64_t D) {
+    kv_prefetch_t c = {NULL, NULL, tables, lens, stride, shared, 0, 0, r0, r1, 0, 0, 0,
                        KVH, NB, BS, D, 0};
-    if (!L) return c;
-    share(B, tid, nth, &c.r0, &c.r1);
     share(shared, tid, nth, &c.sh0, &c.sh1);
     int64_t all = shared, mine = c.sh1 - c.sh0;
     for (int64_t r = 0; r < B; r++) {
         const int64_t own = (lens[r] + BS - 1) / BS - shared;
         all += own;
-        if (r >= c.r0 && r < c.r1) mine += own;
+        if (r >= r0 && r < r1) mine += own;
     }
     if ((size_t)(all * KVH) * 4 * (size_t)(BS * D) > KV_PREFETCH_MAX_BYTES) return c;
-    c.r = c.sh1 > c.sh0 ? -1 : c.r0;
+    c.r = c.sh1 > c.sh0 ? -1 : r0;
     c.j = c.sh1 > c.sh0 ? c.sh0 : shared;
-    c.k = L->k_cache;
-    c.v = L->v_cache;
     c.per_call = (mine * KVH + KV_PREFETCH_CALLS - 1) / KV_PREFETCH_CALLS;
     return c;
+}
+
+/* the step's cursor c at its start, over layer L's pools (NULL: none, off) */
+static inline kv_prefetch_t kv_prefetch_layer(const kv_prefetch_t *c, const tm_layer_t *L) {
+    kv_prefetch_t l = *c;
+    l.k = L ? L->k_cache : NULL;
+    l.v = L ? L->v_cache : NULL;
+    return l;
 }
 
 /* the next per_call items' K and V blocks (paged_decode.c's L2 prefetch) */
@@ -526,6 +530,10 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         float *scores = (float *)(buf + rows_bytes + act_bytes + (size_t)tid * thread_bytes);
         int64_t r0, r1; /* this thread's rows for the row-wise phases */
         share(B, tid, nth, &r0, &r1);
+        /* the next layer's K/V prefetch during each MLP (kv_prefetch_t) */
+        const kv_prefetch_t pf0 = kv_prefetch_init(tables, table_stride, seq_lens, B,
+                                                   shared_blocks, r0, r1, tid, nth, KVH, NB,
+                                                   BS, D);
 /* the rows r0..r1 of the (B, K) linear input xn, quantized in the layout of B rows */
 #define TM_QUANTIZE_MINE(K)                                                           \
     if (wide)                                                                         \
@@ -582,9 +590,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             /* 5. residual add + norm, gate_up (and down, below) with the next layer's
              * K/V blocks prefetched */
-            kv_prefetch_t pf = kv_prefetch_init(l + 1 < m->num_layers ? L + 1 : NULL, tables,
-                                                table_stride, seq_lens, B, shared_blocks,
-                                                tid, nth, KVH, NB, BS, D);
+            kv_prefetch_t pf = kv_prefetch_layer(&pf0, l + 1 < m->num_layers ? L + 1 : NULL);
             for (int64_t r = r0; r < r1; r++)
                 rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
                              H, m->eps);

@@ -24,9 +24,8 @@ from tokenmill.kernels import layer_ops
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-# _scaled_mm wants both dimensions of its first operand to be multiples of 16 (rows are
-# padded), and the weight's too (quantize_model keeps a linear of another width float)
-_ROW_MULTIPLE = 16
+# _scaled_mm wants both dimensions of both operands to be multiples of 16: the
+# activations' rows are padded, and quantize_model keeps a weight of another width float
 FP8_DIM_MULTIPLE = 16
 
 
@@ -94,7 +93,7 @@ class Fp8Linear(nn.Module):
     def _scaled_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         m = x2d.shape[0]
         ops = layer_ops.triton_ops()
-        done = None if ops is None else ops.quantize_rows_fp8(x2d, _ROW_MULTIPLE)
+        done = None if ops is None else ops.quantize_rows_fp8(x2d, FP8_DIM_MULTIPLE)
         if done is not None:  # one kernel: the codes, the scales and the padding rows
             codes, x_scale = done
             if self.small_batch_kernel:  # triton imported above: its fp8 GEMM imports too
@@ -106,7 +105,7 @@ class Fp8Linear(nn.Module):
                     return y
         else:
             codes, x_scale = quantize_rows(x2d)  # (M, K) e4m3, (M, 1)
-            pad = -m % _ROW_MULTIPLE
+            pad = -m % FP8_DIM_MULTIPLE
             if pad:
                 codes = F.pad(codes.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
                 x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)

@@ -14,7 +14,7 @@ for `build.load` of one library name.
     # whole engine decode steps (the fused step, decode_step.c), alternating step by step
     .venv/bin/python benchmarks/native_ab.py step --rev HEAD~1 --rows 16 --context 128
     # one decode step's linears on q4q8_gemv.c (benchmarks/q4q8_step.py's records)
-    .venv/bin/python benchmarks/native_ab.py linears --rev HEAD~1 --rows 16 [--bits 8]
+    .venv/bin/python benchmarks/native_ab.py linears --rev HEAD~1 --rows 16 [--bits 8 | --gemm16]
 
 Prints each build's median and minimum, old / new, and (kernel and linears modes)
 whether the two builds gave the same bits.
@@ -172,12 +172,16 @@ def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -
     xs = [torch.randn((args.rows, k), generator=gen).bfloat16() for k, _, _ in step]
 
     def one_pass() -> list[torch.Tensor]:
+        if args.gemm16:
+            return [q4q8_gemv.gemm16(x, w, n, f)
+                    for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
         return [q4q8_gemv.linear(x, w, n, f, bits=args.bits)
                 for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
 
     times, outs = alternate("q4q8_gemv", old, new, one_pass, args.rounds)
+    kernel = "gemm16" if args.gemm16 else f"{args.bits}-bit activations"
     report(f"one decode step's linears ({args.layers} layers + LM head), {args.rows} rows, "
-           f"{args.bits}-bit activations", times)
+           f"{kernel}", times)
     same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"], strict=True))
     print(f"same bits: {same}")
 
@@ -202,6 +206,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
+    ap.add_argument("--gemm16", action="store_true",
+                    help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")
     args = ap.parse_args()
     name = {"kernel": "paged_decode", "step": "decode_step", "linears": "q4q8_gemv"}[args.mode]
     from tokenmill.kernels import build

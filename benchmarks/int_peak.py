@@ -9,7 +9,7 @@ benchmarks/q4q8_step.py (G multiply-adds/s) reads against the line printed here.
 
 Each thread runs 12 independent chains of the instruction (far more than its latency
 needs), in inline assembly, for about half a second, best of 5; the source is written to
-a temporary directory and built with the machine's C compiler (-O2 -march=native
+a temporary directory and built with the kernels' C compiler (-O2 -march=native
 -fopenmp).
 
     .venv/bin/python benchmarks/int_peak.py [--threads 2]
@@ -18,7 +18,6 @@ a temporary directory and built with the machine's C compiler (-O2 -march=native
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.cpuinfo import cpu_flags
+from tokenmill.kernels import build
 
 # name, required CPU flags, register kind, instruction text (operands: %1 %2 inputs, %0
 # the chain), multiply-adds an instruction does at gguf-a16's 16-bit activations (a byte
@@ -113,9 +113,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=100_000_000,
                     help="loop trips a thread (12 instructions each)")
     args = ap.parse_args()
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = build.compiler()
     if compiler is None:
-        sys.exit("int_peak.py: no C compiler (cc or gcc) on PATH")
+        sys.exit("int_peak.py: no C compiler ($CC, cc or gcc)")
     flags = cpu_flags()
     print(f"integer multiply-add ceiling · {args.threads} threads · CPU flags: "
           f"{', '.join(sorted(f for f in flags if f.startswith(('avx2', 'avx512_vnni', 'fma'))))}")

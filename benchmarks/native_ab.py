@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +53,9 @@ def build_at(rev: str, name: str) -> ctypes.CDLL:
             text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                                   capture_output=True, text=True).stdout
             (src / Path(path).name).write_text(text)
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = build.compiler()  # the new build's compiler (build.load's)
+    if compiler is None:
+        sys.exit("native_ab.py: no C compiler ($CC, cc or gcc)")
     for flags in build.flag_sets():
         so = build._build(compiler, src / f"{name}.c", flags)
         if so is not None:
@@ -171,17 +173,16 @@ def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -
     weights = huge_pages.gather(weights) or weights
     xs = [torch.randn((args.rows, k), generator=gen).bfloat16() for k, _, _ in step]
 
+    kernel = (q4q8_gemv.gemm16 if args.gemm16
+              else functools.partial(q4q8_gemv.linear, bits=args.bits))
+
     def one_pass() -> list[torch.Tensor]:
-        if args.gemm16:
-            return [q4q8_gemv.gemm16(x, w, n, f)
-                    for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
-        return [q4q8_gemv.linear(x, w, n, f, bits=args.bits)
-                for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
+        return [kernel(x, w, n, f) for (_, n, f), w, x in zip(step, weights, xs, strict=True)]
 
     times, outs = alternate("q4q8_gemv", old, new, one_pass, args.rounds)
-    kernel = "gemm16" if args.gemm16 else f"{args.bits}-bit activations"
+    which = "gemm16" if args.gemm16 else f"{args.bits}-bit activations"
     report(f"one decode step's linears ({args.layers} layers + LM head), {args.rows} rows, "
-           f"{kernel}", times)
+           f"{which}", times)
     same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"], strict=True))
     print(f"same bits: {same}")
 

@@ -131,11 +131,9 @@ def build_for_march(source: Path, march: str) -> Path | None:
     """Kernel source `source` built as a CPU without AVX-512 builds it (build.py's strict
     fp32 flags) for -march=`march`: the shared object, or None where it did not build.
     Skips the test where there is no C compiler."""
-    import shutil
-
     from tokenmill.kernels import build
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = build.compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     strict, link = build.FLAG_SETS[1]

@@ -57,18 +57,23 @@ def enabled() -> bool:
     return os.environ.get("TOKENMILL_NATIVE", "1") not in ("0", "false", "no", "off")
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled `tokenmill/kernels/<name>.c`, or None where it cannot be built."""
     if not enabled():
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         logger.info("no C compiler found; native kernel %s not built", name)
         return None
     source = Path(__file__).with_name(f"{name}.c")
     for flags in flag_sets():
-        path = _build(compiler, source, flags)
+        path = _build(cc, source, flags)
         if path is not None:
             try:
                 return ctypes.CDLL(str(path))

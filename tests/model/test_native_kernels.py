@@ -71,13 +71,11 @@ def test_native_decode_matches_reference(heads, kv_heads, head_dim, contiguous, 
     assert_bf16_close(fast, ref)
 
 
-@needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
-def test_native_decode_whole_tiles_of_16_tokens_match_the_reference(heads, kv_heads,
-                                                                    head_dim):
-    """Blocks of 16 tokens, as the engine allocates them: the scores run whole tiles of 16
-    keys (their own unrolled loop) and partial ones; lengths 1..200 cross both, in a
-    shuffled pool. Queries scaled so that the softmax is peaked (on random unit data it is
+def check_peaked_decode(decode, heads: int, kv_heads: int, head_dim: int) -> None:
+    """decode(q, k_cache, v_cache, tables, lens, max_len, scale, scratch) -> (B, H, D) over
+    blocks of 16 tokens, as the engine allocates them, lengths 1..200 (whole tiles and
+    partial ones, a block's first token alone) in a shuffled pool, against the
+    reference. Queries scaled so that the softmax is peaked (on random unit data it is
     near uniform, and a score that drops half of head_dim still passed)."""
     torch.manual_seed(0)
     bs, lens = 16, [1, 15, 16, 17, 33, 200]
@@ -95,8 +93,8 @@ def test_native_decode_whole_tiles_of_16_tokens_match_the_reference(heads, kv_he
     q = (3 * torch.randn(len(lens), heads, head_dim)).to(torch.bfloat16)
     scale = head_dim ** -0.5
     scratch = torch.empty(len(lens) * heads * max(lens), dtype=torch.float32)
-    got = native.paged_decode(q, k_cache, v_cache, tables, 0, torch.tensor(lens, dtype=torch.int32),
-                              max(lens), scale, scratch)[0].float()
+    got = decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                 max(lens), scale, scratch).float()
     group = heads // kv_heads
     for b, n in enumerate(lens):
         rows = tables[b, :-(-n // bs)].long()
@@ -107,6 +105,51 @@ def test_native_decode_whole_tiles_of_16_tokens_match_the_reference(heads, kv_he
         assert p.max() > min(0.5, 20 / n)  # peaked (uniform is 1 / n): the scores matter
         ref = torch.einsum("ht,htd->hd", p, v)
         assert_bf16_close(got[b], ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_native_decode_whole_tiles_of_16_tokens_match_the_reference(heads, kv_heads,
+                                                                    head_dim):
+    """The build in use: the scores run whole tiles of 16 keys (their own unrolled loop
+    on AVX-512) and partial ones."""
+    def decode(q, k_cache, v_cache, tables, lens, max_len, scale, scratch):
+        return native.paged_decode(q, k_cache, v_cache, tables, 0, lens, max_len, scale,
+                                   scratch)[0]
+
+    check_peaked_decode(decode, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64), (6, 3, 64), (3, 3, 64),  # SmolLM2's groups of 3, and the 2 and 1 of a split
+    (8, 2, 128),  # 4 query heads per kv head: a tile of 3 heads, then one of 1
+    (28, 4, 96),  # 7 per kv head, head_dim 96: the shapes without their own compile-time copy
+])
+def test_avx2_decode_matches_the_reference(heads, kv_heads, head_dim):
+    """paged_decode.c built for AVX2 without AVX-512 (-march=x86-64-v3: the path of the
+    Zen 3 machines, which the AVX-512 CI machine does not take otherwise): q . k on pairs
+    of bf16 widened in registers, 4 tokens x up to 3 heads at a time, the weighted sum
+    of V in tiles of 3 heads x 16 dims, against the reference."""
+    import ctypes
+    from pathlib import Path
+
+    from tests.model.conftest import build_for_march
+    from tokenmill.cpuinfo import cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    path = build_for_march(Path(native.__file__).with_name("paged_decode.c"), "x86-64-v3")
+    assert path is not None
+    fn = ctypes.CDLL(str(path)).tm_paged_decode_bf16
+    fn.argtypes, fn.restype = native._lib.signatures["tm_paged_decode_bf16"]
+
+    def decode(q, k_cache, v_cache, tables, lens, max_len, scale, scratch):
+        out = native._decode(fn, q, (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.shape,
+                             tables, 0, lens, max_len, scale, scratch, False)
+        assert out is not None
+        return out[0]
+
+    check_peaked_decode(decode, heads, kv_heads, head_dim)
 
 
 @needs_kernel

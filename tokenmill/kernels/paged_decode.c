@@ -223,10 +223,21 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
 
 #if TM_VEC_MATH8
 /* AVX2 (no AVX512-BF16) versions of the two generic work-item loops below, for D % 32
- * == 0: q . k for 4 tokens at a time (their rows widened to fp32 once for all G heads,
- * one horizontal sum per 4 dots), and the weighted sum of V with up to 3 heads x 32
- * dims of accumulators in registers (the generic loop reads and writes every
- * accumulator once per token). */
+ * == 0. A 256-bit load of 16 bf16 holds them as 8 pairs: shifted left by 16 bits its
+ * 32-bit lanes are the pairs' first values as fp32, masked to their high halves the
+ * second ones: two instructions widen 16 values, read straight from the pool (no fp32
+ * copy of the rows). q . k runs 4 tokens x up to 3 query heads at a time (12
+ * accumulators, q's pairs split the same way and read from L1), one horizontal sum per
+ * 4 dots; the weighted sum of V keeps up to 3 heads x 32 dims of accumulators in
+ * registers, split into first and second values of the pairs and put back in order at
+ * the end (each output the same fp32 operations in the same order as before). */
+
+static inline __m256 bf16_firsts(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline __m256 bf16_seconds(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
 
 /* the 4 lane sums of a[0..4), in a[i]'s order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
  * (l3 + l7)) */
@@ -236,75 +247,142 @@ static inline __m128 hsum4x8(const __m256 *a) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-static void scores_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
-    const int64_t D = it->D, G = it->G, BS = it->BS;
-    float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
-    float kf[4 * MAX_D] __attribute__((aligned(64)));
-    for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(qb[i]);
-    for (int64_t g = 0; g < G; g++) mx[g] = -3.0e38f;
-    const __m128 scale = _mm_set1_ps(it->scale);
-    const int64_t nblocks = (it->len + BS - 1) / BS;
+/* q (G, D) bf16 as fp32 pairs split: qp[((g * C + c) * 2 + half) * 8 + j] = q[g][16 c + 2 j
+ * + half], C = D / 16 */
+static inline void split_pairs(const uint16_t *qb, int64_t G, int64_t D, float *qp) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < D / 16; c++)
+            for (int64_t j = 0; j < 16; j++)
+                qp[(g * (D / 16) + c) * 16 + (j & 1) * 8 + j / 2] = bf16_to_f32(qb[g * D + 16 * c + j]);
+}
+
+/* scores of heads h0 .. h0 + GH (GH <= 3) over the item's tokens; C = D / 16 (known at
+ * compile time once inlined); vmax: each head's running maximum, 4 lanes */
+static inline __attribute__((always_inline)) void scores_pairs8(const item_t *it,
+                                                                const float *qp, float *s,
+                                                                __m128 *vmax, int64_t h0,
+                                                                const int GH, const int64_t C) {
+    static const uint16_t zero_row[MAX_D] __attribute__((aligned(64)));
+    const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
+    const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->k, j, &n);
-        prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
+        if (h0 == 0) prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
         for (int64_t i0 = 0; i0 < n; i0 += 4) {
             const int64_t T = n - i0 < 4 ? n - i0 : 4;
-            for (int64_t i = 0; i < 4; i++)
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(kf + i * D + d, i < T ? f32x8(blk + (i0 + i) * D + d)
-                                                           : _mm256_setzero_ps());
-            for (int64_t g = 0; g < G; g++) {
-                __m256 acc[4];
-                for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 q = _mm256_loadu_ps(qf + g * D + d);
-                    for (int i = 0; i < 4; i++)
-                        acc[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(kf + i * D + d), acc[i]);
+            const uint16_t *r[4];
+            for (int i = 0; i < 4; i++) r[i] = i < T ? blk + (i0 + i) * D : zero_row;
+            __m256 a[4][3];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+                for (int h = 0; h < GH; h++) a[i][h] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < C; c++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(r[i] + 16 * c));
+                    const __m256 f = bf16_firsts(w), sec = bf16_seconds(w);
+#pragma GCC unroll 3
+                    for (int h = 0; h < GH; h++) {
+                        const float *q = qp + ((h0 + h) * C + c) * 16;
+                        a[i][h] = _mm256_fmadd_ps(_mm256_load_ps(q), f, a[i][h]);
+                        a[i][h] = _mm256_fmadd_ps(_mm256_load_ps(q + 8), sec, a[i][h]);
+                    }
                 }
-                float dots[4];
-                _mm_storeu_ps(dots, _mm_mul_ps(hsum4x8(acc), scale));
-                float *sg = s + g * it->s_stride + t0 + i0;
-                for (int64_t i = 0; i < T; i++) {
-                    sg[i] = dots[i];
-                    if (dots[i] > mx[g]) mx[g] = dots[i];
+            for (int h = 0; h < GH; h++) {
+                const __m256 col[4] = {a[0][h], a[1][h], a[2][h], a[3][h]};
+                __m128 dots = _mm_mul_ps(hsum4x8(col), scale);
+                float *sg = s + (h0 + h) * it->s_stride + t0 + i0;
+                if (T == 4) {
+                    _mm_storeu_ps(sg, dots);
+                } else {
+                    float d4[4];
+                    _mm_storeu_ps(d4, dots);
+                    for (int64_t i = 0; i < T; i++) sg[i] = d4[i];
+                    const __m128 valid = _mm_castsi128_ps(_mm_cmpgt_epi32(
+                        _mm_set1_epi32((int)T), _mm_setr_epi32(0, 1, 2, 3)));
+                    dots = _mm_blendv_ps(lowest, dots, valid);
                 }
+                /* a NaN dot leaves the maximum as it was (maxps returns its second
+                 * operand), as the scalar comparison did */
+                vmax[h0 + h] = _mm_max_ps(dots, vmax[h0 + h]);
             }
         }
     }
 }
 
-/* heads g0 .. g0 + GH, dims d0 .. d0 + 32 of acc */
-static inline __attribute__((always_inline)) void weighted_v_tile8(const item_t *it,
-                                                                  const float *s, float *acc,
-                                                                  int64_t g0, int64_t d0,
-                                                                  int GH) {
+static inline __attribute__((always_inline)) void scores_avx2_c(const item_t *it,
+                                                                const uint16_t *qb, float *s,
+                                                                float *mx, const int64_t G,
+                                                                const int64_t C) {
+    float qp[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    __m128 vmax[MAX_GROUP];
+    split_pairs(qb, G, 16 * C, qp);
+    for (int64_t g = 0; g < G; g++) vmax[g] = _mm_set1_ps(-3.0e38f);
+    for (int64_t h0 = 0; h0 < G; h0 += 3) {
+        const int64_t GH = G - h0 < 3 ? G - h0 : 3;
+        if (GH == 3) scores_pairs8(it, qp, s, vmax, h0, 3, C);
+        else if (GH == 2) scores_pairs8(it, qp, s, vmax, h0, 2, C);
+        else scores_pairs8(it, qp, s, vmax, h0, 1, C);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        mx[g] = _mm_cvtss_f32(m);
+    }
+}
+
+static void scores_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    /* compile-time shapes for SmolLM2's head_dim (kv groups of 3, split between threads
+     * in the fused step) */
+    if (it->D == 64 && it->G == 3) scores_avx2_c(it, qb, s, mx, 3, 4);
+    else if (it->D == 64 && it->G == 2) scores_avx2_c(it, qb, s, mx, 2, 4);
+    else if (it->D == 64 && it->G == 1) scores_avx2_c(it, qb, s, mx, 1, 4);
+    else if (it->D == 128) scores_avx2_c(it, qb, s, mx, it->G, 8);
+    else scores_avx2_c(it, qb, s, mx, it->G, it->D / 16);
+}
+
+/* heads g0 .. g0 + GH (GH <= 3), dims d0 .. d0 + 16 of acc: 6 accumulators, the row's
+ * 16 values, 3 probabilities (3 x 32 dims kept 12 accumulators and the rest, which
+ * spilled two of them: a chain through memory a token) */
+static inline __attribute__((always_inline)) void weighted_v_tile(const item_t *it,
+                                                                 const float *s, float *acc,
+                                                                 int64_t g0, int64_t d0,
+                                                                 const int GH) {
     const int64_t D = it->D, BS = it->BS, nblocks = (it->len + BS - 1) / BS;
-    __m256 a[3][4];
-    for (int h = 0; h < GH; h++)
-        for (int v = 0; v < 4; v++) a[h][v] = _mm256_setzero_ps();
+    __m256 a[3][2]; /* [h]: the firsts of dims d0's pairs, the seconds */
+    for (int h = 0; h < GH; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
-        const uint16_t *blk = block_rows(it, it->v, j, &n);
+        const uint16_t *blk = block_rows(it, it->v, j, &n) + d0;
         if (g0 == 0 && d0 == 0) prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
+        const float *sh[3]; /* the block's probabilities of each head */
+        for (int h = 0; h < GH; h++) sh[h] = s + (g0 + h) * it->s_stride + t0;
         for (int64_t i = 0; i < n; i++) {
-            __m256 r[4];
-            for (int v = 0; v < 4; v++) r[v] = f32x8(blk + i * D + d0 + 8 * v);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + i * D));
+            const __m256 f = bf16_firsts(w), sec = bf16_seconds(w);
             for (int h = 0; h < GH; h++) {
-                const __m256 p = _mm256_broadcast_ss(s + (g0 + h) * it->s_stride + t0 + i);
-                for (int v = 0; v < 4; v++) a[h][v] = _mm256_fmadd_ps(p, r[v], a[h][v]);
+                const __m256 p = _mm256_broadcast_ss(sh[h] + i);
+                a[h][0] = _mm256_fmadd_ps(p, f, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(p, sec, a[h][1]);
             }
         }
     }
-    for (int h = 0; h < GH; h++)
-        for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + (g0 + h) * D + d0 + 8 * v, a[h][v]);
+    for (int h = 0; h < GH; h++) { /* the pairs back in order */
+        const __m256 lo = _mm256_unpacklo_ps(a[h][0], a[h][1]);
+        const __m256 hi = _mm256_unpackhi_ps(a[h][0], a[h][1]);
+        float *o = acc + (g0 + h) * D + d0;
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
 }
 
 static void weighted_v_avx2(const item_t *it, const float *s, float *acc) {
     for (int64_t g0 = 0; g0 < it->G; g0 += 3)
-        for (int64_t d0 = 0; d0 < it->D; d0 += 32) {
+        for (int64_t d0 = 0; d0 < it->D; d0 += 16) {
             const int64_t GH = it->G - g0 < 3 ? it->G - g0 : 3;
-            if (GH == 3) weighted_v_tile8(it, s, acc, g0, d0, 3);
-            else if (GH == 2) weighted_v_tile8(it, s, acc, g0, d0, 2);
-            else weighted_v_tile8(it, s, acc, g0, d0, 1);
+            if (GH == 3) weighted_v_tile(it, s, acc, g0, d0, 3);
+            else if (GH == 2) weighted_v_tile(it, s, acc, g0, d0, 2);
+            else weighted_v_tile(it, s, acc, g0, d0, 1);
         }
 }
 #endif

@@ -14,9 +14,10 @@
  * no dequantized copy of the cache is made. tm_store_kv_q8 computes a row's scale
  * (absmax / the format's largest value) as the row is stored.
  *
- * Two versions of a bf16 work item: AVX512-BF16 intrinsics (q.k with vdpbf16ps,
+ * Three versions of a bf16 work item: AVX512-BF16 intrinsics (q.k with vdpbf16ps,
  * as torch's bf16 matmul: exact products, fp32 sums) where the compiler
- * targets it and head_dim is a multiple of 32, and plain C loops that gcc
+ * targets it and head_dim is a multiple of 32, AVX2 intrinsics (bf16 pairs widened in
+ * registers, TM_VEC_MATH8) on CPUs without it, and plain C loops that gcc
  * vectorises for any other CPU.
  *
  * Built at first use by tokenmill/kernels/build.py (cc -O3 -march=native
@@ -228,9 +229,9 @@ static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
  * second ones: two instructions widen 16 values, read straight from the pool (no fp32
  * copy of the rows). q . k runs 4 tokens x up to 3 query heads at a time (12
  * accumulators, q's pairs split the same way and read from L1), one horizontal sum per
- * 4 dots; the weighted sum of V keeps up to 3 heads x 32 dims of accumulators in
+ * 4 dots; the weighted sum of V keeps up to 3 heads x 16 dims of accumulators in
  * registers, split into first and second values of the pairs and put back in order at
- * the end (each output the same fp32 operations in the same order as before). */
+ * the end (each output the same fp32 operations in the same order as a plain loop). */
 
 static inline __m256 bf16_firsts(__m256i w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -253,7 +254,8 @@ static inline void split_pairs(const uint16_t *qb, int64_t G, int64_t D, float *
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < D / 16; c++)
             for (int64_t j = 0; j < 16; j++)
-                qp[(g * (D / 16) + c) * 16 + (j & 1) * 8 + j / 2] = bf16_to_f32(qb[g * D + 16 * c + j]);
+                qp[(g * (D / 16) + c) * 16 + (j & 1) * 8 + j / 2] =
+                    bf16_to_f32(qb[g * D + 16 * c + j]);
 }
 
 /* scores of heads h0 .. h0 + GH (GH <= 3) over the item's tokens; C = D / 16 (known at

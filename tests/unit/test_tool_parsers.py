@@ -123,6 +123,19 @@ def test_required_array_and_named_formats():
     assert calls == [["get_weather", '{"city": "Paris"}']]
 
 
+def test_a_named_call_cut_by_max_tokens_is_still_the_call():
+    """A named tool_choice's output is that function's arguments; cut short by
+    max_tokens they are not valid JSON, and the response still carries the call with
+    them (as OpenAI and vLLM do, and as the stream sends it), not the text as content:
+    instructor validates the arguments and retries; it found no call at all before."""
+    cut = '{"city": "Nottingham", "country": "Nether'
+    out = NamedParser("City").parse(cut)
+    assert out.content is None
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("City", cut)]
+    _, calls = _stream(NamedParser("City"), cut, random.Random(0))
+    assert calls == [["City", cut]]
+
+
 def test_a_call_opens_with_its_first_arguments_in_one_delta():
     """One delta per call per chunk, as OpenAI: langchain merges a stream's deltas by
     index across chunks, so a second index-0 delta in the first chunk lost the

@@ -16,7 +16,7 @@ import ast
 import json
 import re
 
-from tokenmill.tools.base import PartialCall, Scan, ToolParser, held_back
+from tokenmill.tools.base import ParsedOutput, PartialCall, Scan, ToolCall, ToolParser, held_back
 from tokenmill.tools.json_scan import object_fields, skip_ws, value_end
 
 _ARG_KEYS = ("arguments", "parameters")
@@ -231,3 +231,10 @@ class NamedParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         return Scan("", [PartialCall(self.function_name, text, final)])
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The whole output is the call, also when max_tokens cut its arguments short:
+        as OpenAI and vLLM answer a named tool_choice (finish_reason "length"), and as
+        the stream already sent it. The client then validates the arguments (instructor
+        retries on them) instead of finding text where it asked for a call."""
+        return ParsedOutput(None, [ToolCall(self.function_name, text)])

@@ -127,6 +127,26 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str = "llama",
     return path
 
 
+def load_for_march(library: Any, march: str = "x86-64-v3") -> Any:
+    """`library`'s kernel (a tokenmill.kernels.build.Library) built by build_for_march
+    for -march=`march`, loaded, its functions bound with the library's signatures.
+    Skips the test where this CPU cannot run an x86-64-v3 build."""
+    import ctypes
+
+    from tokenmill.cpuinfo import cpu_flags
+    from tokenmill.kernels import build
+
+    if march == "x86-64-v3" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    path = build_for_march(Path(build.__file__).with_name(f"{library.name}.c"), march)
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in library.signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
 def build_for_march(source: Path, march: str) -> Path | None:
     """Kernel source `source` built as a CPU without AVX-512 builds it (build.py's strict
     fp32 flags) for -march=`march`: the shared object, or None where it did not build.

@@ -90,18 +90,9 @@ def test_a_linear_layer_runs_decode_rows_on_it_and_prompts_on_torch():
 def test_a_build_without_avx512_bf16_gives_the_same_rounding():
     """Built for AVX2 (-march=x86-64-v3, the widened fp32 loop CPUs without vdpbf16ps
     run), the kernel's outputs are the exact product rounded once to bf16 too."""
-    import ctypes
-    from pathlib import Path
+    from tests.model.conftest import load_for_march
 
-    from tests.model.conftest import build_for_march
-    from tokenmill.cpuinfo import cpu_flags
-
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU cannot run an x86-64-v3 build")
-    path = build_for_march(Path(bf16_gemv.__file__).with_name("bf16_gemv.c"), "x86-64-v3")
-    assert path is not None
-    fn = ctypes.CDLL(str(path)).tm_bf16_gemv
-    fn.argtypes, fn.restype = bf16_gemv._lib.signatures["tm_bf16_gemv"]
+    fn = load_for_march(bf16_gemv._lib).tm_bf16_gemv
     g = torch.Generator().manual_seed(11)
     # 4 rows of x a weight row, then 1 at a time; 16 lanes and a tail (70, 1000 inputs)
     for rows, n, k in ((1, 100, 70), (5, 37, 576), (8, 37, 1000)):

@@ -130,18 +130,9 @@ def test_avx2_decode_matches_the_reference(heads, kv_heads, head_dim):
     Zen 3 machines, which the AVX-512 CI machine does not take otherwise): q . k on pairs
     of bf16 widened in registers, 4 tokens x up to 3 heads at a time, the weighted sum
     of V in tiles of 3 heads x 16 dims, against the reference."""
-    import ctypes
-    from pathlib import Path
+    from tests.model.conftest import load_for_march
 
-    from tests.model.conftest import build_for_march
-    from tokenmill.cpuinfo import cpu_flags
-
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU cannot run an x86-64-v3 build")
-    path = build_for_march(Path(native.__file__).with_name("paged_decode.c"), "x86-64-v3")
-    assert path is not None
-    fn = ctypes.CDLL(str(path)).tm_paged_decode_bf16
-    fn.argtypes, fn.restype = native._lib.signatures["tm_paged_decode_bf16"]
+    fn = load_for_march(native._lib).tm_paged_decode_bf16
 
     def decode(q, k_cache, v_cache, tables, lens, max_len, scale, scratch):
         out = native._decode(fn, q, (k_cache.data_ptr(), v_cache.data_ptr()), k_cache.shape,
@@ -350,18 +341,9 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone(fresh_
 
 def _layer_ops_build(march: str):
     """layer_ops.c built as a CPU without AVX-512 builds it (strict fp32), for `march`."""
-    import ctypes
-    from pathlib import Path
+    from tests.model.conftest import load_for_march
 
-    from tests.model.conftest import build_for_march
-
-    path = build_for_march(Path(layer_ops.__file__).with_name("layer_ops.c"), march)
-    assert path is not None
-    lib = ctypes.CDLL(str(path))
-    for name in ("tm_rms_norm_bf16", "tm_silu_mul_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = layer_ops._lib.signatures[name]
-    return lib
+    return load_for_march(layer_ops._lib, march)
 
 
 @needs_layer_ops

@@ -207,20 +207,11 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
     (-march=x86-64-v2: the plain-C loops), the kernel computes the same integer sums in
     the same fp32 order as the build in use (AVX512-VNNI on such a CPU), so the same fp32
     outputs, for both weight formats, both activation precisions and ragged rows."""
-    import ctypes
-    from pathlib import Path
+    from tests.model.conftest import load_for_march
 
-    from tests.model.conftest import build_for_march
-    from tokenmill.cpuinfo import cpu_flags
-
-    if isa == 1 and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU cannot run an x86-64-v3 build")
-    path = build_for_march(Path(q4q8_gemv.__file__).with_name("q4q8_gemv.c"), march)
-    assert path is not None
-    lib = ctypes.CDLL(str(path))
+    lib = load_for_march(q4q8_gemv._lib, march)
     assert lib.tm_q4q8_has_vnni() == 0 and lib.tm_q4q8_isa() == isa
     fn = lib.tm_q4q8_linear
-    fn.argtypes, fn.restype = q4q8_gemv._lib.signatures["tm_q4q8_linear"]
     for qtype in (Q.Q4_1, Q.Q8_0):
         codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
         packed, fmt = vnni.repack(codes, scale, zero, repeats)

@@ -26,6 +26,6 @@ def test_a_server_prefills_in_smaller_steps_than_offline_commands():
     assert config_for(["serve"]).max_num_batched_tokens == 256
     assert config_for(["serve", "--max-num-batched-tokens", "2048"]).max_num_batched_tokens \
         == 2048
-    assert EngineConfig().max_num_batched_tokens == 1024
-    assert config_for(["generate", "hi"]).max_num_batched_tokens == 1024
-    assert config_for(["bench", "--offline", "smollm2-135m"]).max_num_batched_tokens == 1024
+    assert EngineConfig().max_num_batched_tokens == 2048
+    assert config_for(["generate", "hi"]).max_num_batched_tokens == 2048
+    assert config_for(["bench", "--offline", "smollm2-135m"]).max_num_batched_tokens == 2048

@@ -41,8 +41,10 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
 def run_tokenmill(reqs, args) -> float:
     from tokenmill import LLM, SamplingParams
 
+    budget = ({} if args.max_num_batched_tokens is None
+              else {"max_num_batched_tokens": args.max_num_batched_tokens})
     llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, **budget)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     with Stopwatch() as sw:
@@ -100,7 +102,8 @@ def main() -> None:
                     help="subset size for the static-batch-16 peer")
     ap.add_argument("--max-num-seqs", type=int, default=256,
                     help="as the LLM class (default 256, vLLM's on a CPU)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens a step (default: the LLM class's, 2048)")
     add_peer_args(ap, PEERS)
     args = ap.parse_args()
     peers = selected_peers(args, PEERS)

@@ -1,5 +1,5 @@
 """The batch a user gets without flags: vLLM's CPU defaults (256 sequences a step
-offline, 128 for a server), 1024 tokens a step offline and 256 for a server, one
+offline, 128 for a server), 2048 tokens a step offline and 256 for a server, one
 source for the CLI and the LLM class."""
 
 from tokenmill.cli import build_parser

@@ -18,12 +18,13 @@ def assert_no_leak(engine) -> None:
     assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
 
 
-def small_engine(kv_cache_mib: int = 16, **config):
+def small_engine(kv_cache_mib: int = 16, kv_cache_dtype: str = "auto", **config):
     """An LLMEngine on the embedded model with a 16 MiB KV cache (unless kv_cache_mib
-    says), 4 sequences (unless config says) and no prefix caching: for tests that
-    compare kernels on a few short prompts."""
+    says) of kv_cache_dtype, 4 sequences (unless config says) and no prefix caching: for
+    tests that compare kernels on a few short prompts."""
     from tokenmill.config import CacheConfig, EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**{"max_num_seqs": 4, **config}, cache=CacheConfig(
-        enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_mib * 2**20)))
+        enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_mib * 2**20,
+        kv_cache_dtype=kv_cache_dtype)))

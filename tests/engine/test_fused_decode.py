@@ -28,7 +28,12 @@ def engines():
     return {"gguf-a16": small_engine(quantization="gguf-a16", max_num_seqs=8),
             "gguf-a8": small_engine(quantization="gguf-a8", max_num_seqs=8),
             # a bf16 model: every linear bf16_gemv.c's, inside the call
-            "none": small_engine(quantization="none", dtype="bfloat16", max_num_seqs=10)}
+            "none": small_engine(quantization="none", dtype="bfloat16", max_num_seqs=10),
+            # an 8-bit KV cache (--kv-cache-dtype): stored and read inside the call
+            "int8-kv": small_engine(quantization="gguf-a16", max_num_seqs=8,
+                                    kv_cache_dtype="int8"),
+            "fp8-kv": small_engine(quantization="gguf-a16", max_num_seqs=8,
+                                   kv_cache_dtype="fp8")}
 
 
 def _same_logits(method: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -82,7 +87,7 @@ def _greedy(engine: LLMEngine, prompt: str, n: int, fused: bool) -> list[int]:
         engine.runner.fused_decode.enabled = True
 
 
-@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none"])
+@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none", "int8-kv", "fp8-kv"])
 def test_fused_decode_gives_the_module_paths_tokens_and_logits(engines, method, monkeypatch):
     engine = engines[method]
     assert engine.runner.fused_decode is not None, fused_decode.unsupported_reason(
@@ -128,7 +133,7 @@ def _greedy_batch(engine: LLMEngine, prompts: list[str], n: int, fused: bool
 BATCH = PROMPTS + ["Write a haiku about the sea.", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
 
 
-@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none"])
+@pytest.mark.parametrize("method", ["gguf-a16", "gguf-a8", "none", "int8-kv", "fp8-kv"])
 def test_a_batch_of_sequences_gives_the_module_paths_tokens_and_logits(engines, method,
                                                                      monkeypatch):
     engine = engines[method]
@@ -249,8 +254,9 @@ def test_off_by_env_and_for_what_it_does_not_cover(engines, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_the_threads_split_changes_no_result(engines, threads, monkeypatch):
-    engine = engines["gguf-a16"]
+@pytest.mark.parametrize("method", ["gguf-a16", "int8-kv"])
+def test_the_threads_split_changes_no_result(engines, threads, method, monkeypatch):
+    engine = engines[method]
     rec = _Recorder(engine, monkeypatch)
     module_ids = _greedy(engine, PROMPTS[1], 10, fused=False)
     module_batch = _greedy_batch(engine, BATCH[:4], 10, fused=False)

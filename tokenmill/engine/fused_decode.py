@@ -26,8 +26,9 @@ speculative verification (a row of more than one token), more than `max_rows`
 rows, runs the module path. Rows sharing a prefix (a cached system prompt) read it once
 for all of them, inside the call, with the cpu backend's cascade arithmetic. Covered:
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
-kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache on the `cpu`
-attention backend, no tensor parallelism, Llama layers without q/k norm (and without
+kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache or an 8-bit
+one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_q8 and
+tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend, no tensor parallelism, Llama layers without q/k norm (and without
 biases but a bf16 model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns
 it off (the A/B switch for benchmarks/decode_latency.py); `enabled` does the same
 for one engine at run time.
@@ -42,7 +43,9 @@ import torch
 
 from tokenmill.attention import cpu as cpu_attention
 from tokenmill.attention.cpu import CpuBackend
+from tokenmill.attention.kv_quant import KVFormat
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.quantized import QuantizedKVBackend, QuantizedPool
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.kernels import bf16_gemv
 from tokenmill.kernels import decode_step as native
@@ -104,6 +107,19 @@ def _plain_bf16(linear: object, bias: bool = True) -> bool:
             and (linear.bias is None or (bias and _bf16(linear.bias, linear.out_features))))
 
 
+def _kv_format(backend: object) -> KVFormat | None:
+    """The 8-bit format the backend keeps the cache in (--kv-cache-dtype), or None."""
+    return backend.fmt if type(backend) is QuantizedKVBackend else None
+
+
+def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def _pool_shape(pool: torch.Tensor | QuantizedPool) -> tuple[int, ...]:
+    return tuple((pool.data if isinstance(pool, QuantizedPool) else pool).shape)
+
+
 def unsupported_reason(model: torch.nn.Module, backend: object,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why `model` with this backend and pool cannot take the fused step; None if it can."""
@@ -113,6 +129,9 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         return f"not a Llama-family model ({type(model).__name__})"
     if get_tp().world_size != 1:
         return "tensor parallelism"
+    fmt = _kv_format(backend)
+    if type(backend) is QuantizedKVBackend:
+        backend = backend.inner
     if type(backend) is not CpuBackend:
         return f"attention backend {getattr(backend, 'name', type(backend).__name__)}, not cpu"
     cfg = model.config
@@ -149,8 +168,11 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
                     or norm.eps != cfg.rms_norm_eps:
                 return f"layer {i}: a norm that is not bf16 RMSNorm"
         k, v = kv_caches[i]
-        if k.dtype != torch.bfloat16 or not k.is_contiguous() or not v.is_contiguous() \
-                or k.device.type != "cpu":
+        if fmt is not None:  # --kv-cache-dtype int8 / fp8: bytes and their scales
+            if not all(isinstance(p, QuantizedPool) and p.fmt == fmt and _cpu_contiguous(
+                    p.data, p.scale) and p.scale.dtype == torch.float32 for p in (k, v)):
+                return "an 8-bit KV cache not laid out as the kernel reads it"
+        elif k.dtype != torch.bfloat16 or not _cpu_contiguous(k, v):
             return "a KV cache that is not bf16 on the CPU"
         shapes = [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden),
                   (hidden, 2 * inter), (inter, hidden)]
@@ -197,7 +219,11 @@ class FusedDecode:
                 setattr(rec, name, lin.vnni_packed.data_ptr())
                 setattr(rec, f"{name}_fmt", lin.vnni_format)
                 wide = wide and isinstance(lin.dense, WidenedWeight)
-            rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
+            if isinstance(k, QuantizedPool):  # 8-bit: the bytes, and their scales
+                rec.k_cache, rec.v_cache = k.data.data_ptr(), v.data.data_ptr()
+                rec.k_scale, rec.v_scale = k.scale.data_ptr(), v.scale.data_ptr()
+            else:
+                rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
         first = inner.layers[0].self_attn
         head = model.lm_head
         bits = 0 if self.plain else first.qkv_proj.vnni_bits
@@ -209,7 +235,10 @@ class FusedDecode:
                               and head.out_features == cfg.vocab_size
                               and head.in_features == cfg.hidden_size
                               and type(model).compute_logits is LlamaForCausalLM.compute_logits)
-        _, num_blocks, block_size, _ = kv_caches[0][0].shape
+        _, num_blocks, block_size, _ = _pool_shape(kv_caches[0][0])
+        pool = kv_caches[0][0]
+        # an 8-bit cache's format, as the module path's store and decode read it
+        self.kv_fmt = pool.fmt if isinstance(pool, QuantizedPool) else None
         rotary = inner.rotary_emb
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
@@ -222,7 +251,8 @@ class FusedDecode:
             lm_head=(None if not self.lm_head_fused else head.weight.data_ptr() if self.plain
                      else head.vnni_packed.data_ptr()),
             lm_head_fmt=(0 if not self.lm_head_fused else FMT_BF16 if self.plain
-                         else head.vnni_format), layers=layers)
+                         else head.vnni_format), layers=layers,
+            kv_fmt=-1 if self.kv_fmt is None else self.kv_fmt.native_code)
         # a bf16 model's modules run bf16_gemv up to its rows, F.linear past them
         self.max_rows = min(MAX_ROWS, bf16_gemv.max_rows()) if self.plain else MAX_ROWS
         if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
@@ -261,8 +291,8 @@ class FusedDecode:
                 or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
             return None
         shared = 0
-        if n > 1:
-            # a shared prefix (a cached system prompt): read once for all rows, as the
+        if n > 1 and self.kv_fmt is None:  # (an 8-bit cache: every row reads its own
+            # blocks, as the modules' tm_paged_decode_q8 does) a shared prefix (a cached system prompt): read once for all rows, as the
             # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s)
             shared = cpu_attention.shared_blocks(tables.tolist(), meta.seq_lens_list,
                                                  meta.block_size)

@@ -19,14 +19,17 @@ class LLM:
     """`LLM(model="smollm2-135m").generate(prompts, SamplingParams(...))`.
 
     Engine keywords (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory, num_kv_blocks, block_size, enable_prefix_caching, seed,
-    quantization, device) are named as the CLI flags; `kv_events_config` is
-    vLLM's (a KVEventsConfig, its dict, or its JSON text).
+    kv_cache_memory, num_kv_blocks, block_size, enable_prefix_caching, kv_cache_dtype,
+    gpu_memory_utilization, kv_cache_prefault, seed, quantization, device) are named as
+    the CLI flags; `kv_events_config` is vLLM's (a KVEventsConfig, its dict, or its JSON
+    text).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto",
                  kv_cache_memory: int | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float | None = None,
+                 kv_cache_prefault: bool = False,
                  kv_events_config: KVEventsConfig | dict | str | None = None,
                  **engine_kwargs: Any) -> None:
         if isinstance(kv_events_config, str):
@@ -35,8 +38,10 @@ class LLM:
             kv_events_config = KVEventsConfig(**kv_events_config)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_bytes=kv_cache_memory,
+                            memory_utilization=gpu_memory_utilization,
                             enable_prefix_caching=enable_prefix_caching,
-                            kv_events=kv_events_config)
+                            kv_events=kv_events_config, kv_cache_dtype=kv_cache_dtype,
+                            prefault=kv_cache_prefault)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, cache=cache,
                                              **engine_kwargs))
         self._ids = itertools.count()

@@ -49,10 +49,13 @@ typedef struct {
     const uint16_t *input_norm, *post_norm; /* (hidden,) bf16 */
     const uint8_t *qkv, *o, *gate_up, *down; /* q4q8_gemv.c records, or FMT_BF16 rows */
     int64_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
-    uint16_t *k_cache, *v_cache; /* (KVH, NB, BS, D) bf16 */
+    /* (KVH, NB, BS, D) bf16; with the model's kv_fmt >= 0, 8-bit pools of that format
+     * (the bytes) and their scales (KVH, NB, BS) fp32 in k_scale, v_scale */
+    uint16_t *k_cache, *v_cache;
     /* (N,) bf16 biases of qkv, o, gate_up, down (Qwen2's q/k/v): FMT_BF16 weights only,
      * added to the fp32 sum before it is rounded, as bf16_gemv.c does; NULL: none */
     const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    float *k_scale, *v_scale;
 } tm_layer_t;
 
 typedef struct {
@@ -69,6 +72,10 @@ typedef struct {
      * linears as tm_q4q8_gemm16 does (the records widened a few groups at a time): the
      * same bits; 0: never */
     int64_t wide_min_rows;
+    /* the KV pools' format: -1 bf16, else paged_decode.c's FMT_INT8 / FMT_E4M3 / FMT_E5M2
+     * (--kv-cache-dtype: stored by store_row_q8, read by the 8-bit score and value loops
+     * as the module path's tm_store_kv_q8 and tm_paged_decode_q8) */
+    int64_t kv_fmt;
 } tm_model_t;
 
 /* the structs' sizes, for decode_step.py to check its ctypes mirror of them */
@@ -117,6 +124,16 @@ static int formats_ok(const tm_model_t *m) {
             if ((f[i] == FMT_BF16) != (m->bits == 0) || (b[i] && f[i] != FMT_BF16)) return 0;
     }
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
+}
+
+/* the KV pools' format is one the kernels read (the 8-bit ones' tables filled) */
+static int kv_ok(const tm_model_t *m) {
+    if (m->kv_fmt < 0) return m->kv_fmt == -1;
+    if (m->kv_fmt > FMT_E5M2) return 0;
+    for (int64_t l = 0; l < m->num_layers; l++)
+        if (!m->layers[l].k_scale || !m->layers[l].v_scale) return 0;
+    init_luts();
+    return 1;
 }
 
 /* this thread's share [*lo, *hi) of n items, contiguous */
@@ -171,7 +188,7 @@ static inline kv_prefetch_t kv_prefetch_init(const int32_t *tables, int64_t stri
     return c;
 }
 
-/* the step's cursor c at its start, over layer L's pools (NULL: none, off) */
+/* the step's cursor c at its start, over layer L's bf16 pools (NULL: none, off) */
 static inline kv_prefetch_t kv_prefetch_layer(const kv_prefetch_t *c, const tm_layer_t *L) {
     kv_prefetch_t l = *c;
     l.k = L ? L->k_cache : NULL;
@@ -228,17 +245,56 @@ static inline int linear_share(const uint8_t *w, int64_t fmt, const uint16_t *bi
     return 0;
 }
 
-/* query heads q (G, D) of one kv head over its blocks: paged_decode()'s work item, for
- * all G heads of the kv head or some of them (each head's sums are the same operations
- * either way); s: G * len fp32 scratch; out (G, D) bf16 */
-static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const uint16_t *v,
-                         const int32_t *tab, int64_t len, int64_t BS, int64_t D, float scale,
-                         float *s, uint16_t *out) {
-    item_t it = {k, v, tab, len, BS, D, G, len, scale, NULL, NULL, NULL, NULL, NULL};
+/* the work item of G query heads of kv head kh of layer L over a sequence's blocks tab,
+ * len tokens: its bf16 pools, or its 8-bit ones and their scales (the model's kv_fmt) */
+static inline item_t layer_item(const tm_model_t *m, const tm_layer_t *L, int64_t kh,
+                                int64_t G, const int32_t *tab, int64_t len) {
+    const int64_t head = kh * m->num_blocks * m->block_size;
+    item_t it = {NULL, NULL, tab, len, m->block_size, m->head_dim, G, len, m->scale,
+                 NULL, NULL, NULL, NULL, NULL};
+    if (m->kv_fmt < 0) {
+        it.k = L->k_cache + head * m->head_dim;
+        it.v = L->v_cache + head * m->head_dim;
+    } else {
+        it.k8 = (const uint8_t *)L->k_cache + head * m->head_dim;
+        it.v8 = (const uint8_t *)L->v_cache + head * m->head_dim;
+        it.ks = L->k_scale + head;
+        it.vs = L->v_scale + head;
+        it.lut = m->kv_fmt == FMT_E4M3 ? lut_e4m3 : m->kv_fmt == FMT_E5M2 ? lut_e5m2 : NULL;
+    }
+    return it;
+}
+
+/* row (D bf16) of kv head h, slot `slot`, into layer L's K (which 0) or V (1) pool */
+static inline void store_head(const tm_model_t *m, const tm_layer_t *L, int which, int64_t h,
+                              int64_t slot, const uint16_t *row) {
+    const int64_t BS = m->block_size, D = m->head_dim;
+    const int64_t at = (h * m->num_blocks + slot / BS) * BS + slot % BS;
+    uint16_t *pool = which ? L->v_cache : L->k_cache;
+    if (m->kv_fmt < 0)
+        memcpy(pool + at * D, row, (size_t)D * 2);
+    else
+        store_row_q8(row, (uint8_t *)pool + at * D, (which ? L->v_scale : L->k_scale) + at, D,
+                     m->kv_fmt);
+}
+
+/* query heads q (G, D) of one kv head over its blocks (`it`, layer_item's):
+ * paged_decode()'s work item, for all G heads of the kv head or some of them (each
+ * head's sums are the same operations either way); s: G * len fp32 scratch; out (G, D)
+ * bf16 */
+static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16_t *out) {
+    const item_t it = *item;
+    const int64_t G = it.G, D = it.D;
+    const int64_t len = it.len;
     float acc[MAX_GROUP_DIM] __attribute__((aligned(64)));
     float mx[MAX_GROUP], sum[MAX_GROUP];
 #ifdef TM_AVX512BF16
     const int vector_path = D % 32 == 0;
+#endif
+    if (it.k8) {
+        scores_q8_any(&it, q, s, mx);
+    } else {
+#ifdef TM_AVX512BF16
     /* compile-time shapes for SmolLM2's kv groups of 3 split between two threads */
     if (vector_path && G == 3 && D == 64) scores_tiled(&it, q, s, mx, 3, 2);
     else if (vector_path && G == 2 && D == 64) scores_tiled(&it, q, s, mx, 2, 2);
@@ -247,6 +303,7 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     else
 #endif
         scores_generic(&it, q, s, mx);
+    }
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * len;
         const float m = mx[g];
@@ -262,6 +319,9 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
         sum[g] = total;
 #endif
     }
+    if (it.k8) {
+        weighted_v_q8(&it, s, acc);
+    } else {
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
     else if (vector_path && G == 2 && D == 64) weighted_v_pairs(&it, s, acc, 2, 2);
@@ -270,6 +330,7 @@ static void attend_heads(const uint16_t *q, int64_t G, const uint16_t *k, const 
     else
 #endif
         weighted_v_generic(&it, s, acc);
+    }
     for (int64_t g = 0; g < G; g++) {
         const float inv = 1.0f / sum[g];
         const float *ag = acc + g * D;
@@ -293,7 +354,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
-        H % QK || I % QK || (NH * D) % QK || !formats_ok(m))
+        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
         if (table[j] < 0 || table[j] >= NB) return -1;
@@ -330,7 +391,6 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         p += up64(12 * (size_t)(K_ATTN / QK));
         float *scores = (float *)p;
         const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
-        const int64_t blk = slot / BS, off = slot % BS;
         int cur = 0; /* res[cur]: the residual stream so far */
 
         for (int64_t l = 0; l < m->num_layers; l++) {
@@ -356,9 +416,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
                     uint16_t *row = qkv + (NH + u) * D;
-                    uint16_t *cache = u < KVH ? L->k_cache : L->v_cache;
                     if (u < KVH) rotary_head(row, c, sn, D);
-                    memcpy(cache + ((h * NB + blk) * BS + off) * D, row, (size_t)D * 2);
+                    store_head(m, L, u >= KVH, h, slot, row);
                 }
             }
 #pragma omp barrier
@@ -370,9 +429,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 for (int64_t h = h0; h < h1; h++) rotary_head(qkv + h * D, c, sn, D);
                 for (int64_t h = h0; h < h1;) {
                     const int64_t kh = h / G, end = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
-                    attend_heads(qkv + h * D, end - h, L->k_cache + kh * NB * BS * D,
-                                 L->v_cache + kh * NB * BS * D, table, seq_len, BS, D,
-                                 m->scale, scores, attn + h * D);
+                    const item_t it = layer_item(m, L, kh, end - h, table, seq_len);
+                    attend_heads(&it, qkv + h * D, scores, attn + h * D);
                     h = end;
                 }
             }
@@ -446,8 +504,9 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || !formats_ok(m) || (m->bits == 0 && B > tm_bf16_gemv_max_rows()) ||
-        shared_blocks < 0 || shared_blocks > table_stride)
+        (NH * D) % QK || !formats_ok(m) || !kv_ok(m) ||
+        (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
+        shared_blocks > table_stride || (shared_blocks && m->kv_fmt >= 0))
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
     const int wide = TM_AVX2 && m->bits == 16 && m->wide_min_rows > 0 && B >= m->wide_min_rows;
@@ -564,17 +623,15 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             for (int64_t item = 0; item < B * KVH; item++) {
                 const int64_t r = item / KVH, kh = item % KVH, pos = positions[r];
                 const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
-                const int64_t blk = slots[r] / BS, off = slots[r] % BS;
                 uint16_t *row = qkv + r * QKV;
                 uint16_t *k_head = row + (NH + kh) * D, *v_head = row + (NH + KVH + kh) * D;
                 rotary_head(k_head, c, sn, D);
-                memcpy(L->k_cache + ((kh * NB + blk) * BS + off) * D, k_head, (size_t)D * 2);
-                memcpy(L->v_cache + ((kh * NB + blk) * BS + off) * D, v_head, (size_t)D * 2);
+                store_head(m, L, 0, kh, slots[r], k_head);
+                store_head(m, L, 1, kh, slots[r], v_head);
                 for (int64_t h = kh * G; h < (kh + 1) * G; h++) rotary_head(row + h * D, c, sn, D);
                 if (shared_blocks) continue; /* the cascade below, once every row is stored */
-                attend_heads(row + kh * G * D, G, L->k_cache + kh * NB * BS * D,
-                             L->v_cache + kh * NB * BS * D, tables + r * table_stride,
-                             seq_lens[r], BS, D, m->scale, scores, xn + r * NH * D + kh * G * D);
+                const item_t it = layer_item(m, L, kh, G, tables + r * table_stride, seq_lens[r]);
+                attend_heads(&it, row + kh * G * D, scores, xn + r * NH * D + kh * G * D);
             }
             if (shared_blocks) {
                 cascade_t layer_cas = cas;
@@ -589,8 +646,9 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                    wide, o_out, runs, tid, nth, NULL);
 #pragma omp barrier
             /* 5. residual add + norm, gate_up (and down, below) with the next layer's
-             * K/V blocks prefetched */
-            kv_prefetch_t pf = kv_prefetch_layer(&pf0, l + 1 < m->num_layers ? L + 1 : NULL);
+             * K/V blocks prefetched (bf16 pools only) */
+            kv_prefetch_t pf = kv_prefetch_layer(
+                &pf0, l + 1 < m->num_layers && m->kv_fmt < 0 ? L + 1 : NULL);
             for (int64_t r = r0; r < r1; r++)
                 rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
                              H, m->eps);

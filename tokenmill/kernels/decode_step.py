@@ -22,7 +22,7 @@ class LayerRecord(ctypes.Structure):
                 ("gate_up", _PTR), ("down", _PTR), ("qkv_fmt", _I64), ("o_fmt", _I64),
                 ("gate_up_fmt", _I64), ("down_fmt", _I64), ("k_cache", _PTR),
                 ("v_cache", _PTR), ("qkv_bias", _PTR), ("o_bias", _PTR), ("gate_up_bias", _PTR),
-                ("down_bias", _PTR)]
+                ("down_bias", _PTR), ("k_scale", _PTR), ("v_scale", _PTR)]
 
 
 class ModelRecord(ctypes.Structure):
@@ -31,7 +31,10 @@ class ModelRecord(ctypes.Structure):
                 ("num_blocks", _I64), ("block_size", _I64), ("max_pos", _I64),
                 ("eps", _F32), ("scale", _F32), ("embed", _PTR), ("cos", _PTR), ("sin", _PTR),
                 ("final_norm", _PTR), ("lm_head", _PTR), ("lm_head_fmt", _I64),
-                ("layers", ctypes.POINTER(LayerRecord)), ("wide_min_rows", _I64)]
+                ("layers", ctypes.POINTER(LayerRecord)), ("wide_min_rows", _I64),
+                # -1: bf16 pools; else the 8-bit pools' FMT_* (paged_decode.c): k_cache /
+                # v_cache then hold the bytes, k_scale / v_scale their scales
+                ("kv_fmt", _I64)]
 
 
 _lib = Library("decode_step", {

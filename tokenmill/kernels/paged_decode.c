@@ -36,6 +36,9 @@
 #include <immintrin.h>
 #define TM_AVX512BF16 1
 #endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define MAX_D 1024
 #define MAX_GROUP_DIM 8192 /* query heads per kv head x head_dim, held on the stack */
@@ -171,8 +174,20 @@ static inline void widen(const uint8_t *src, const float *lut, float *row, int64
     }
 }
 
+#if TM_VEC_MATH8
+static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx);
+static void weighted_v_q8_avx2(const item_t *it, const float *s, float *acc);
+#define Q8_AVX2_MAX_BS 256 /* weighted_v_q8_avx2's block of scaled probabilities */
+#endif
+
 /* scores of 8-bit K: s = scale * k_scale_t * (q . k8_t) */
 static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+#if TM_VEC_MATH8
+    if (it->D % 8 == 0) {
+        scores_q8_avx2(it, qb, s, mx);
+        return;
+    }
+#endif
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
     float row[MAX_D] __attribute__((aligned(64)));
@@ -202,6 +217,12 @@ static void scores_q8(const item_t *it, const uint16_t *qb, float *s, float *mx)
 
 /* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d] */
 static void weighted_v_q8(const item_t *it, const float *s, float *acc) {
+#if TM_VEC_MATH8
+    if (it->D % 16 == 0 && it->BS <= Q8_AVX2_MAX_BS) {
+        weighted_v_q8_avx2(it, s, acc);
+        return;
+    }
+#endif
     const int64_t D = it->D, G = it->G, BS = it->BS;
     float row[MAX_D] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
@@ -386,6 +407,148 @@ static void weighted_v_avx2(const item_t *it, const float *s, float *acc) {
             else if (GH == 2) weighted_v_tile(it, s, acc, g0, d0, 2);
             else weighted_v_tile(it, s, acc, g0, d0, 1);
         }
+}
+/* 8-bit pools on AVX2 (scores_q8 and weighted_v_q8's loops in registers): 8 bytes of a
+ * row widened to fp32 by one conversion (int8) or a gather from the format's table
+ * (fp8), the row's scale applied to the 4 dots at once (scores) or folded into the
+ * probabilities a block at a time (values), as the plain loops do: at 64 rows x 350
+ * tokens the plain loops (a row widened into memory, a horizontal sum a dot) made an
+ * 8-bit cache slower to read than the bf16 one it halves. */
+static inline __m256 widen8(const uint8_t *src, const float *lut) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)src);
+    if (lut) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+/* heads h0 .. h0 + GH (GH <= 3) of qf (G, D) fp32 over the item's 8-bit K, 4 tokens at a
+ * time (12 accumulators, one hsum per 4 dots); C = D / 8 */
+static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *it,
+                                                                 const float *qf, float *s,
+                                                                 __m128 *vmax, int64_t h0,
+                                                                 const int GH, const int64_t C) {
+    static const uint8_t zero_row[MAX_D] __attribute__((aligned(64)));
+    const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
+    const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
+        if (h0 == 0) prefetch_ahead(it, it->k8, 1, it->ks, j, nblocks);
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {
+            const int64_t T = n - i0 < 4 ? n - i0 : 4;
+            const uint8_t *r[4];
+            for (int i = 0; i < 4; i++) r[i] = i < T ? blk + (i0 + i) * D : zero_row;
+            __m256 a[4][3];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+                for (int h = 0; h < GH; h++) a[i][h] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < C; c++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m256 x = widen8(r[i] + 8 * c, it->lut);
+#pragma GCC unroll 3
+                    for (int h = 0; h < GH; h++)
+                        a[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h0 + h) * D + 8 * c),
+                                                  x, a[i][h]);
+                }
+            float f4[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* the rows' scales */
+            for (int64_t i = 0; i < T; i++) f4[i] = sc[i0 + i];
+            const __m128 f = _mm_mul_ps(scale, _mm_loadu_ps(f4));
+            for (int h = 0; h < GH; h++) {
+                const __m256 col[4] = {a[0][h], a[1][h], a[2][h], a[3][h]};
+                __m128 dots = _mm_mul_ps(hsum4x8(col), f);
+                float *sg = s + (h0 + h) * it->s_stride + t0 + i0;
+                if (T == 4) {
+                    _mm_storeu_ps(sg, dots);
+                } else {
+                    float d4[4];
+                    _mm_storeu_ps(d4, dots);
+                    for (int64_t i = 0; i < T; i++) sg[i] = d4[i];
+                    const __m128 valid = _mm_castsi128_ps(_mm_cmpgt_epi32(
+                        _mm_set1_epi32((int)T), _mm_setr_epi32(0, 1, 2, 3)));
+                    dots = _mm_blendv_ps(lowest, dots, valid);
+                }
+                vmax[h0 + h] = _mm_max_ps(dots, vmax[h0 + h]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t *it,
+                                                                   const uint16_t *qb,
+                                                                   float *s, float *mx,
+                                                                   const int64_t G,
+                                                                   const int64_t C) {
+    float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
+    __m128 vmax[MAX_GROUP];
+    for (int64_t i = 0; i < G * it->D; i++) qf[i] = bf16_to_f32(qb[i]);
+    for (int64_t g = 0; g < G; g++) vmax[g] = _mm_set1_ps(-3.0e38f);
+    for (int64_t h0 = 0; h0 < G; h0 += 3) {
+        const int64_t GH = G - h0 < 3 ? G - h0 : 3;
+        if (GH == 3) scores_q8_rows(it, qf, s, vmax, h0, 3, C);
+        else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C);
+        else scores_q8_rows(it, qf, s, vmax, h0, 1, C);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        mx[g] = _mm_cvtss_f32(m);
+    }
+}
+
+static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+    if (it->D == 64 && it->G == 3) scores_q8_avx2_c(it, qb, s, mx, 3, 8);
+    else if (it->D == 64 && it->G == 2) scores_q8_avx2_c(it, qb, s, mx, 2, 8);
+    else if (it->D == 64 && it->G == 1) scores_q8_avx2_c(it, qb, s, mx, 1, 8);
+    else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8);
+}
+
+/* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d]: a block at a time, its rows read
+ * from memory once (then from L1) for every 16 dims of up to 3 heads; each output the
+ * plain loop's operations in its order (p v_scale rounded, then one FMA a token) */
+static inline __attribute__((always_inline)) void weighted_v_q8_heads(const item_t *it,
+                                                                      const float *s,
+                                                                      float *acc, int64_t g0,
+                                                                      const int GH) {
+    const int64_t D = it->D, BS = it->BS, nblocks = (it->len + BS - 1) / BS;
+    float ps[3][Q8_AVX2_MAX_BS] __attribute__((aligned(64)));
+    for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
+        const float *sc;
+        const uint8_t *blk = block_rows8(it, it->v8, it->vs, j, &n, &sc);
+        if (g0 == 0) prefetch_ahead(it, it->v8, 1, it->vs, j, nblocks);
+        for (int h = 0; h < GH; h++)
+            for (int64_t i = 0; i < n; i++) ps[h][i] = s[(g0 + h) * it->s_stride + t0 + i] * sc[i];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m256 a[3][2];
+            for (int h = 0; h < GH; h++) {
+                a[h][0] = _mm256_loadu_ps(acc + (g0 + h) * D + d0);
+                a[h][1] = _mm256_loadu_ps(acc + (g0 + h) * D + d0 + 8);
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 x0 = widen8(blk + i * D + d0, it->lut);
+                const __m256 x1 = widen8(blk + i * D + d0 + 8, it->lut);
+                for (int h = 0; h < GH; h++) {
+                    const __m256 p = _mm256_broadcast_ss(ps[h] + i);
+                    a[h][0] = _mm256_fmadd_ps(p, x0, a[h][0]);
+                    a[h][1] = _mm256_fmadd_ps(p, x1, a[h][1]);
+                }
+            }
+            for (int h = 0; h < GH; h++) {
+                _mm256_storeu_ps(acc + (g0 + h) * D + d0, a[h][0]);
+                _mm256_storeu_ps(acc + (g0 + h) * D + d0 + 8, a[h][1]);
+            }
+        }
+    }
+}
+
+static void weighted_v_q8_avx2(const item_t *it, const float *s, float *acc) {
+    memset(acc, 0, (size_t)(it->G * it->D) * sizeof(float));
+    for (int64_t g0 = 0; g0 < it->G; g0 += 3) {
+        const int64_t GH = it->G - g0 < 3 ? it->G - g0 : 3;
+        if (GH == 3) weighted_v_q8_heads(it, s, acc, g0, 3);
+        else if (GH == 2) weighted_v_q8_heads(it, s, acc, g0, 2);
+        else weighted_v_q8_heads(it, s, acc, g0, 1);
+    }
 }
 #endif
 
@@ -638,45 +801,98 @@ int tm_store_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t k_stride, int
     return 0;
 }
 
+#ifdef __AVX2__
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* one K or V row src (D bf16) quantized into dst (D bytes) and its scale: scale = absmax /
+ * FMT_MAX, byte = round(x / scale) (int8: clamped to +-127, then half to even; fp8: the
+ * nearest code, ties to even). fmt: FMT_*, checked by the caller; D <= MAX_D; the fp8
+ * tables filled (init_luts). int8 rows of 8k values in AVX2 registers: the same
+ * operations (a division, the clamps, round to nearest even), so the same bytes. */
+static void store_row_q8(const uint16_t *src, uint8_t *dst, float *scale, int64_t D,
+                         int64_t fmt) {
+    const float qmax = FMT_MAX[fmt];
+#ifdef __AVX2__
+    if (fmt == FMT_INT8 && D % 8 == 0) {
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) /* a NaN lane keeps the maximum, as fmaxf */
+            vmax = _mm256_max_ps(_mm256_and_ps(widen_bf16x8(src + d), absmask), vmax);
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        const float sc = _mm_cvtss_f32(m) / qmax;
+        *scale = sc;
+        if (!(sc > 0.0f)) {
+            memset(dst, 0, (size_t)D);
+            return;
+        }
+        const __m256 vs = _mm256_set1_ps(sc), hi = _mm256_set1_ps(qmax),
+                     lo = _mm256_set1_ps(-qmax);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 y = _mm256_div_ps(widen_bf16x8(src + d), vs);
+            y = _mm256_min_ps(_mm256_max_ps(y, lo), hi); /* NaN -> -qmax, as fminf/fmaxf */
+            const __m256i n =
+                _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(n),
+                                              _mm256_extracti128_si256(n, 1));
+            _mm_storel_epi64((__m128i *)(dst + d), _mm_packs_epi16(w, w));
+        }
+        return;
+    }
+#endif
+    const float *lut = fmt == FMT_E4M3 ? lut_e4m3 : lut_e5m2;
+    const int top = fmt == FMT_E4M3 ? 0x7E : 0x7B; /* the largest finite code */
+    float x[MAX_D], amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+        x[d] = bf16_to_f32(src[d]);
+        amax = fmaxf(amax, fabsf(x[d]));
+    }
+    const float sc = amax / qmax;
+    *scale = sc;
+    for (int64_t d = 0; d < D; d++) {
+        float y = sc > 0.0f ? x[d] / sc : 0.0f;
+        y = fminf(fmaxf(y, -qmax), qmax);
+        dst[d] = fmt == FMT_INT8 ? (uint8_t)(int8_t)nearbyintf(y) : fp8_encode(y, lut, top);
+    }
+}
+
 /* Quantize and write this step's K and V rows: k, v (T, KVH, D) bf16 as in
- * tm_store_kv_bf16, into 8-bit pools (KVH, NB, BS, D) and their scales (KVH, NB, BS):
- * per (token, kv head) scale = absmax / FMT_MAX, byte = round(x / scale) (int8: half to
- * even, clamped to +-127; fp8: the nearest code, ties to even). fmt: FMT_*.
+ * tm_store_kv_bf16, into 8-bit pools (KVH, NB, BS, D) and their scales (KVH, NB, BS)
+ * (store_row_q8), a prompt's rows split between num_threads threads. fmt: FMT_*.
  * Returns -1, writing nothing, if a slot is outside the pool or fmt unknown. */
 int tm_store_kv_q8(const uint16_t *k, const uint16_t *v, int64_t k_stride, int64_t v_stride,
                    uint8_t *k_cache, uint8_t *v_cache, float *k_scale, float *v_scale,
                    const int64_t *slots, int64_t T, int64_t KVH, int64_t NB, int64_t BS,
-                   int64_t D, int64_t fmt) {
-    if (fmt < FMT_INT8 || fmt > FMT_E5M2 || D > MAX_D) return -1;
+                   int64_t D, int64_t fmt, int64_t num_threads) {
+    if (fmt < FMT_INT8 || fmt > FMT_E5M2 || D > MAX_D || num_threads < 1) return -1;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= NB * BS) return -1;
     init_luts();
-    const float *lut = fmt == FMT_E4M3 ? lut_e4m3 : lut_e5m2;
-    const int top = fmt == FMT_E4M3 ? 0x7E : 0x7B; /* the largest finite code */
-    const float qmax = FMT_MAX[fmt];
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t blk = slots[t] / BS, off = slots[t] % BS;
-        for (int64_t h = 0; h < KVH; h++)
-            for (int which = 0; which < 2; which++) {
-                const uint16_t *src = which ? v + t * v_stride + h * D : k + t * k_stride + h * D;
-                uint8_t *dst = (which ? v_cache : k_cache) + ((h * NB + blk) * BS + off) * D;
-                float *scale = (which ? v_scale : k_scale) + (h * NB + blk) * BS + off;
-                float x[MAX_D], amax = 0.0f;
-                for (int64_t d = 0; d < D; d++) {
-                    x[d] = bf16_to_f32(src[d]);
-                    amax = fmaxf(amax, fabsf(x[d]));
-                }
-                const float sc = amax / qmax;
-                *scale = sc;
-                for (int64_t d = 0; d < D; d++) {
-                    float y = sc > 0.0f ? x[d] / sc : 0.0f;
-                    y = fminf(fmaxf(y, -qmax), qmax);
-                    dst[d] = fmt == FMT_INT8 ? (uint8_t)(int8_t)nearbyintf(y)
-                                             : fp8_encode(y, lut, top);
-                }
-            }
+    /* a decode step's few rows: not worth a fork */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * KVH >= 64)
+    for (int64_t item = 0; item < T * KVH; item++) {
+        const int64_t t = item / KVH, h = item % KVH;
+        const int64_t row = (h * NB + slots[t] / BS) * BS + slots[t] % BS;
+        store_row_q8(k + t * k_stride + h * D, k_cache + row * D, k_scale + row, D, fmt);
+        store_row_q8(v + t * v_stride + h * D, v_cache + row * D, v_scale + row, D, fmt);
     }
     return 0;
+}
+
+/* scores of an 8-bit item (attend_item's, and the fused decode step's) */
+static void scores_q8_any(const item_t *it, const uint16_t *qb, float *s, float *mx) {
+#ifdef TM_AVX512BF16
+    const int64_t D = it->D, G = it->G;
+    if (D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(it, qb, s, mx, 3, 4);
+    else if (D % 16 == 0 && G <= 8) scores_q8_tiled(it, qb, s, mx, G, D / 16);
+    else
+#endif
+        scores_q8(it, qb, s, mx);
 }
 
 /* One work item: the G query heads qb (G, D) bf16 of a kv head against its it->len
@@ -690,11 +906,8 @@ static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *a
 #ifdef TM_AVX512BF16
     const int64_t D = it->D;
     const int vector_path = D % 32 == 0;
-    if (quantized && D % 16 == 0 && G == 3 && D == 64) scores_q8_tiled(it, qb, s, mx, 3, 4);
-    else if (quantized && D % 16 == 0 && G <= 8) scores_q8_tiled(it, qb, s, mx, G, D / 16);
-    else
 #endif
-    if (quantized) scores_q8(it, qb, s, mx);
+    if (quantized) scores_q8_any(it, qb, s, mx);
     else
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) scores_tiled(it, qb, s, mx, 3, 2);

@@ -32,7 +32,7 @@ _lib = Library("paged_decode", {
                             _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR, _PTR,
                             _PTR, _I64, _I64], ctypes.c_int),
     "tm_store_kv_q8": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                        _I64, _I64, _I64], ctypes.c_int),
+                        _I64, _I64, _I64, _I64], ctypes.c_int),
 })
 _Q8_DTYPES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # FMT_* in C
 
@@ -227,4 +227,5 @@ def store_kv_q8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     _, num_blocks, block_size, _ = k_cache.shape
     return fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
               v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), slots.data_ptr(),
-              tokens, kv_heads, num_blocks, block_size, d, _Q8_DTYPES[k_cache.dtype]) == 0
+              tokens, kv_heads, num_blocks, block_size, d, _Q8_DTYPES[k_cache.dtype],
+              torch.get_num_threads()) == 0

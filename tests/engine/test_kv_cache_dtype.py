@@ -70,6 +70,18 @@ def test_int8_cache_generates_text(engines):
     assert "Paris" in text
 
 
+def test_the_llm_class_takes_the_kv_cache_dtype():
+    # vLLM's LLM(kv_cache_dtype=...): the same cache as the flag, decoded by the fused step
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", kv_cache_dtype="int8", kv_cache_memory=8 * 2**20)
+    assert llm.engine.get_stats().num_total_blocks > 8 * 2**20 // (30 * 2 * 3 * 16 * 128)
+    assert llm.engine.runner.fused_decode is not None
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
 @pytest.mark.slow
 def test_int8_teacher_forced_top1_agrees_with_the_bf16_cache(engines):
     from tokenmill.engine.teacher_forced import score_windows

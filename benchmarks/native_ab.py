@@ -8,6 +8,9 @@ for `build.load` of one library name.
 
     # decode attention alone (SmolLM2's heads, 30 layers' pools, from DRAM)
     .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 512
+    # the same over 8-bit pools (tm_paged_decode_q8), or whole steps with that cache
+    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 64 --context 350 \
+        --kv-cache-dtype int8
     # the shared-prefix (cascade) path: --shared tokens read once for the batch
     .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 80 \\
         --shared 1024
@@ -88,7 +91,22 @@ def alternate(name: str, old: ctypes.CDLL, new: ctypes.CDLL, one_pass: Callable[
     return times, outs
 
 
+def quantized_pools(k: torch.Tensor, v: torch.Tensor, fmt: Any
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """bf16 pools (kv_heads, blocks, block_size, dim) stored into 8-bit ones of `fmt`, as
+    the engine stores them: ((K bytes, V bytes), (K scales, V scales))."""
+    from tokenmill.attention import kv_quant
+
+    heads, blocks, bs, dim = k.shape
+    k8, v8 = (torch.empty(k.shape, dtype=fmt.dtype) for _ in range(2))
+    ks, vs = (torch.zeros(heads, blocks, bs) for _ in range(2))
+    rows = [t.permute(1, 2, 0, 3).reshape(blocks * bs, heads, dim).contiguous() for t in (k, v)]
+    kv_quant.store(*rows, k8, v8, ks, vs, torch.arange(blocks * bs), fmt)
+    return (k8, v8), (ks, vs)
+
+
 def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
+    from tokenmill.attention.kv_quant import kv_format
     from tokenmill.kernels import paged_decode
 
     heads, kv_heads, dim, bs = 9, 3, 64, 16
@@ -104,6 +122,11 @@ def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) ->
     pools = [(torch.randn(kv_heads, num_blocks, bs, dim).to(torch.bfloat16),
               torch.randn(kv_heads, num_blocks, bs, dim).to(torch.bfloat16))
              for _ in range(args.layers)]
+    fmt = kv_format(args.kv_cache_dtype)
+    if fmt is not None:
+        if shared:
+            sys.exit("--shared: the cascade reads bf16 pools only")
+        pools = [quantized_pools(k, v, fmt) for k, v in pools]
     q = torch.randn(args.rows, heads, dim).to(torch.bfloat16)
     scratch = torch.empty(args.rows * heads * args.context * 2, dtype=torch.float32)
 
@@ -115,6 +138,9 @@ def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) ->
             if shared:
                 out = paged_decode.cascade_decode(q, k, v, tables, shared, lens, args.context,
                                                   dim ** -0.5, workspace)
+            elif fmt is not None:  # k: both pools' bytes, v: their scales
+                out = paged_decode.paged_decode_q8(q, *k, *v, tables, 0, lens, args.context,
+                                                   dim ** -0.5, scratch)[0]
             else:
                 out = paged_decode.paged_decode(q, k, v, tables, 0, lens, args.context,
                                                 dim ** -0.5, scratch)[0]
@@ -137,7 +163,8 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
     swap("decode_step", new)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    flags = [] if args.shared else ["--no-prefix-caching"]
+    flags = ([] if args.shared else ["--no-prefix-caching"]) + [
+        "--kv-cache-dtype", args.kv_cache_dtype]
     engine = LLMEngine(engine_config_from_args(parser.parse_args(["smollm2-135m", *flags])))
     rng = random.Random(0)
     prefix = [rng.randrange(100, 49000) for _ in range(args.shared)]
@@ -206,6 +233,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=100)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                    help="kernel and step modes: the KV pools' format")
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
     ap.add_argument("--gemm16", action="store_true",
                     help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")

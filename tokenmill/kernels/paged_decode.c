@@ -414,18 +414,22 @@ static void weighted_v_avx2(const item_t *it, const float *s, float *acc) {
  * probabilities a block at a time (values), as the plain loops do: at 64 rows x 350
  * tokens the plain loops (a row widened into memory, a horizontal sum a dot) made an
  * 8-bit cache slower to read than the bf16 one it halves. */
-static inline __m256 widen8(const uint8_t *src, const float *lut) {
+static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src,
+                                                            const float *lut, const int fp8) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)src);
-    if (lut) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
+    if (fp8) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 /* heads h0 .. h0 + GH (GH <= 3) of qf (G, D) fp32 over the item's 8-bit K, 4 tokens at a
- * time (12 accumulators, one hsum per 4 dots); C = D / 8 */
+ * time (12 accumulators, one hsum per 4 dots); C = D / 8; fp8: the bytes are codes of
+ * it->lut's format (compile-time, as GH and C: a branch in the loop kept the
+ * accumulators on the stack, 1.15x slower) */
 static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *it,
                                                                  const float *qf, float *s,
                                                                  __m128 *vmax, int64_t h0,
-                                                                 const int GH, const int64_t C) {
+                                                                 const int GH, const int64_t C,
+                                                                 const int fp8) {
     static const uint8_t zero_row[MAX_D] __attribute__((aligned(64)));
     const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
     const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
@@ -445,7 +449,7 @@ static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *i
             for (int64_t c = 0; c < C; c++)
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    const __m256 x = widen8(r[i] + 8 * c, it->lut);
+                    const __m256 x = widen8(r[i] + 8 * c, it->lut, fp8);
 #pragma GCC unroll 3
                     for (int h = 0; h < GH; h++)
                         a[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h0 + h) * D + 8 * c),
@@ -478,16 +482,17 @@ static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t 
                                                                    const uint16_t *qb,
                                                                    float *s, float *mx,
                                                                    const int64_t G,
-                                                                   const int64_t C) {
+                                                                   const int64_t C,
+                                                                   const int fp8) {
     float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
     __m128 vmax[MAX_GROUP];
     for (int64_t i = 0; i < G * it->D; i++) qf[i] = bf16_to_f32(qb[i]);
     for (int64_t g = 0; g < G; g++) vmax[g] = _mm_set1_ps(-3.0e38f);
     for (int64_t h0 = 0; h0 < G; h0 += 3) {
         const int64_t GH = G - h0 < 3 ? G - h0 : 3;
-        if (GH == 3) scores_q8_rows(it, qf, s, vmax, h0, 3, C);
-        else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C);
-        else scores_q8_rows(it, qf, s, vmax, h0, 1, C);
+        if (GH == 3) scores_q8_rows(it, qf, s, vmax, h0, 3, C, fp8);
+        else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C, fp8);
+        else scores_q8_rows(it, qf, s, vmax, h0, 1, C, fp8);
     }
     for (int64_t g = 0; g < G; g++) {
         __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
@@ -497,10 +502,14 @@ static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t 
 }
 
 static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
-    if (it->D == 64 && it->G == 3) scores_q8_avx2_c(it, qb, s, mx, 3, 8);
-    else if (it->D == 64 && it->G == 2) scores_q8_avx2_c(it, qb, s, mx, 2, 8);
-    else if (it->D == 64 && it->G == 1) scores_q8_avx2_c(it, qb, s, mx, 1, 8);
-    else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8);
+    if (it->lut) {
+        scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, 1);
+        return;
+    } /* int8: compile-time shapes for SmolLM2's kv groups of 3 split between threads */
+    if (it->D == 64 && it->G == 3) scores_q8_avx2_c(it, qb, s, mx, 3, 8, 0);
+    else if (it->D == 64 && it->G == 2) scores_q8_avx2_c(it, qb, s, mx, 2, 8, 0);
+    else if (it->D == 64 && it->G == 1) scores_q8_avx2_c(it, qb, s, mx, 1, 8, 0);
+    else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, 0);
 }
 
 /* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d]: a block at a time, its rows read
@@ -509,7 +518,8 @@ static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float
 static inline __attribute__((always_inline)) void weighted_v_q8_heads(const item_t *it,
                                                                       const float *s,
                                                                       float *acc, int64_t g0,
-                                                                      const int GH) {
+                                                                      const int GH,
+                                                                      const int fp8) {
     const int64_t D = it->D, BS = it->BS, nblocks = (it->len + BS - 1) / BS;
     float ps[3][Q8_AVX2_MAX_BS] __attribute__((aligned(64)));
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
@@ -525,8 +535,8 @@ static inline __attribute__((always_inline)) void weighted_v_q8_heads(const item
                 a[h][1] = _mm256_loadu_ps(acc + (g0 + h) * D + d0 + 8);
             }
             for (int64_t i = 0; i < n; i++) {
-                const __m256 x0 = widen8(blk + i * D + d0, it->lut);
-                const __m256 x1 = widen8(blk + i * D + d0 + 8, it->lut);
+                const __m256 x0 = widen8(blk + i * D + d0, it->lut, fp8);
+                const __m256 x1 = widen8(blk + i * D + d0 + 8, it->lut, fp8);
                 for (int h = 0; h < GH; h++) {
                     const __m256 p = _mm256_broadcast_ss(ps[h] + i);
                     a[h][0] = _mm256_fmadd_ps(p, x0, a[h][0]);
@@ -545,9 +555,13 @@ static void weighted_v_q8_avx2(const item_t *it, const float *s, float *acc) {
     memset(acc, 0, (size_t)(it->G * it->D) * sizeof(float));
     for (int64_t g0 = 0; g0 < it->G; g0 += 3) {
         const int64_t GH = it->G - g0 < 3 ? it->G - g0 : 3;
-        if (GH == 3) weighted_v_q8_heads(it, s, acc, g0, 3);
-        else if (GH == 2) weighted_v_q8_heads(it, s, acc, g0, 2);
-        else weighted_v_q8_heads(it, s, acc, g0, 1);
+        const int fp8 = it->lut != NULL;
+        if (GH == 3 && !fp8) weighted_v_q8_heads(it, s, acc, g0, 3, 0);
+        else if (GH == 2 && !fp8) weighted_v_q8_heads(it, s, acc, g0, 2, 0);
+        else if (!fp8) weighted_v_q8_heads(it, s, acc, g0, 1, 0);
+        else if (GH == 3) weighted_v_q8_heads(it, s, acc, g0, 3, 1);
+        else if (GH == 2) weighted_v_q8_heads(it, s, acc, g0, 2, 1);
+        else weighted_v_q8_heads(it, s, acc, g0, 1, 1);
     }
 }
 #endif

@@ -44,7 +44,7 @@ def run_tokenmill(reqs, args) -> float:
     budget = ({} if args.max_num_batched_tokens is None
               else {"max_num_batched_tokens": args.max_num_batched_tokens})
     llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, **budget)
+              max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype, **budget)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     with Stopwatch() as sw:
@@ -104,10 +104,13 @@ def main() -> None:
                     help="as the LLM class (default 256, vLLM's on a CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens a step (default: the LLM class's, 2048)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="tokenmill's KV cache format (auto, int8, fp8: as the flag)")
     add_peer_args(ap, PEERS)
     args = ap.parse_args()
     peers = selected_peers(args, PEERS)
-    print(f"W1 offline throughput · {machine()} · dtype {args.dtype}")
+    print(f"W1 offline throughput · {machine()} · dtype {args.dtype} · tokenmill KV cache "
+          f"{args.kv_cache_dtype}")
     reqs = workload(args.num_requests, 0, 49152)
     vllm = None
     if "vllm" in peers:  # set up first: a failure should not come after the long runs

@@ -97,6 +97,29 @@ def test_quantized_attention_matches_the_dequantized_reference(name, reference, 
     torch.testing.assert_close(out.float(), ref, atol=0.25, rtol=0.25)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_a_decode_row_reads_the_same_whether_a_prompt_shares_its_step(name):
+    # a mixed step's single-token rows go to the 8-bit kernel over the pools, as a
+    # decode-only step's do (not through a dequantized bf16 copy of their blocks), and
+    # the prompt rows keep the dequantized path
+    fmt = kv_quant.FORMATS[name]
+    q, k, v, cache, meta = _step(fmt, [1, 7, 1, 12, 1], [19, 30, 26, 12, 40])
+    out = quantized.attend(q, k, v, *cache, meta, HEAD_DIM ** -0.5)
+    decodes, starts = [0, 2, 4], meta.query_start_loc.tolist()
+    rows = torch.tensor([starts[b] for b in decodes])
+    index = torch.tensor(decodes)
+    alone = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows], query_start_loc=torch.arange(4, dtype=torch.int32),
+        seq_lens=meta.seq_lens[index], block_tables=meta.block_tables[index],
+        block_size=BLOCK, max_query_len=1, max_seq_len=40, query_lens_list=[1, 1, 1],
+        seq_lens_list=[19, 26, 40])
+    assert torch.equal(out[rows], quantized.attend(q[rows], k[rows], v[rows], *cache, alone,
+                                                   HEAD_DIM ** -0.5))
+    ref = _reference(q, cache, meta)
+    prompt_rows = torch.tensor([r for r in range(q.shape[0]) if r not in rows.tolist()])
+    torch.testing.assert_close(out.float()[prompt_rows], ref[prompt_rows], atol=0.25, rtol=0.25)
+
+
 def test_the_torch_route_runs_without_the_native_kernel(monkeypatch):
     from tokenmill.kernels import paged_decode as native
 

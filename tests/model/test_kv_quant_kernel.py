@@ -174,6 +174,36 @@ def test_native_decode_matches_the_dequantized_reference(name, heads, kv_heads, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 16),
+                                                     (4, 1, 24)])
+def test_the_avx2_build_decodes_8bit_pools_as_the_reference(name, heads, kv_heads, head_dim):
+    """paged_decode.c built for -march=x86-64-v3 (no AVX-512: the Zen 3 machines' path,
+    which an AVX-512 CI machine does not take otherwise): the 8-bit scores and values in
+    AVX2 registers (int8 converted, fp8 codes' bits moved into fp32, subnormals among
+    them) against the dequantized reference, on fragmented tables and partial blocks."""
+    from tests.model.conftest import load_for_march
+
+    fn = load_for_march(native._lib).tm_paged_decode_q8
+    fmt = kv_quant.FORMATS[name]
+    seq_lens = [23, 61, 21, 40, 13, 1]
+    k_cache, v_cache, k_scale, v_scale, table_t, tables = _filled(
+        fmt, seq_lens, kv_heads, head_dim, False, 0)
+    gen = torch.Generator().manual_seed(3)
+    q = (torch.randn(len(seq_lens), heads, head_dim, generator=gen) * 3).bfloat16()
+    scale = head_dim ** -0.5
+    pools = (k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+             fmt.native_code)
+    out = native._decode(fn, q, pools, k_cache.shape, table_t, 0,
+                         torch.tensor(seq_lens, dtype=torch.int32), max(seq_lens), scale,
+                         torch.empty(len(seq_lens) * heads * max(seq_lens)), False)
+    assert out is not None
+    ref = _reference(q, k_cache, v_cache, k_scale, v_scale, tables, seq_lens, scale)
+    torch.testing.assert_close(out[0].float(), ref, atol=2e-2, rtol=2e-2)
+    assert (out[0].float() - ref).abs().mean() < 1.5e-3
+
+
+@needs_kernel
 def test_native_decode_reads_no_slot_past_a_sequence():
     fmt = kv_quant.FORMATS["int8"]
     seq_lens = [5, 17, 9]

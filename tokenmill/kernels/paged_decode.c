@@ -409,27 +409,36 @@ static void weighted_v_avx2(const item_t *it, const float *s, float *acc) {
         }
 }
 /* 8-bit pools on AVX2 (scores_q8 and weighted_v_q8's loops in registers): 8 bytes of a
- * row widened to fp32 by one conversion (int8) or a gather from the format's table
- * (fp8), the row's scale applied to the 4 dots at once (scores) or folded into the
- * probabilities a block at a time (values), as the plain loops do: at 64 rows x 350
- * tokens the plain loops (a row widened into memory, a horizontal sum a dot) made an
- * 8-bit cache slower to read than the bf16 one it halves. */
-static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src,
-                                                            const float *lut, const int fp8) {
+ * row widened to fp32 by one conversion (int8) or a few bit operations (fp8), the row's
+ * scale applied to the 4 dots at once (scores) or folded into the probabilities a block
+ * at a time (values), as the plain loops do: at 64 rows x 350 tokens the plain loops (a
+ * row widened into memory, a horizontal sum a dot) made an 8-bit cache slower to read
+ * than the bf16 one it halves. */
+
+/* fmt: FMT_INT8 converted; an fp8 code's exponent and mantissa bits moved into an fp32's
+ * low exponent and high mantissa bits, the sign to bit 31, and the result scaled by
+ * 2^(127 - the format's bias): exact for every finite code, subnormals included (the
+ * table's values; the NaN / inf codes, which the store never writes, read as finite) */
+static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *src, const int fmt) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)src);
-    if (fp8) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    if (fmt == FMT_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256i u = _mm256_cvtepu8_epi32(b);
+    const int shift = fmt == FMT_E4M3 ? 20 : 21;
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F)), shift);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const __m256 f = _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
+    return _mm256_mul_ps(f, _mm256_set1_ps(fmt == FMT_E4M3 ? 0x1p120f : 0x1p112f));
 }
 
 /* heads h0 .. h0 + GH (GH <= 3) of qf (G, D) fp32 over the item's 8-bit K, 4 tokens at a
- * time (12 accumulators, one hsum per 4 dots); C = D / 8; fp8: the bytes are codes of
- * it->lut's format (compile-time, as GH and C: a branch in the loop kept the
- * accumulators on the stack, 1.15x slower) */
+ * time (12 accumulators, one hsum per 4 dots); C = D / 8; fmt: the bytes' FMT_*
+ * (compile-time, as GH and C: a branch in the loop kept the accumulators on the stack,
+ * 1.15x slower) */
 static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *it,
                                                                  const float *qf, float *s,
                                                                  __m128 *vmax, int64_t h0,
                                                                  const int GH, const int64_t C,
-                                                                 const int fp8) {
+                                                                 const int fmt) {
     static const uint8_t zero_row[MAX_D] __attribute__((aligned(64)));
     const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
     const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
@@ -449,7 +458,7 @@ static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *i
             for (int64_t c = 0; c < C; c++)
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    const __m256 x = widen8(r[i] + 8 * c, it->lut, fp8);
+                    const __m256 x = widen8(r[i] + 8 * c, fmt);
 #pragma GCC unroll 3
                     for (int h = 0; h < GH; h++)
                         a[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h0 + h) * D + 8 * c),
@@ -483,16 +492,16 @@ static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t 
                                                                    float *s, float *mx,
                                                                    const int64_t G,
                                                                    const int64_t C,
-                                                                   const int fp8) {
+                                                                   const int fmt) {
     float qf[MAX_GROUP_DIM] __attribute__((aligned(64)));
     __m128 vmax[MAX_GROUP];
     for (int64_t i = 0; i < G * it->D; i++) qf[i] = bf16_to_f32(qb[i]);
     for (int64_t g = 0; g < G; g++) vmax[g] = _mm_set1_ps(-3.0e38f);
     for (int64_t h0 = 0; h0 < G; h0 += 3) {
         const int64_t GH = G - h0 < 3 ? G - h0 : 3;
-        if (GH == 3) scores_q8_rows(it, qf, s, vmax, h0, 3, C, fp8);
-        else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C, fp8);
-        else scores_q8_rows(it, qf, s, vmax, h0, 1, C, fp8);
+        if (GH == 3) scores_q8_rows(it, qf, s, vmax, h0, 3, C, fmt);
+        else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C, fmt);
+        else scores_q8_rows(it, qf, s, vmax, h0, 1, C, fmt);
     }
     for (int64_t g = 0; g < G; g++) {
         __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
@@ -502,14 +511,15 @@ static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t 
 }
 
 static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
-    if (it->lut) {
-        scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, 1);
+    if (it->lut) { /* fp8 */
+        if (it->lut == lut_e4m3) scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, FMT_E4M3);
+        else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, FMT_E5M2);
         return;
     } /* int8: compile-time shapes for SmolLM2's kv groups of 3 split between threads */
-    if (it->D == 64 && it->G == 3) scores_q8_avx2_c(it, qb, s, mx, 3, 8, 0);
-    else if (it->D == 64 && it->G == 2) scores_q8_avx2_c(it, qb, s, mx, 2, 8, 0);
-    else if (it->D == 64 && it->G == 1) scores_q8_avx2_c(it, qb, s, mx, 1, 8, 0);
-    else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, 0);
+    if (it->D == 64 && it->G == 3) scores_q8_avx2_c(it, qb, s, mx, 3, 8, FMT_INT8);
+    else if (it->D == 64 && it->G == 2) scores_q8_avx2_c(it, qb, s, mx, 2, 8, FMT_INT8);
+    else if (it->D == 64 && it->G == 1) scores_q8_avx2_c(it, qb, s, mx, 1, 8, FMT_INT8);
+    else scores_q8_avx2_c(it, qb, s, mx, it->G, it->D / 8, FMT_INT8);
 }
 
 /* acc[g * D + d] = sum_t (p[g, t] v_scale_t) v8_t[d]: a block at a time, its rows read
@@ -519,7 +529,7 @@ static inline __attribute__((always_inline)) void weighted_v_q8_heads(const item
                                                                       const float *s,
                                                                       float *acc, int64_t g0,
                                                                       const int GH,
-                                                                      const int fp8) {
+                                                                      const int fmt) {
     const int64_t D = it->D, BS = it->BS, nblocks = (it->len + BS - 1) / BS;
     float ps[3][Q8_AVX2_MAX_BS] __attribute__((aligned(64)));
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
@@ -535,8 +545,8 @@ static inline __attribute__((always_inline)) void weighted_v_q8_heads(const item
                 a[h][1] = _mm256_loadu_ps(acc + (g0 + h) * D + d0 + 8);
             }
             for (int64_t i = 0; i < n; i++) {
-                const __m256 x0 = widen8(blk + i * D + d0, it->lut, fp8);
-                const __m256 x1 = widen8(blk + i * D + d0 + 8, it->lut, fp8);
+                const __m256 x0 = widen8(blk + i * D + d0, fmt);
+                const __m256 x1 = widen8(blk + i * D + d0 + 8, fmt);
                 for (int h = 0; h < GH; h++) {
                     const __m256 p = _mm256_broadcast_ss(ps[h] + i);
                     a[h][0] = _mm256_fmadd_ps(p, x0, a[h][0]);
@@ -555,13 +565,19 @@ static void weighted_v_q8_avx2(const item_t *it, const float *s, float *acc) {
     memset(acc, 0, (size_t)(it->G * it->D) * sizeof(float));
     for (int64_t g0 = 0; g0 < it->G; g0 += 3) {
         const int64_t GH = it->G - g0 < 3 ? it->G - g0 : 3;
-        const int fp8 = it->lut != NULL;
-        if (GH == 3 && !fp8) weighted_v_q8_heads(it, s, acc, g0, 3, 0);
-        else if (GH == 2 && !fp8) weighted_v_q8_heads(it, s, acc, g0, 2, 0);
-        else if (!fp8) weighted_v_q8_heads(it, s, acc, g0, 1, 0);
-        else if (GH == 3) weighted_v_q8_heads(it, s, acc, g0, 3, 1);
-        else if (GH == 2) weighted_v_q8_heads(it, s, acc, g0, 2, 1);
-        else weighted_v_q8_heads(it, s, acc, g0, 1, 1);
+        const int fmt = !it->lut ? FMT_INT8 : it->lut == lut_e4m3 ? FMT_E4M3 : FMT_E5M2;
+#define TM_V_Q8(F)                                                    \
+    if (GH == 3) weighted_v_q8_heads(it, s, acc, g0, 3, F);          \
+    else if (GH == 2) weighted_v_q8_heads(it, s, acc, g0, 2, F);     \
+    else weighted_v_q8_heads(it, s, acc, g0, 1, F);
+        if (fmt == FMT_INT8) {
+            TM_V_Q8(FMT_INT8)
+        } else if (fmt == FMT_E4M3) {
+            TM_V_Q8(FMT_E4M3)
+        } else {
+            TM_V_Q8(FMT_E5M2)
+        }
+#undef TM_V_Q8
     }
 }
 #endif

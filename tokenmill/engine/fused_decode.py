@@ -28,10 +28,10 @@ for all of them, inside the call, with the cpu backend's cascade arithmetic. Cov
 `--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
 kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache or an 8-bit
 one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_q8 and
-tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend, no tensor parallelism, Llama layers without q/k norm (and without
-biases but a bf16 model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns
-it off (the A/B switch for benchmarks/decode_latency.py); `enabled` does the same
-for one engine at run time.
+tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend,
+no tensor parallelism, Llama layers without q/k norm (and without biases but a bf16
+model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+for benchmarks/decode_latency.py); `enabled` does the same for one engine at run time.
 """
 
 from __future__ import annotations
@@ -291,9 +291,10 @@ class FusedDecode:
                 or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
             return None
         shared = 0
-        if n > 1 and self.kv_fmt is None:  # (an 8-bit cache: every row reads its own
-            # blocks, as the modules' tm_paged_decode_q8 does) a shared prefix (a cached system prompt): read once for all rows, as the
-            # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s)
+        if n > 1 and self.kv_fmt is None:
+            # a shared prefix (a cached system prompt): read once for all rows, as the
+            # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s);
+            # with an 8-bit cache every row reads its own blocks, as tm_paged_decode_q8 does
             shared = cpu_attention.shared_blocks(tables.tolist(), meta.seq_lens_list,
                                                  meta.block_size)
             shared = shared if cpu_attention.takes_cascade(shared, n) else 0

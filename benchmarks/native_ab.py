@@ -91,8 +91,10 @@ def alternate(name: str, old: ctypes.CDLL, new: ctypes.CDLL, one_pass: Callable[
     return times, outs
 
 
-def quantized_pools(k: torch.Tensor, v: torch.Tensor, fmt: Any
-                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def quantized_pools(k: torch.Tensor, v: torch.Tensor, fmt: Any) -> tuple[Pair, Pair]:
     """bf16 pools (kv_heads, blocks, block_size, dim) stored into 8-bit ones of `fmt`, as
     the engine stores them: ((K bytes, V bytes), (K scales, V scales))."""
     from tokenmill.attention import kv_quant

@@ -866,8 +866,8 @@ static void store_row_q8(const uint16_t *src, uint8_t *dst, float *scale, int64_
         for (int64_t d = 0; d < D; d += 8) {
             __m256 y = _mm256_div_ps(widen_bf16x8(src + d), vs);
             y = _mm256_min_ps(_mm256_max_ps(y, lo), hi); /* NaN -> -qmax, as fminf/fmaxf */
-            const __m256i n =
-                _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i n = _mm256_cvtps_epi32(
+                _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(n),
                                               _mm256_extracti128_si256(n, 1));
             _mm_storel_epi64((__m128i *)(dst + d), _mm_packs_epi16(w, w));

@@ -269,6 +269,33 @@ static inline __m128 hsum4x8(const __m256 *a) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+/* T (1..4) dots into sg, and the running maximum *vmax over them (lanes past T left out;
+ * a NaN dot leaves the maximum as it was: maxps returns its second operand, as the
+ * scalar comparison did) */
+static inline __attribute__((always_inline)) void store_dots(float *sg, __m128 dots,
+                                                             int64_t T, __m128 *vmax) {
+    if (T == 4) {
+        _mm_storeu_ps(sg, dots);
+    } else {
+        float d4[4];
+        _mm_storeu_ps(d4, dots);
+        for (int64_t i = 0; i < T; i++) sg[i] = d4[i];
+        const __m128 valid = _mm_castsi128_ps(
+            _mm_cmpgt_epi32(_mm_set1_epi32((int)T), _mm_setr_epi32(0, 1, 2, 3)));
+        dots = _mm_blendv_ps(_mm_set1_ps(-3.0e38f), dots, valid);
+    }
+    *vmax = _mm_max_ps(dots, *vmax);
+}
+
+/* mx[g]: the largest of vmax[g]'s 4 lanes */
+static inline void lane_maxima(const __m128 *vmax, int64_t G, float *mx) {
+    for (int64_t g = 0; g < G; g++) {
+        __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        mx[g] = _mm_cvtss_f32(m);
+    }
+}
+
 /* q (G, D) bf16 as fp32 pairs split: qp[((g * C + c) * 2 + half) * 8 + j] = q[g][16 c + 2 j
  * + half], C = D / 16 */
 static inline void split_pairs(const uint16_t *qb, int64_t G, int64_t D, float *qp) {
@@ -287,7 +314,7 @@ static inline __attribute__((always_inline)) void scores_pairs8(const item_t *it
                                                                 const int GH, const int64_t C) {
     static const uint16_t zero_row[MAX_D] __attribute__((aligned(64)));
     const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
-    const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
+    const __m128 scale = _mm_set1_ps(it->scale);
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const uint16_t *blk = block_rows(it, it->k, j, &n);
         if (h0 == 0) prefetch_ahead(it, it->k, 2, NULL, j, nblocks);
@@ -314,21 +341,8 @@ static inline __attribute__((always_inline)) void scores_pairs8(const item_t *it
                 }
             for (int h = 0; h < GH; h++) {
                 const __m256 col[4] = {a[0][h], a[1][h], a[2][h], a[3][h]};
-                __m128 dots = _mm_mul_ps(hsum4x8(col), scale);
-                float *sg = s + (h0 + h) * it->s_stride + t0 + i0;
-                if (T == 4) {
-                    _mm_storeu_ps(sg, dots);
-                } else {
-                    float d4[4];
-                    _mm_storeu_ps(d4, dots);
-                    for (int64_t i = 0; i < T; i++) sg[i] = d4[i];
-                    const __m128 valid = _mm_castsi128_ps(_mm_cmpgt_epi32(
-                        _mm_set1_epi32((int)T), _mm_setr_epi32(0, 1, 2, 3)));
-                    dots = _mm_blendv_ps(lowest, dots, valid);
-                }
-                /* a NaN dot leaves the maximum as it was (maxps returns its second
-                 * operand), as the scalar comparison did */
-                vmax[h0 + h] = _mm_max_ps(dots, vmax[h0 + h]);
+                store_dots(s + (h0 + h) * it->s_stride + t0 + i0,
+                           _mm_mul_ps(hsum4x8(col), scale), T, vmax + h0 + h);
             }
         }
     }
@@ -348,11 +362,7 @@ static inline __attribute__((always_inline)) void scores_avx2_c(const item_t *it
         else if (GH == 2) scores_pairs8(it, qp, s, vmax, h0, 2, C);
         else scores_pairs8(it, qp, s, vmax, h0, 1, C);
     }
-    for (int64_t g = 0; g < G; g++) {
-        __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
-        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-        mx[g] = _mm_cvtss_f32(m);
-    }
+    lane_maxima(vmax, G, mx);
 }
 
 static void scores_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {
@@ -441,7 +451,7 @@ static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *i
                                                                  const int fmt) {
     static const uint8_t zero_row[MAX_D] __attribute__((aligned(64)));
     const int64_t BS = it->BS, D = it->D, nblocks = (it->len + BS - 1) / BS;
-    const __m128 scale = _mm_set1_ps(it->scale), lowest = _mm_set1_ps(-3.0e38f);
+    const __m128 scale = _mm_set1_ps(it->scale);
     for (int64_t j = 0, t0 = 0, n; t0 < it->len; j++, t0 += BS) {
         const float *sc;
         const uint8_t *blk = block_rows8(it, it->k8, it->ks, j, &n, &sc);
@@ -469,19 +479,8 @@ static inline __attribute__((always_inline)) void scores_q8_rows(const item_t *i
             const __m128 f = _mm_mul_ps(scale, _mm_loadu_ps(f4));
             for (int h = 0; h < GH; h++) {
                 const __m256 col[4] = {a[0][h], a[1][h], a[2][h], a[3][h]};
-                __m128 dots = _mm_mul_ps(hsum4x8(col), f);
-                float *sg = s + (h0 + h) * it->s_stride + t0 + i0;
-                if (T == 4) {
-                    _mm_storeu_ps(sg, dots);
-                } else {
-                    float d4[4];
-                    _mm_storeu_ps(d4, dots);
-                    for (int64_t i = 0; i < T; i++) sg[i] = d4[i];
-                    const __m128 valid = _mm_castsi128_ps(_mm_cmpgt_epi32(
-                        _mm_set1_epi32((int)T), _mm_setr_epi32(0, 1, 2, 3)));
-                    dots = _mm_blendv_ps(lowest, dots, valid);
-                }
-                vmax[h0 + h] = _mm_max_ps(dots, vmax[h0 + h]);
+                store_dots(s + (h0 + h) * it->s_stride + t0 + i0,
+                           _mm_mul_ps(hsum4x8(col), f), T, vmax + h0 + h);
             }
         }
     }
@@ -503,11 +502,7 @@ static inline __attribute__((always_inline)) void scores_q8_avx2_c(const item_t 
         else if (GH == 2) scores_q8_rows(it, qf, s, vmax, h0, 2, C, fmt);
         else scores_q8_rows(it, qf, s, vmax, h0, 1, C, fmt);
     }
-    for (int64_t g = 0; g < G; g++) {
-        __m128 m = _mm_max_ps(vmax[g], _mm_movehl_ps(vmax[g], vmax[g]));
-        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-        mx[g] = _mm_cvtss_f32(m);
-    }
+    lane_maxima(vmax, G, mx);
 }
 
 static void scores_q8_avx2(const item_t *it, const uint16_t *qb, float *s, float *mx) {

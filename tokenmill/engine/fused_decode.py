@@ -107,17 +107,8 @@ def _plain_bf16(linear: object, bias: bool = True) -> bool:
             and (linear.bias is None or (bias and _bf16(linear.bias, linear.out_features))))
 
 
-def _kv_format(backend: object) -> KVFormat | None:
-    """The 8-bit format the backend keeps the cache in (--kv-cache-dtype), or None."""
-    return backend.fmt if type(backend) is QuantizedKVBackend else None
-
-
 def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
-
-
-def _pool_shape(pool: torch.Tensor | QuantizedPool) -> tuple[int, ...]:
-    return tuple((pool.data if isinstance(pool, QuantizedPool) else pool).shape)
 
 
 def unsupported_reason(model: torch.nn.Module, backend: object,
@@ -129,9 +120,9 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         return f"not a Llama-family model ({type(model).__name__})"
     if get_tp().world_size != 1:
         return "tensor parallelism"
-    fmt = _kv_format(backend)
+    fmt: KVFormat | None = None  # --kv-cache-dtype int8 / fp8: the wrapped backend's pools
     if type(backend) is QuantizedKVBackend:
-        backend = backend.inner
+        fmt, backend = backend.fmt, backend.inner
     if type(backend) is not CpuBackend:
         return f"attention backend {getattr(backend, 'name', type(backend).__name__)}, not cpu"
     cfg = model.config
@@ -235,10 +226,10 @@ class FusedDecode:
                               and head.out_features == cfg.vocab_size
                               and head.in_features == cfg.hidden_size
                               and type(model).compute_logits is LlamaForCausalLM.compute_logits)
-        _, num_blocks, block_size, _ = _pool_shape(kv_caches[0][0])
         pool = kv_caches[0][0]
         # an 8-bit cache's format, as the module path's store and decode read it
         self.kv_fmt = pool.fmt if isinstance(pool, QuantizedPool) else None
+        _, num_blocks, block_size, _ = (pool.data if self.kv_fmt else pool).shape
         rotary = inner.rotary_emb
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,

@@ -274,24 +274,6 @@ static inline __attribute__((always_inline)) void q8_group(
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(out + i * ROWS, acc[i]);
 }
 #elif TM_AVX2
-/* dots (int32, one lane per row) of the 8 rows in a[0..n) (each chunk 8 rows x 4
- * unsigned bytes) with activation bytes xb[4c..4c+4) broadcast, c = 0..n (n even): the
- * int16 pair sums of every chunk added in int16 (no saturation, see above: every partial
- * sum of k chunks is within k times a pair's bound, so any order gives the same exact
- * sum), even and odd chunks in two chains, then widened. */
-static inline __attribute__((always_inline)) __m256i dots8(const __m256i *a, const int8_t *xb,
-                                                           int n) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < n; c++) {
-        int32_t v;
-        memcpy(&v, xb + 4 * c, 4);
-        s[c & 1] = _mm256_add_epi16(s[c & 1], _mm256_maddubs_epi16(a[c], _mm256_set1_epi32(v)));
-    }
-    return _mm256_madd_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_set1_epi16(1));
-}
-
-/* 1-2 activation rows a pass: both halves of a group per block (see below) */
-
 /* out[i][r] <- row r's sum for activation row i: rows 0..8 in acc[i][0], 8..16 in acc[i][1] */
 static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], int mr,
                                                                float *out) {
@@ -301,111 +283,22 @@ static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], 
     }
 }
 
-/* Q4: a[h][0..4) the low nibbles (inputs 4c..4c+4) and a[h][4..8) the high ones (inputs
- * 16 + 4c..) of rows 8h..8h+8, so one dots8 over 8 chunks is a half-group's block dot */
-static inline __attribute__((always_inline)) void q4_group_both(
-    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
-    (void)sum;
-    __m256 acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q4_RECORD;
-        if (pf)
-            for (int l = 0; l < Q4_RECORD; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
-        __m256i a[2][8];
-        for (int c = 0; c < 4; c++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-                a[h][c] = _mm256_and_si256(w, low);
-                a[h][4 + c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-            }
-        __m256 wd[2], wm[2];
-        for (int h = 0; h < 2; h++) {
-            wd[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
-            wm[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
-        }
-        for (int i = 0; i < mr; i++) {
-            const int8_t *xb = q + i * K + b * QK;
-            /* the activation bytes in chunk order: inputs 4c.. then 16 + 4c.. */
-            const __m256 di = _mm256_set1_ps(d[i * nb + b]), si = _mm256_set1_ps(s[i * nb + b]);
-            for (int h = 0; h < 2; h++) {
-                __m256i dot = dots8(a[h], xb, 8);
-                if (planes == 2)
-                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dots8(a[h], xb + plane, 8));
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[h], di),
-                                            acc[i][h]);
-                acc[i][h] = _mm256_fmadd_ps(wm[h], si, acc[i][h]);
-            }
-        }
-    }
-    store_halves(acc, mr, out);
-}
-
-/* Q8: the bytes u = q + 128 split as u = 16 hi + lo; sum(u v) = 16 sum(hi v) + sum(lo v),
- * then - 128 sum(v) as in the VNNI version */
-static inline __attribute__((always_inline)) void q8_group_both(
-    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
-    (void)s;
-    __m256 acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q8_RECORD;
-        if (pf)
-            for (int l = 0; l < Q8_RECORD + 64; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
-        __m256i lo[2][8], hi[2][8];
-        for (int c = 0; c < 8; c++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-                lo[h][c] = _mm256_and_si256(w, low);
-                hi[h][c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-            }
-        __m256 wd[2];
-        for (int h = 0; h < 2; h++)
-            wd[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
-        for (int i = 0; i < mr; i++) {
-            const int8_t *xb = q + i * K + b * QK;
-            const __m256 di = _mm256_set1_ps(d[i * nb + b]);
-            const __m256i bias = _mm256_set1_epi32(128 * sum[i * nb + b]);
-            for (int h = 0; h < 2; h++) {
-                __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dots8(hi[h], xb, 8), 4),
-                                               dots8(lo[h], xb, 8));
-                if (planes == 2) {
-                    const __m256i t = _mm256_add_epi32(
-                        _mm256_slli_epi32(dots8(hi[h], xb + plane, 8), 4),
-                        dots8(lo[h], xb + plane, 8));
-                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), t);
-                }
-                dot = _mm256_sub_epi32(dot, bias);
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[h], di),
-                                            acc[i][h]);
-            }
-        }
-    }
-    store_halves(acc, mr, out);
-}
-
-/* AVX2 has 16 ymm registers where AVX-512 has 32 zmm: the two versions above hold a
- * group's 16 rows of weights for a block (16 registers of Q4 nibbles, 32 of Q8 nibble
- * planes) beside 2 accumulators a row, and from 3 rows on nearly everything spills to
- * the stack. So for 3 rows or more a pass, the AVX2 groups run one half (8 output rows,
- * a ymm lane each) at a time over the blocks, at most 4 activation rows a pass (MR is
- * 4 with AVX2), a chunk of 4 inputs at a time: one weight register, and each row's
- * (and plane's) sum in its own register, so the rows' chains of adds interleave. Q8
- * weights multiply 16-bit words (vpmaddwd) instead of bytes: they need no nibble planes.
- * One step's linears (benchmarks/q4q8_step.py, Zen 3, 2 threads): 16 rows 43.0 -> 36.5
- * ms (halves), -> 28.4 ms (chunk order, Q8 on words: the LM head is a fifth of the
- * multiply-adds and was a third of the time); at 1-2 rows the halves lose (the
- * activations' broadcasts, shared by both halves above, run twice: 1 row 4.9 -> 9.5
- * ms), so 2 rows keep the versions above, and 1 row (batch-1 decode) runs q4_row /
- * q8_row below: both halves a chunk at a time, the broadcasts shared, no spills (960 x
- * 576 in L2, one thread: Q4 1.17x, Q8 1.56x a call). The integer sums are the same exact
- * values in any order and each row's fp32 steps are unchanged, so every version gives
+/* AVX2 has 16 ymm registers where AVX-512 has 32 zmm: a version holding a group's 16
+ * rows of weights for a block (16 registers of Q4 nibbles, 32 of Q8 nibble planes) beside
+ * 2 accumulators a row spills to the stack from the first row. So the AVX2 groups run a
+ * chunk of 4 inputs at a time. For 3 rows or more a pass, one half (8 output rows, a ymm
+ * lane each) at a time over the blocks, at most 4 activation rows a pass (MR is 4 with
+ * AVX2): one weight register, and each row's (and plane's) sum in its own register, so
+ * the rows' chains of adds interleave. For 1-2 rows (q4_rows, q8_rows below), both halves
+ * a chunk, so that the activations' broadcasts serve both (run twice, the halves lose
+ * there: 1 row 4.9 -> 9.5 ms). Q8 weights multiply 16-bit words (vpmaddwd) instead of
+ * bytes: they need no nibble planes. One step's linears (benchmarks/q4q8_step.py, Zen 3,
+ * 2 threads): 16 rows 43.0 -> 36.5 ms (halves), -> 28.4 ms (chunk order, Q8 on words: the
+ * LM head is a fifth of the multiply-adds and was a third of the time); against a block's
+ * registers held at once, 960 x 576 in L2 on one thread, 1 row: Q4 1.17x, Q8 1.56x a
+ * call; 2 rows: 1.18x, 1.81x. The integer sums are the same exact values in any order
+ * (vpmaddubsw's int16 pair sums are within 2 * 15 * 128, and 8 of them are added in
+ * int16: no saturation) and each row's fp32 steps are unchanged, so every version gives
  * the same bits. */
 
 /* Q4, rows 8h..8h+8, a chunk at a time: its 8 rows x 4 bytes unpacked once (the low
@@ -456,25 +349,24 @@ static inline __attribute__((always_inline)) void q4_half(
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);
 }
 
-/* Q4, one activation row (batch-1 decode): a chunk of both halves at a time, its 4
- * nibble registers and the chunk's activation broadcasts (one per plane and nibble)
- * shared by both halves, each half's and plane's int16 sum in a register of its own.
- * q4_group_both holds a block's 16 nibble registers at once, all AVX2 has: they spill,
- * and each half broadcasts the activations again. Same exact integer sums, the same fp32
- * steps: the same bits. */
-static inline __attribute__((always_inline)) void q4_row(
-    const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t plane, const float *d,
-    const float *s, int planes, int pf, float *out) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+/* Q4, one or two activation rows (batch-1 and batch-2 decode): a chunk of both halves at
+ * a time, its 4 nibble registers (the low nibbles inputs 4c..4c+4, the high ones 16 +
+ * 4c..) and the chunk's activation broadcasts (one per row, plane and nibble) shared by
+ * both halves, each row's, half's and plane's int16 sum in a register of its own */
+static inline __attribute__((always_inline)) void q4_rows(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const float *s, int mr, int planes, int pf, float *out) {
+    __m256 acc[2][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = wg + b * Q4_RECORD;
         if (pf)
             for (int l = 0; l < Q4_RECORD; l += 64)
                 _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
-        const int8_t *xb = xq + b * QK;
-        __m256i sum16[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                               {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+        __m256i sum16[2][2][2]; /* [row][half][plane] */
+        for (int i = 0; i < mr; i++)
+            for (int h = 0; h < 2; h++) sum16[i][h][0] = sum16[i][h][1] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i lo[2], hi[2];
             for (int h = 0; h < 2; h++) {
@@ -482,41 +374,43 @@ static inline __attribute__((always_inline)) void q4_row(
                 lo[h] = _mm256_and_si256(w, low);
                 hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
             }
-            for (int p = 0; p < planes; p++) {
-                int32_t vl, vh;
-                memcpy(&vl, xb + p * plane + 4 * c, 4);
-                memcpy(&vh, xb + p * plane + 4 * (c + 4), 4);
-                const __m256i xl = _mm256_set1_epi32(vl), xh = _mm256_set1_epi32(vh);
-                for (int h = 0; h < 2; h++)
-                    sum16[h][p] = _mm256_add_epi16(
-                        _mm256_add_epi16(sum16[h][p], _mm256_maddubs_epi16(lo[h], xl)),
-                        _mm256_maddubs_epi16(hi[h], xh));
-            }
+            for (int i = 0; i < mr; i++)
+                for (int p = 0; p < planes; p++) {
+                    const int8_t *xb = q + i * K + p * plane + b * QK;
+                    int32_t vl, vh;
+                    memcpy(&vl, xb + 4 * c, 4);
+                    memcpy(&vh, xb + 4 * (c + 4), 4);
+                    const __m256i xl = _mm256_set1_epi32(vl), xh = _mm256_set1_epi32(vh);
+                    for (int h = 0; h < 2; h++)
+                        sum16[i][h][p] = _mm256_add_epi16(
+                            _mm256_add_epi16(sum16[i][h][p], _mm256_maddubs_epi16(lo[h], xl)),
+                            _mm256_maddubs_epi16(hi[h], xh));
+                }
         }
-        const __m256 di = _mm256_set1_ps(d[b]), si = _mm256_set1_ps(s[b]);
         for (int h = 0; h < 2; h++) {
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
             const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
-            __m256i dot = _mm256_madd_epi16(sum16[h][0], ones);
-            if (planes == 2)
-                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
-                                       _mm256_madd_epi16(sum16[h][1], ones));
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, di), acc[h]);
-            acc[h] = _mm256_fmadd_ps(wm, si, acc[h]);
+            for (int i = 0; i < mr; i++) {
+                __m256i dot = _mm256_madd_epi16(sum16[i][h][0], ones);
+                if (planes == 2)
+                    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
+                                           _mm256_madd_epi16(sum16[i][h][1], ones));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])),
+                                            acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(s[i * nb + b]), acc[i][h]);
+            }
         }
     }
-    store_halves(&acc, 1, out);
+    store_halves(acc, mr, out);
 }
 
 static inline __attribute__((always_inline)) void q4_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
-    if (mr == 1) {
-        q4_row(wg, nb, q, plane, d, s, planes, pf, out);
-        return;
-    }
+    (void)sum;
     if (mr <= 2) {
-        q4_group_both(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out);
+        q4_rows(wg, nb, K, q, plane, d, s, mr, planes, pf, out);
         return;
     }
     q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out);
@@ -588,68 +482,74 @@ static inline __attribute__((always_inline)) void q8_half(
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);
 }
 
-/* Q8, one activation row: q8_half's vpmaddwd on 16-bit words for both halves of a chunk
- * at a time, the row's pair broadcasts shared by the halves (q8_group_both splits u into
- * nibbles and v into byte planes: four times the multiplies, and a block's 32 nibble
- * registers spill). The same exact integer sums and fp32 steps: the same bits. */
-static inline __attribute__((always_inline)) void q8_row(
-    const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t plane, const float *d,
-    const int32_t *sum, int planes, int pf, float *out) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+/* Q8, one or two activation rows: q8_half's vpmaddwd on 16-bit words (see there) for
+ * both halves of a chunk at a time, each row's pair broadcasts shared by the halves */
+static inline __attribute__((always_inline)) void q8_rows(
+    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
+    const float *d, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    __m256 acc[2][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i pair01 = pair_shuffle(0), pair23 = pair_shuffle(2);
-    /* the row's int16 activations, built one block ahead (as q8_half) */
-    int16_t v16[2][QK] __attribute__((aligned(32)));
+    /* the rows' int16 activations, built one block ahead (as q8_half) */
+    int16_t v16[2][2][QK] __attribute__((aligned(32)));
     for (int64_t b = 0; b <= nb; b++) {
         if (b < nb)
-            for (int k = 0; k < QK; k += 16) {
-                const int8_t *xh = xq + b * QK + k;
-                __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
-                if (planes == 2)
-                    v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)(xh + plane))));
-                _mm256_store_si256((__m256i *)(v16[b & 1] + k), v);
-            }
+            for (int i = 0; i < mr; i++)
+                for (int k = 0; k < QK; k += 16) {
+                    const int8_t *xh = q + i * K + b * QK + k;
+                    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
+                    if (planes == 2)
+                        v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
+                            _mm_loadu_si128((const __m128i *)(xh + plane))));
+                    _mm256_store_si256((__m256i *)(v16[b & 1][i] + k), v);
+                }
         if (b == 0) continue;
         const int64_t bb = b - 1; /* the block multiplied now */
         const uint8_t *rec = wg + bb * Q8_RECORD;
         if (pf)
             for (int l = 0; l < Q8_RECORD + 64; l += 64)
                 _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
-        const int16_t *vb = v16[bb & 1];
-        __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        const int16_t(*vb)[QK] = v16[bb & 1];
+        __m256i dot[2][2];
+        for (int i = 0; i < mr; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
-            int32_t p01, p23;
-            memcpy(&p01, vb + 4 * c, 4);
-            memcpy(&p23, vb + 4 * c + 2, 4);
-            const __m256i x01 = _mm256_set1_epi32(p01), x23 = _mm256_set1_epi32(p23);
+            __m256i e01[2], e23[2];
             for (int h = 0; h < 2; h++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-                dot[h] = _mm256_add_epi32(
-                    dot[h], _mm256_add_epi32(
-                                _mm256_madd_epi16(_mm256_shuffle_epi8(w, pair01), x01),
-                                _mm256_madd_epi16(_mm256_shuffle_epi8(w, pair23), x23)));
+                e01[h] = _mm256_shuffle_epi8(w, pair01);
+                e23[h] = _mm256_shuffle_epi8(w, pair23);
+            }
+            for (int i = 0; i < mr; i++) {
+                int32_t p01, p23;
+                memcpy(&p01, vb[i] + 4 * c, 4);
+                memcpy(&p23, vb[i] + 4 * c + 2, 4);
+                const __m256i x01 = _mm256_set1_epi32(p01), x23 = _mm256_set1_epi32(p23);
+                for (int h = 0; h < 2; h++)
+                    dot[i][h] = _mm256_add_epi32(
+                        dot[i][h], _mm256_add_epi32(_mm256_madd_epi16(e01[h], x01),
+                                                    _mm256_madd_epi16(e23[h], x23)));
             }
         }
-        const __m256 di = _mm256_set1_ps(d[bb]);
-        const __m256i bias = _mm256_set1_epi32(128 * sum[bb]);
         for (int h = 0; h < 2; h++) {
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[h], bias)),
-                                     _mm256_mul_ps(wd, di), acc[h]);
+            for (int i = 0; i < mr; i++) {
+                const __m256i dt = _mm256_sub_epi32(dot[i][h],
+                                                    _mm256_set1_epi32(128 * sum[i * nb + bb]));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),
+                                            _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + bb])),
+                                            acc[i][h]);
+            }
         }
     }
-    store_halves(&acc, 1, out);
+    store_halves(acc, mr, out);
 }
 
 static inline __attribute__((always_inline)) void q8_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
-    if (mr == 1) {
-        q8_row(wg, nb, q, plane, d, sum, planes, pf, out);
-        return;
-    }
+    (void)s;
     if (mr <= 2) {
-        q8_group_both(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out);
+        q8_rows(wg, nb, K, q, plane, d, sum, mr, planes, pf, out);
         return;
     }
     q8_half(wg, nb, K, q, plane, d, sum, mr, planes, pf, 0, out);

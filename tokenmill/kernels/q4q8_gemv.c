@@ -425,6 +425,22 @@ static inline __m256i pair_shuffle(int j0) {
                             j0 + 8, -1, j0 + 9, -1, j0 + 12, -1, j0 + 13, -1);
 }
 
+/* block b of mr rows' 16-bit activations (256 qh + ql, or the int8 values with one
+ * plane) as int16, into out[row] */
+static inline __attribute__((always_inline)) void block_words(
+    const int8_t *q, int64_t K, int64_t plane, int planes, int64_t b, int mr,
+    int16_t (*out)[QK]) {
+    for (int i = 0; i < mr; i++)
+        for (int k = 0; k < QK; k += 16) {
+            const int8_t *xh = q + i * K + b * QK + k;
+            __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
+            if (planes == 2)
+                v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(xh + plane))));
+            _mm256_store_si256((__m256i *)(out[i] + k), v);
+        }
+}
+
 /* Q8, rows 8h..8h+8, on vpmaddwd: each row's 16-bit activations (256 qh + ql, or the
  * int8 values with one plane) rebuilt as int16 once per block, the record's bytes
  * u = q + 128 widened to int16 pairs by a byte shuffle, and int32 sums of u v taken 16
@@ -441,16 +457,7 @@ static inline __attribute__((always_inline)) void q8_half(
      * flight waits for it) */
     int16_t v16[2][MR][QK] __attribute__((aligned(32)));
     for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb)
-            for (int i = 0; i < mr; i++)
-                for (int k = 0; k < QK; k += 16) {
-                    const int8_t *xh = q + i * K + b * QK + k;
-                    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
-                    if (planes == 2)
-                        v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
-                            _mm_loadu_si128((const __m128i *)(xh + plane))));
-                    _mm256_store_si256((__m256i *)(v16[b & 1][i] + k), v);
-                }
+        if (b < nb) block_words(q, K, plane, planes, b, mr, v16[b & 1]);
         if (b == 0) continue;
         const int64_t bb = b - 1; /* the block multiplied now */
         const uint8_t *rec = wg + bb * Q8_RECORD;
@@ -493,16 +500,7 @@ static inline __attribute__((always_inline)) void q8_rows(
     /* the rows' int16 activations, built one block ahead (as q8_half) */
     int16_t v16[2][2][QK] __attribute__((aligned(32)));
     for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb)
-            for (int i = 0; i < mr; i++)
-                for (int k = 0; k < QK; k += 16) {
-                    const int8_t *xh = q + i * K + b * QK + k;
-                    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xh));
-                    if (planes == 2)
-                        v = _mm256_add_epi16(_mm256_slli_epi16(v, 8), _mm256_cvtepi8_epi16(
-                            _mm_loadu_si128((const __m128i *)(xh + plane))));
-                    _mm256_store_si256((__m256i *)(v16[b & 1][i] + k), v);
-                }
+        if (b < nb) block_words(q, K, plane, planes, b, mr, v16[b & 1]);
         if (b == 0) continue;
         const int64_t bb = b - 1; /* the block multiplied now */
         const uint8_t *rec = wg + bb * Q8_RECORD;

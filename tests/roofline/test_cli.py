@@ -58,6 +58,15 @@ def test_same_numbers_from_preset_config_and_gguf(capsys, smollm2_gguf):
     assert gguf["dtype"].startswith("gguf:")
 
 
+def test_a_gguf_path_on_the_embedded_model_reads_its_file(capsys, smollm2_gguf):
+    # `--quantization gguf-a16` (serve's default) on smollm2-135m runs the embedded file's
+    # Q4_1 linears and Q8_0 embedding / LM head: 96.6 MB a step, not the preset's bf16 269
+    for dtype in ("gguf", "gguf-a16"):
+        r = run_json(capsys, "roofline", "smollm2-135m", "--dtype", dtype, "--batch", "1")
+        assert r["weight_bytes"] == 96_576_768
+        assert r["dtype"].startswith("gguf:")
+
+
 def test_config_only_directory(capsys, tmp_path):
     (tmp_path / "config.json").write_bytes(Path(f"{DATA}/smollm2_config.json").read_bytes())
     assert run_json(capsys, "roofline", str(tmp_path))["total_params"] == 134_515_008
@@ -90,6 +99,24 @@ def test_cpu_micro_benchmark_is_plausible_and_cached(cache_home, monkeypatch):
     assert again.memory_bandwidth_bytes_s == hw.memory_bandwidth_bytes_s
     hardware.measure_cpu(refresh=True)
     assert calls == [1, 1]
+
+
+def test_cpu_bf16_peak_is_never_below_fp32(cache_home, monkeypatch):
+    # an AVX2 machine without native bf16: torch's bf16 matmul ran at 0.85 GFLOP/s, fp32 at
+    # 119; an engine multiplies bf16 weights in fp32 there, so bf16's peak is fp32's
+    import torch
+
+    from tokenmill.roofline import hardware
+
+    monkeypatch.setattr(hardware, "_micro_benchmark", lambda torch: pytest.fail("measured"))
+    path = hardware.cpu_cache_path()
+    path.parent.mkdir(parents=True)
+    key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
+    path.write_text(json.dumps({key: {"read_bandwidth_bytes_s": 25e9,
+                                      "matmul_flops": {"fp32": 119e9, "bf16": 0.85e9}}}))
+    hw = hardware.measure_cpu()
+    assert hw.flops("bf16") == 119e9 and hw.flops("fp32") == 119e9
+    assert hw.measured["matmul_flops"]["bf16"] == 0.85e9  # the measurement itself is kept
 
 
 def test_cpu_figures_come_from_the_cache_file(cache_home, monkeypatch):
@@ -179,6 +206,7 @@ def test_explain_holds_against_catalog_hardware(capsys):
     (["roofline", "llama-3-8b", "--context", "-1"], "--context"),
     (["roofline", "llama-3-8b", "--num-gpus", "0"], "--num-gpus"),
     (["roofline", "llama-3-8b", "--dtype", "q9_z"], "q4_1"),
+    (["roofline", "llama-3-8b", "--dtype", "gguf-a16"], "not a GGUF file"),
     (["roofline", "llama-3-8b", "--bandwidth", "-3"], "--bandwidth"),
     (["roofline", "does/not/exist.gguf"], "does not exist"),
     (["explain", "no-such-result.json"], "cannot read"),

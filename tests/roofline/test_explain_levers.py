@@ -135,6 +135,23 @@ def test_kv_lever_not_repeated_when_kv_is_already_8_bit(capsys, fake_cpu, tmp_pa
     assert b["decode"]["kv_bytes_per_step"] == pytest.approx(a["decode"]["kv_bytes_per_step"] / 2)
 
 
+def test_explain_holds_a_run_against_the_weights_the_server_ran(capsys, fake_cpu, tmp_path):
+    # a default `tokenmill serve` records quantization gguf-a16 (dtype bfloat16) on
+    # smollm2-135m: its floor is the embedded Q4_1 file's 96.6 MB a step, not bf16's 269 MB
+    summary = {"mean_in_flight": 1, "mean_input_tokens": 128, "mean_output_tokens": 128,
+               "tpot_ms": _stat(5.0), "ttft_ms": _stat(150.0)}
+    served = {"engine": "tokenmill", "model": "smollm2-135m", "dtype": "bfloat16",
+              "quantization": "gguf-a16", "kv_cache_dtype": "auto"}
+    q4 = _explain_json(capsys, _write(tmp_path, "q4.json", {
+        "model": "smollm2-135m", "hardware": "cpu", "server_config": served}, summary))
+    bf16 = _explain_json(capsys, _write(tmp_path, "bf16.json", {
+        "model": "smollm2-135m", "hardware": "cpu",
+        "server_config": {**served, "quantization": "none"}}, summary))
+    assert q4["dtype"].startswith("gguf:") and bf16["dtype"] == "bf16"
+    assert q4["decode"]["weight_bytes_per_step"] == 96_576_768
+    assert bf16["decode"]["weight_bytes_per_step"] > 2.5 * 96_576_768
+
+
 def test_chunked_prefill_on_is_not_recommended(capsys, fake_cpu, tmp_path):
     result = json.loads((DATA / "bench_result.json").read_text())
     result["summary"]["itl_ms"] = _stat(40, 30, 400)

@@ -168,8 +168,13 @@ def _hardware_name(args: argparse.Namespace, config: dict, notes: list[str]) -> 
 
 
 def _weight_bits(model, config: dict) -> WeightBits:
-    for key in ("quantization", "dtype"):
-        value = config.get(key)
+    """What the run's weights were: the server's own quantization and dtype where the
+    result records them (a tokenmill server on the embedded model says gguf-a16: its
+    Q4_1 file, not the preset's bf16), else the client's --dtype, else the checkpoint's."""
+    server = target_config(config) or {}
+    for source, key in ((server, "quantization"), (server, "dtype"), (config, "quantization"),
+                        (config, "dtype")):
+        value = source.get(key)
         if value and str(value).lower() not in ("none", "auto"):
             try:
                 return weight_bits(model, str(value))

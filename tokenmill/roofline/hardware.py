@@ -188,13 +188,22 @@ def measure_cpu(refresh: bool = False) -> Hardware:
         description=f"{_cpu_model()}, {threads} torch threads (measured)",
         # the median read, not the best try nor a copy: a decode step streams reads
         memory_bandwidth_bytes_s=figures["read_bandwidth_bytes_s"],
-        peak_flops={"fp32": figures["matmul_flops"]["fp32"],
-                    "bf16": figures["matmul_flops"]["bf16"]},
+        peak_flops=cpu_peak_flops(figures["matmul_flops"]),
         memory_bytes=_memory_bytes(),
         cost_per_hour=CPU_COST_PER_HOUR,
         source=f"micro-benchmark on this machine, cached in {path}",
         measured=figures,
     )
+
+
+def cpu_peak_flops(matmul_flops: dict[str, float]) -> dict[str, float]:
+    """The CPU's peak per compute dtype from its measured matmul rates. Without native
+    bf16 arithmetic (an AVX2 machine: torch's bf16 matmul ran at 0.85 GFLOP/s there,
+    fp32 at 119) bf16 weights are multiplied in fp32, so bf16's peak is never below
+    fp32's: the floor is what the hardware allows, not what one library's bf16 kernel
+    did."""
+    fp32 = matmul_flops["fp32"]
+    return {"fp32": fp32, "bf16": max(matmul_flops["bf16"], fp32)}
 
 
 def bandwidth_basis(hw: Hardware) -> str:
@@ -236,12 +245,19 @@ READ_TRIES = 5
 MIN_BUFFER_BYTES = 256 * 2**20
 
 
+def read_bandwidth_tries(torch, tries: int = READ_TRIES) -> tuple[object, list[float]]:
+    """Streaming reads of a buffer >= 4x the last-level cache (so no try reads from
+    cache), summed by torch on its threads: (the buffer, each try's bytes/s, sorted)."""
+    buffer_bytes = max(MIN_BUFFER_BYTES, 4 * (last_level_cache_bytes() or 0))
+    src = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    return src, sorted(buffer_bytes / t for t in _times(lambda: src.sum(), reps=tries))
+
+
 def _micro_benchmark(torch) -> dict:
     llc = last_level_cache_bytes()
-    buffer_bytes = max(MIN_BUFFER_BYTES, 4 * (llc or 0))
-    n = buffer_bytes // 4
-    src = torch.ones(n, dtype=torch.float32)
-    read = sorted(4.0 * n / t for t in _times(lambda: src.sum(), reps=READ_TRIES))
+    src, read = read_bandwidth_tries(torch)
+    n = src.numel()
+    buffer_bytes = 4 * n
     dst = torch.empty_like(src)
     copy = sorted(2 * 4.0 * n / t for t in _times(lambda: dst.copy_(src), reps=2))
     matmul = {}

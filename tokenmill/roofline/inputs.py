@@ -24,14 +24,36 @@ def load_model(spec: str) -> ResolvedModel:
         raise UsageError(str(e)) from None
 
 
+# the engine's --quantization values that run a GGUF file's own tensors
+GGUF_PATHS = ("gguf", "gguf-a8", "gguf-a16")
+
+
 def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
-    if not dtype or dtype.lower() in ("auto", "gguf", "gguf-a8", "gguf-a16", "none") or (
+    if dtype and dtype.lower() in GGUF_PATHS and not model.gguf_path:
+        return _embedded_gguf_bits(model, dtype)
+    if not dtype or dtype.lower() in ("auto", *GGUF_PATHS, "none") or (
             model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
         return model.default_bits
     try:
         return WeightBits.from_name(dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _embedded_gguf_bits(model: ResolvedModel, dtype: str) -> WeightBits:
+    """A GGUF path on a model named, not given as a file: the bits of the GGUF file the
+    engine loads for that name (`smollm2-135m`: the embedded Q4_1 file, its tied
+    embedding and LM head Q8_0), not the preset's bf16."""
+    from tokenmill.loaders.model_source import EMBEDDED_MODELS, resolve_model
+
+    name = model.arch.name
+    if name not in EMBEDDED_MODELS:
+        raise UsageError(f"--dtype {dtype}: {name} is not a GGUF file; pass the .gguf file, "
+                         "or a GGUF type (q4_1, q8_0, ...)")
+    try:
+        return load_model(str(resolve_model(name).path)).default_bits
+    except Exception as e:  # noqa: BLE001 - the package missing: ModelSourceError and kin
+        raise UsageError(f"--dtype {dtype}: {e}") from None
 
 
 def load_hardware(name: str, bits: WeightBits, args: argparse.Namespace) -> Hardware:

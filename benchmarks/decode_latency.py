@@ -7,7 +7,10 @@ run: tokenmill's default (bf16 compute + native GGUF int4), tokenmill bf16
 without quantization, llama.cpp's `llama-bench -p 0 -n 128` (tg128, the same
 Q4_1 GGUF, 2 threads; built by benchmarks/peers/build_llama_cpp.sh) and
 transformers bf16 batch 1. Each is held against its own floor (weight + KV
-bytes read per step / memory bandwidth). A peer that cannot be set up is
+bytes read per step / memory bandwidth: PERFORMANCE.md's quiet-machine 47 GB/s by
+default, the GGUF's own Q4_1 and Q8_0 bytes, the KV at the decode's mean context);
+tokenmill's default is also held against the streaming read this machine gives in
+this run, measured just before and after it. A peer that cannot be set up is
 skipped with the reason.
 
     .venv/bin/python benchmarks/decode_latency.py
@@ -37,6 +40,14 @@ from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_pee
 
 PEERS = ("llama", "transformers")
 TARGET_VS_LLAMA = 1.2  # PERFORMANCE.md: >= 1.2x llama-bench tg128 in the same run
+
+
+def read_now_gb_s() -> float:
+    """The median of the roofline micro-benchmark's streaming reads, now (GB/s)."""
+    from tokenmill.roofline.hardware import read_bandwidth_tries
+
+    _, tries = read_bandwidth_tries(torch)
+    return statistics.median(tries) / 1e9
 
 
 def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwargs
@@ -123,11 +134,18 @@ def main() -> None:
     def floor(weights: str) -> float:
         return decode_floor_ms(weights, args.prompt_len, args.new_tokens, args.bandwidth)
 
+    read_before = read_now_gb_s()
     tpots, ttfts, weights, fused = run_tokenmill(prompt, args.new_tokens, args.repeats)
+    read_after = read_now_gb_s()
     step = "fused decode step" if fused else "module path"
     default_tpot = report(f"tokenmill default ({weights}, {step})", tpots, ttfts,
                           floor(weights))
     default_floor = floor(weights)
+    read = (read_before + read_after) / 2
+    here = decode_floor_ms(weights, args.prompt_len, args.new_tokens, read)
+    print(f"  this machine's streaming read in this run: {read_before:.1f} GB/s before, "
+          f"{read_after:.1f} after (medians of 5); at {read:.1f} GB/s its floor is "
+          f"{here:.2f} ms and TPOT {default_tpot / here:.2f}x it")
     tpots, ttfts, weights, _ = run_tokenmill(prompt, args.new_tokens, args.repeats,
                                          dtype="bfloat16", quantization="none")
     report("tokenmill bf16, no quantization", tpots, ttfts, floor(weights))
@@ -137,7 +155,8 @@ def main() -> None:
         tg = run_llama_bench(llama, embedded_gguf(), 0, args.new_tokens,
                              repetitions=args.llama_repetitions)
         samples = [1e3 / x for x in tg["samples_tok_s"]] or [1e3 / tg["tok_s"]]
-        report(f"llama.cpp tg{args.new_tokens} (q4_1)", samples, None, floor("q4_1"))
+        report(f"llama.cpp tg{args.new_tokens} (the same GGUF)", samples, None,
+               decode_floor_ms("gguf", 1, args.new_tokens, args.bandwidth))
         print(f"  llama-bench: {tg['tok_s']:.1f} ± {tg['stddev_tok_s']:.1f} tok/s")
         ok = tm_tok_s >= TARGET_VS_LLAMA * tg["tok_s"] and default_tpot <= 2 * default_floor
         print(f"tokenmill default vs llama.cpp tg{args.new_tokens} (same run): "

@@ -14,8 +14,10 @@ import sys
 QUIET_READ_GB_S = 47.0
 QUIET_BF16_TFLOP_S = 0.435
 
-# engine weight format -> roofline --dtype (the GGUF path runs Q4_1 blocks natively)
-ROOFLINE_DTYPE = {"gguf": "q4_1", "gguf-a8": "q4_1", "gguf-a16": "q4_1", "int4": "int4", "int8": "int8"}
+# engine weight format -> roofline --dtype ("gguf": the embedded file's own tensors, Q4_1
+# linears and the tied embedding / LM head Q8_0, which the GGUF paths run as stored)
+ROOFLINE_DTYPE = {"gguf": "gguf", "gguf-a8": "gguf", "gguf-a16": "gguf", "int4": "int4",
+                  "int8": "int8"}
 
 
 def roofline_dtype(quantization: str | None, torch_dtype: str) -> str:
@@ -26,21 +28,24 @@ def roofline_dtype(quantization: str | None, torch_dtype: str) -> str:
 
 def roofline(weight_dtype: str, *, prompt_len: int, output_len: int, batch: int = 1,
              bandwidth_gb_s: float = QUIET_READ_GB_S,
-             tflop_s: float = QUIET_BF16_TFLOP_S) -> dict:
+             tflop_s: float = QUIET_BF16_TFLOP_S, context: int | None = None) -> dict:
     """`tokenmill roofline smollm2-135m --hardware cpu --json` with these figures."""
     cmd = [sys.executable, "-m", "tokenmill.cli", "roofline", "smollm2-135m",
            "--hardware", "cpu", "--json", "--dtype", weight_dtype,
            "--bandwidth", str(bandwidth_gb_s), "--flops", str(tflop_s),
            "--batch", str(batch), "--prompt-len", str(prompt_len),
            "--output-len", str(output_len)]
+    if context is not None:
+        cmd += ["--context", str(context)]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
 def decode_floor_ms(weight_dtype: str, prompt_len: int, output_len: int,
                     bandwidth_gb_s: float = QUIET_READ_GB_S) -> float:
-    """Batch-1 decode step floor: (weight + KV bytes read per step) / bandwidth."""
+    """Batch-1 TPOT floor: (weight + KV bytes read per step) / bandwidth, the KV at the
+    mean context of the steps a TPOT averages (prompt_len + output_len / 2 tokens)."""
     r = roofline(weight_dtype, prompt_len=prompt_len, output_len=output_len,
-                 bandwidth_gb_s=bandwidth_gb_s)
+                 bandwidth_gb_s=bandwidth_gb_s, context=prompt_len + output_len // 2)
     return r["decode"][0]["step_floor_ms"]
 
 

@@ -130,7 +130,7 @@ def test_server_dying_mid_run(tmp_path):
     assert set(s["failures"]) <= {"connect", "disconnected", "incomplete"}
 
 
-def test_offline_engine_target(tmp_path):
+def test_offline_engine_target(tmp_path, capsys):
     out = tmp_path / "offline.json"
     code = cli_main(["bench", "--offline", "smollm2-135m", "--concurrency", "2",
                      "--input-len", "32", "--output-len", "8", "--num-requests", "4",
@@ -145,3 +145,10 @@ def test_offline_engine_target(tmp_path):
     assert e["num_prefill_tokens"] >= 4 * 32
     assert 1.0 <= e["mean_decode_batch"] <= 2.0
     assert sum(e["time_s"].values()) <= e["wall_time_s"] * 1.01
+    # the weights the engine resolved, not the flag's "auto": explain holds the run to the
+    # embedded file's Q4_1 bytes (it read bf16 before)
+    assert res["config"]["quantization"] == "gguf-a16"
+    assert res["config"]["engine_args"]["quantization"] == "gguf-a16"
+    capsys.readouterr()
+    assert cli_main(["explain", str(out), "--json", "--bandwidth", "47", "--flops", "0.435"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"].startswith("gguf:")

@@ -36,6 +36,12 @@ class OfflineTarget:
         return None if dtype is None else str(dtype).replace("torch.", "")
 
     @property
+    def quantization(self) -> str | None:
+        """The weight path the engine resolved (`gguf-a16` for the embedded model's
+        default, `none` for a bf16 checkpoint): what `tokenmill explain` holds it to."""
+        return getattr(self.engine, "quantization", None)
+
+    @property
     def hardware(self) -> str:
         """What `tokenmill explain` holds the run against: "cpu" or the CUDA device name."""
         import torch

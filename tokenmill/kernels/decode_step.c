@@ -422,16 +422,24 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             }
 #pragma omp barrier
             if (l > 0) cur ^= 1;
-            /* 2. attention: this thread's query heads, those of one kv head together */
+            /* 2. attention: this thread's query heads, those of one kv head together.
+             * A kv head whose query heads a share boundary splits is read by both
+             * threads: the even thread takes its kv heads last to first, so that both
+             * start on the one they share (tid 0's last, tid 1's first) and the second
+             * read finds it in the shared cache instead of memory. */
             {
                 int64_t h0, h1;
                 share(NH, tid, nth, &h0, &h1);
                 for (int64_t h = h0; h < h1; h++) rotary_head(qkv + h * D, c, sn, D);
-                for (int64_t h = h0; h < h1;) {
-                    const int64_t kh = h / G, end = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
-                    const item_t it = layer_item(m, L, kh, end - h, table, seq_len);
-                    attend_heads(&it, qkv + h * D, scores, attn + h * D);
-                    h = end;
+                if (h1 > h0) {
+                    const int64_t k0 = h0 / G, k1 = (h1 - 1) / G, back = tid % 2 == 0;
+                    for (int64_t i = 0; i <= k1 - k0; i++) {
+                        const int64_t kh = back ? k1 - i : k0 + i;
+                        const int64_t lo = kh * G > h0 ? kh * G : h0;
+                        const int64_t hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+                        const item_t it = layer_item(m, L, kh, hi - lo, table, seq_len);
+                        attend_heads(&it, qkv + lo * D, scores, attn + lo * D);
+                    }
                 }
             }
 #pragma omp barrier

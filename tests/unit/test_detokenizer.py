@@ -138,3 +138,25 @@ def test_finishing_mid_character_flushes_what_a_full_decode_gives(tokenizer):
     seq, _ = generate(tokenizer, ids[:-1], max_tokens=len(ids) - 1)
     assert seq.finish_reason == "length"
     assert seq.output_text == tokenizer.decode(ids[:-1])
+
+
+def test_backend_decode_only_where_transformers_adds_nothing(tokenizer):
+    # the embedded tokenizer cleans up no spaces: its Rust backend decodes, as fast as that
+    # is (transformers' decode calls the same with Python around it)
+    assert Detokenizer(tokenizer)._backend_decode is not None
+
+    class CleansUp:  # a tokenizer whose decode post-processes the backend's text
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = tokenizer.backend_tokenizer
+
+        def decode(self, ids, skip_special_tokens=False):
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).upper()
+
+    ids = tokenizer.encode(" hello world, again")
+    seq = Sequence("r", tokenizer.encode("Hi"), SamplingParams(max_tokens=None))
+    detok = Detokenizer(CleansUp())
+    for token_id in ids:
+        seq.append_token(token_id)
+        detok.decode(seq)
+    detok.flush(seq)
+    assert seq.output_text == " HELLO WORLD, AGAIN"

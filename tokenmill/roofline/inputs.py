@@ -44,6 +44,7 @@ def _embedded_gguf_bits(model: ResolvedModel, dtype: str) -> WeightBits:
     """A GGUF path on a model named, not given as a file: the bits of the GGUF file the
     engine loads for that name (`smollm2-135m`: the embedded Q4_1 file, its tied
     embedding and LM head Q8_0), not the preset's bf16."""
+    from tokenmill.loaders.errors import ModelSourceError
     from tokenmill.loaders.model_source import EMBEDDED_MODELS, resolve_model
 
     name = model.arch.name
@@ -51,9 +52,10 @@ def _embedded_gguf_bits(model: ResolvedModel, dtype: str) -> WeightBits:
         raise UsageError(f"--dtype {dtype}: {name} is not a GGUF file; pass the .gguf file, "
                          "or a GGUF type (q4_1, q8_0, ...)")
     try:
-        return load_model(str(resolve_model(name).path)).default_bits
-    except Exception as e:  # noqa: BLE001 - the package missing: ModelSourceError and kin
+        path = resolve_model(name).path
+    except ModelSourceError as e:  # its package is not installed
         raise UsageError(f"--dtype {dtype}: {e}") from None
+    return load_model(str(path)).default_bits
 
 
 def load_hardware(name: str, bits: WeightBits, args: argparse.Namespace) -> Hardware:

@@ -289,7 +289,7 @@ static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], 
  * chunk of 4 inputs at a time. For 3 rows or more a pass, one half (8 output rows, a ymm
  * lane each) at a time over the blocks, at most 4 activation rows a pass (MR is 4 with
  * AVX2): one weight register, and each row's (and plane's) sum in its own register, so
- * the rows' chains of adds interleave. For 1-2 rows (q4_rows, q8_rows below), both halves
+ * the rows' chains of adds interleave. For 1-2 rows (q4_rows, q8_halves below), both halves
  * a chunk, so that the activations' broadcasts serve both (run twice, the halves lose
  * there: 1 row 4.9 -> 9.5 ms). Q8 weights multiply 16-bit words (vpmaddwd) instead of
  * bytes: they need no nibble planes. One step's linears (benchmarks/q4q8_step.py, Zen 3,
@@ -441,17 +441,21 @@ static inline __attribute__((always_inline)) void block_words(
         }
 }
 
-/* Q8, rows 8h..8h+8, on vpmaddwd: each row's 16-bit activations (256 qh + ql, or the
- * int8 values with one plane) rebuilt as int16 once per block, the record's bytes
- * u = q + 128 widened to int16 pairs by a byte shuffle, and int32 sums of u v taken 16
- * products a vpmaddwd (|u v| pair sums <= 2 * 255 * 32767, a block's sum <= 32 * 255 *
- * 32767: no overflow), then - 128 sum(v) as in the VNNI version: a quarter of the integer
- * multiplies of vpmaddubsw, which needs u split into nibbles and v into bytes */
-static inline __attribute__((always_inline)) void q8_half(
+/* Q8, the halves h0..h0+nh (rows 8h..8h+8 each) a chunk at a time, on vpmaddwd: each
+ * row's 16-bit activations (256 qh + ql, or the int8 values with one plane) rebuilt as
+ * int16 once per block, the record's bytes u = q + 128 widened to int16 pairs by a byte
+ * shuffle, and int32 sums of u v taken 16 products a vpmaddwd (|u v| pair sums <= 2 * 255
+ * * 32767, a block's sum <= 32 * 255 * 32767: no overflow), then - 128 sum(v) as in the
+ * VNNI version: a quarter of the integer multiplies of vpmaddubsw, which needs u split
+ * into nibbles and v into bytes. One or two rows take both halves in one pass (each
+ * row's pair broadcasts shared by them); 3-4 rows one half a pass (register room). */
+static inline __attribute__((always_inline)) void q8_halves(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const int32_t *sum, int mr, int planes, int pf, int h, float *out) {
-    __m256 acc[MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const float *d, const int32_t *sum, int mr, int planes, int pf, int h0, int nh,
+    float *out) {
+    __m256 acc[MR][2];
+    for (int i = 0; i < mr; i++)
+        for (int h = h0; h < h0 + nh; h++) acc[i][h] = _mm256_setzero_ps();
     const __m256i pair01 = pair_shuffle(0), pair23 = pair_shuffle(2);
     /* a block's int16 rows are built one block ahead (a broadcast from a store still in
      * flight waits for it) */
@@ -465,54 +469,12 @@ static inline __attribute__((always_inline)) void q8_half(
             for (int l = 0; l < Q8_RECORD + 64; l += 64)
                 _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
         const int16_t(*vb)[QK] = v16[bb & 1];
-        __m256i dot[MR];
-        for (int i = 0; i < mr; i++) dot[i] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-            const __m256i e01 = _mm256_shuffle_epi8(w, pair01), e23 = _mm256_shuffle_epi8(w, pair23);
-            for (int i = 0; i < mr; i++) {
-                int32_t p01, p23;
-                memcpy(&p01, vb[i] + 4 * c, 4);
-                memcpy(&p23, vb[i] + 4 * c + 2, 4);
-                dot[i] = _mm256_add_epi32(
-                    dot[i], _mm256_add_epi32(_mm256_madd_epi16(e01, _mm256_set1_epi32(p01)),
-                                             _mm256_madd_epi16(e23, _mm256_set1_epi32(p23))));
-            }
-        }
-        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
-        for (int i = 0; i < mr; i++) {
-            const __m256i dt = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(128 * sum[i * nb + bb]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),
-                                     _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + bb])), acc[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i]);
-}
-
-/* Q8, one or two activation rows: q8_half's vpmaddwd on 16-bit words (see there) for
- * both halves of a chunk at a time, each row's pair broadcasts shared by the halves */
-static inline __attribute__((always_inline)) void q8_rows(
-    const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const int32_t *sum, int mr, int planes, int pf, float *out) {
-    __m256 acc[2][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const __m256i pair01 = pair_shuffle(0), pair23 = pair_shuffle(2);
-    /* the rows' int16 activations, built one block ahead (as q8_half) */
-    int16_t v16[2][2][QK] __attribute__((aligned(32)));
-    for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb) block_words(q, K, plane, planes, b, mr, v16[b & 1]);
-        if (b == 0) continue;
-        const int64_t bb = b - 1; /* the block multiplied now */
-        const uint8_t *rec = wg + bb * Q8_RECORD;
-        if (pf)
-            for (int l = 0; l < Q8_RECORD + 64; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
-        const int16_t(*vb)[QK] = v16[bb & 1];
-        __m256i dot[2][2];
-        for (int i = 0; i < mr; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+        __m256i dot[MR][2];
+        for (int i = 0; i < mr; i++)
+            for (int h = h0; h < h0 + nh; h++) dot[i][h] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
             __m256i e01[2], e23[2];
-            for (int h = 0; h < 2; h++) {
+            for (int h = h0; h < h0 + nh; h++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
                 e01[h] = _mm256_shuffle_epi8(w, pair01);
                 e23[h] = _mm256_shuffle_epi8(w, pair23);
@@ -522,13 +484,13 @@ static inline __attribute__((always_inline)) void q8_rows(
                 memcpy(&p01, vb[i] + 4 * c, 4);
                 memcpy(&p23, vb[i] + 4 * c + 2, 4);
                 const __m256i x01 = _mm256_set1_epi32(p01), x23 = _mm256_set1_epi32(p23);
-                for (int h = 0; h < 2; h++)
+                for (int h = h0; h < h0 + nh; h++)
                     dot[i][h] = _mm256_add_epi32(
                         dot[i][h], _mm256_add_epi32(_mm256_madd_epi16(e01[h], x01),
                                                     _mm256_madd_epi16(e23[h], x23)));
             }
         }
-        for (int h = 0; h < 2; h++) {
+        for (int h = h0; h < h0 + nh; h++) {
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
             for (int i = 0; i < mr; i++) {
                 const __m256i dt = _mm256_sub_epi32(dot[i][h],
@@ -539,7 +501,8 @@ static inline __attribute__((always_inline)) void q8_rows(
             }
         }
     }
-    store_halves(acc, mr, out);
+    for (int i = 0; i < mr; i++)
+        for (int h = h0; h < h0 + nh; h++) _mm256_storeu_ps(out + i * ROWS + 8 * h, acc[i][h]);
 }
 
 static inline __attribute__((always_inline)) void q8_group(
@@ -547,11 +510,11 @@ static inline __attribute__((always_inline)) void q8_group(
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
     (void)s;
     if (mr <= 2) {
-        q8_rows(wg, nb, K, q, plane, d, sum, mr, planes, pf, out);
+        q8_halves(wg, nb, K, q, plane, d, sum, mr, planes, pf, 0, 2, out);
         return;
     }
-    q8_half(wg, nb, K, q, plane, d, sum, mr, planes, pf, 0, out);
-    q8_half(wg, nb, K, q, plane, d, sum, mr, planes, 0, 1, out);
+    q8_halves(wg, nb, K, q, plane, d, sum, mr, planes, pf, 0, 1, out);
+    q8_halves(wg, nb, K, q, plane, d, sum, mr, planes, 0, 1, 1, out);
 }
 #else
 static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int k) {
@@ -834,7 +797,7 @@ static inline void quantize_block16(const uint16_t *xb, int16_t *v, float *d, fl
     *s = _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(dd), _mm_set_ss((float)total)));
 }
 
-/* acc + dot wd dx: a block's step of the per-row kernel (q4_half, q8_half) */
+/* acc + dot wd dx: a block's step of the per-row kernel (q4_half, q8_halves) */
 static inline __m256 scaled_dot(__m256 acc, __m256i dot, __m256 wd, __m256 dx) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, dx), acc);
 }

@@ -138,11 +138,11 @@ def main() -> None:
     tpots, ttfts, weights, fused = run_tokenmill(prompt, args.new_tokens, args.repeats)
     read_after = read_now_gb_s()
     step = "fused decode step" if fused else "module path"
-    default_tpot = report(f"tokenmill default ({weights}, {step})", tpots, ttfts,
-                          floor(weights))
     default_floor = floor(weights)
+    default_tpot = report(f"tokenmill default ({weights}, {step})", tpots, ttfts,
+                          default_floor)
     read = (read_before + read_after) / 2
-    here = decode_floor_ms(weights, args.prompt_len, args.new_tokens, read)
+    here = default_floor * args.bandwidth / read  # the same bytes at this run's read
     print(f"  this machine's streaming read in this run: {read_before:.1f} GB/s before, "
           f"{read_after:.1f} after (medians of 5); at {read:.1f} GB/s its floor is "
           f"{here:.2f} ms and TPOT {default_tpot / here:.2f}x it")

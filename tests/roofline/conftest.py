@@ -23,15 +23,24 @@ def cache_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def fake_cpu(cache_home):
-    """A CPU cache file holding fixed figures, so `--hardware cpu` measures nothing."""
+def plant_cpu(cache_home):
+    """plant_cpu(figures): the CPU cache file holds these figures for this machine, so
+    `--hardware cpu` reads them and measures nothing."""
     import torch
 
-    path = hardware.cpu_cache_path()
-    path.parent.mkdir(parents=True)
-    key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
-    path.write_text(json.dumps({key: FAKE_CPU}))
-    return FAKE_CPU
+    def plant(figures: dict) -> dict:
+        path = hardware.cpu_cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
+        path.write_text(json.dumps({key: figures}))
+        return figures
+    return plant
+
+
+@pytest.fixture
+def fake_cpu(plant_cpu):
+    """A CPU cache file holding fixed figures, so `--hardware cpu` measures nothing."""
+    return plant_cpu(FAKE_CPU)
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,13 @@ def test_cpu_micro_benchmark_is_plausible_and_cached(cache_home, monkeypatch):
     assert 1e8 < hw.memory_bandwidth_bytes_s < 1e13
     for dtype in ("fp32", "bf16"):
         assert 1e8 < hw.flops(dtype) < 1e15
+    from tokenmill.kernels import q4q8_gemv
+
+    if q4q8_gemv.isa() in ("avx2", "avx512-vnni"):  # the engine's integer kernel, measured
+        assert set(hw.measured["int_matmul_flops"]) == {"int8", "int16"}
+        for rate in hw.measured["int_matmul_flops"].values():
+            assert 1e8 < rate < 1e15
+        assert hw.peak_dtype("int16") == "int16"
     assert hw.memory_bytes > 1e9
     assert hardware.cpu_cache_path().is_file()
     again = hardware.measure_cpu()
@@ -117,6 +124,44 @@ def test_cpu_bf16_peak_is_never_below_fp32(cache_home, monkeypatch):
     hw = hardware.measure_cpu()
     assert hw.flops("bf16") == 119e9 and hw.flops("fp32") == 119e9
     assert hw.measured["matmul_flops"]["bf16"] == 0.85e9  # the measurement itself is kept
+
+
+def test_gguf_paths_are_held_against_the_peak_of_the_arithmetic_they_run(
+        capsys, plant_cpu, monkeypatch):
+    # the AVX2 EPYC: torch's fp32 matmul 119 GFLOP/s, its emulated bf16 0.85, while
+    # `tokenmill serve`'s gguf-a16 multiplies int16 activations in its own kernel at ~220:
+    # a compute floor at the fp32 rate overstates the floor and the MFU ~1.9x
+    from tokenmill.roofline import hardware
+
+    monkeypatch.setattr(hardware, "_micro_benchmark", lambda torch: pytest.fail("measured"))
+    plant_cpu({"read_bandwidth_bytes_s": 30e9, "matmul_flops": {"fp32": 119e9, "bf16": 0.85e9},
+                "int_matmul_flops": {"int16": 220e9, "int8": 250e9}})
+    peaks = {}
+    for dtype in ("gguf-a16", "gguf-a8", "gguf", "bf16"):
+        r = run_json(capsys, "roofline", "smollm2-135m", "--dtype", dtype, "--hardware", "cpu",
+                     "--batch", "64")
+        peaks[dtype] = (r["hardware"]["compute_dtype"], r["ridge_intensity"] * 30e9)
+    assert peaks["gguf-a16"] == ("int16", pytest.approx(220e9))
+    assert peaks["gguf-a8"] == ("int8", pytest.approx(250e9))
+    assert peaks["gguf"] == ("bf16", pytest.approx(119e9))  # bf16 activations: fp32 here
+    assert peaks["bf16"] == ("bf16", pytest.approx(119e9))
+    # a GPU's catalog has no int16 peak: the run is held against bf16's, and says so
+    r = run_json(capsys, "roofline", "smollm2-135m", "--dtype", "gguf-a16", "--hardware", "h100")
+    assert r["hardware"]["compute_dtype"] == "bf16"
+    assert r["ridge_intensity"] == pytest.approx(989.5e12 / 3350e9)
+
+
+def test_an_integer_kernel_slower_than_bf16_does_not_lower_the_peak(plant_cpu, monkeypatch):
+    # an AVX512-BF16 CPU: gguf-a16 hands 20+ rows to the packed bf16 weights, so its peak
+    # is bf16's where that is faster than the integer kernel
+    from tokenmill.roofline import hardware
+
+    monkeypatch.setattr(hardware, "_micro_benchmark", lambda torch: pytest.fail("measured"))
+    plant_cpu({"read_bandwidth_bytes_s": 47e9, "matmul_flops": {"fp32": 215e9, "bf16": 435e9},
+                "int_matmul_flops": {"int16": 300e9, "int8": 600e9}})
+    hw = hardware.measure_cpu()
+    assert hw.flops("int16") == 435e9 and hw.flops("int8") == 600e9
+    assert hw.measured["int_matmul_flops"]["int16"] == 300e9  # the measurement itself is kept
 
 
 def test_cpu_figures_come_from_the_cache_file(cache_home, monkeypatch):

@@ -135,7 +135,8 @@ def test_kv_lever_not_repeated_when_kv_is_already_8_bit(capsys, fake_cpu, tmp_pa
     assert b["decode"]["kv_bytes_per_step"] == pytest.approx(a["decode"]["kv_bytes_per_step"] / 2)
 
 
-def test_explain_holds_a_run_against_the_weights_the_server_ran(capsys, fake_cpu, tmp_path):
+def test_explain_holds_a_run_against_the_weights_the_server_ran(capsys, fake_cpu, plant_cpu,
+                                                               tmp_path):
     # a default `tokenmill serve` records quantization gguf-a16 (dtype bfloat16) on
     # smollm2-135m: its floor is the embedded Q4_1 file's 96.6 MB a step, not bf16's 269 MB
     summary = {"mean_in_flight": 1, "mean_input_tokens": 128, "mean_output_tokens": 128,
@@ -150,6 +151,14 @@ def test_explain_holds_a_run_against_the_weights_the_server_ran(capsys, fake_cpu
     assert q4["dtype"].startswith("gguf:") and bf16["dtype"] == "bf16"
     assert q4["decode"]["weight_bytes_per_step"] == 96_576_768
     assert bf16["decode"]["weight_bytes_per_step"] > 2.5 * 96_576_768
+    # without a measured integer kernel the int16 activations read bf16's peak, and say so
+    assert q4["compute_dtype"] == bf16["compute_dtype"] == "bf16"
+    # with one, they are held against the int16 peak (the bf16 weights still bf16's)
+    plant_cpu({**fake_cpu, "int_matmul_flops": {"int16": 600e9, "int8": 900e9}})
+    q4 = _explain_json(capsys, tmp_path / "q4.json")
+    bf16 = _explain_json(capsys, tmp_path / "bf16.json")
+    assert (q4["compute_dtype"], q4["peak_flops"]) == ("int16", 600e9)
+    assert (bf16["compute_dtype"], bf16["peak_flops"]) == ("bf16", 435e9)
 
 
 def test_chunked_prefill_on_is_not_recommended(capsys, fake_cpu, tmp_path):

@@ -200,7 +200,7 @@ def analyze(arch: ModelArch, bits: WeightBits, hardware: Hardware, *, batches: l
             prompt_len: int, output_len: int, context: int, kv_dtype: str, num_gpus: int = 1,
             cost_per_hour: float | None = None) -> RooflineReport:
     kv_bpe = KV_BYTES[kv_dtype]
-    machine = Machine(hardware, num_gpus, bits.compute_dtype)
+    machine = Machine(hardware, num_gpus, hardware.peak_dtype(bits.compute_dtype))
     price = (hardware.cost_per_hour if cost_per_hour is None else cost_per_hour) * num_gpus
     fit = max_batch_that_fits(arch, bits, machine, context, kv_bpe)
     rows = []

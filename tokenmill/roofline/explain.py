@@ -131,7 +131,8 @@ class Explanation:
         return {
             "source": self.source, "model": r.model, "hardware": self.hardware_name,
             "dtype": r.dtype, "memory_bandwidth_bytes_s": r.machine.bandwidth_bytes_s,
-            "peak_flops": r.machine.peak_flops, "decode": self.decode, "prefill": self.prefill,
+            "peak_flops": r.machine.peak_flops, "compute_dtype": r.machine.compute_dtype,
+            "decode": self.decode, "prefill": self.prefill,
             "engine": self.engine, "bottleneck": self.bottleneck,
             "bandwidth_basis": bandwidth_basis(r.hardware),
             "next_lever": self.levers[0].__dict__ if self.levers else None,

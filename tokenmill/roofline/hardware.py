@@ -23,6 +23,13 @@ T = 1e12
 GB = 1e9
 
 
+PEAK_FALLBACKS = {"fp8": ("fp8", "bf16", "fp16", "fp32"),
+                  "fp16": ("fp16", "bf16", "fp32"),
+                  "bf16": ("bf16", "fp16", "fp32"),
+                  "int16": ("int16", "bf16", "fp16", "fp32"),
+                  "int8": ("int8", "bf16", "fp16", "fp32")}
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -35,13 +42,17 @@ class Hardware:
     measured: dict = field(default_factory=dict)  # extra measured figures (CPU only)
 
     def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for matmuls in `dtype`; falls back to the nearest wider dtype."""
-        for candidate in {"fp8": ("fp8", "bf16", "fp16", "fp32"),
-                          "fp16": ("fp16", "bf16", "fp32"),
-                          "bf16": ("bf16", "fp16", "fp32")}.get(dtype, (dtype, "fp32")):
+        """Peak FLOP/s for matmuls in `dtype` (that of `peak_dtype(dtype)`)."""
+        return self.peak_flops[self.peak_dtype(dtype)]
+
+    def peak_dtype(self, dtype: str) -> str:
+        """The dtype whose peak a matmul in `dtype` is held against: itself where this
+        hardware lists it, else the nearest wider one (the integer activations of a GGUF
+        path, int16 and int8, are measured on CPUs only: elsewhere they read bf16's)."""
+        for candidate in PEAK_FALLBACKS.get(dtype, (dtype, "fp32")):
             if candidate in self.peak_flops:
-                return self.peak_flops[candidate]
-        return max(self.peak_flops.values())
+                return candidate
+        return max(self.peak_flops, key=self.peak_flops.__getitem__)
 
     def with_overrides(self, bandwidth_gb_s: float | None, flops_tflops: float | None,
                        compute_dtype: str) -> Hardware:
@@ -141,7 +152,7 @@ def cpu_cache_path() -> Path:
 def cpu_cache_key(threads: int, torch_version: str) -> str:
     """Figures are reused only on the same CPU model, thread count and torch version (and
     the same micro-benchmark: `v2` reads buffers >= 4x the last-level cache)."""
-    return f"{_cpu_model()}|threads={threads}|torch={torch_version}|v2"
+    return f"{_cpu_model()}|threads={threads}|torch={torch_version}|v3"
 
 
 def last_level_cache_bytes() -> int | None:
@@ -160,7 +171,8 @@ def measure_cpu(refresh: bool = False) -> Hardware:
 
     The bandwidth is the median of several streaming reads of a buffer >= 4x the
     last-level cache (so no try reads from cache), with the spread of the tries beside it;
-    the matmul rate is the best of a few 1024² matmuls (a peak). Delete
+    the matmul rate is the best of a few 1024² matmuls (a peak); the integer rates are
+    the engine's own GGUF kernels' on weights held in cache (`_int_kernel_flops`). Delete
     ~/.cache/tokenmill/cpu_roofline.json to measure again.
     """
     import torch  # lazy: only --hardware cpu pays for it
@@ -188,7 +200,7 @@ def measure_cpu(refresh: bool = False) -> Hardware:
         description=f"{_cpu_model()}, {threads} torch threads (measured)",
         # the median read, not the best try nor a copy: a decode step streams reads
         memory_bandwidth_bytes_s=figures["read_bandwidth_bytes_s"],
-        peak_flops=cpu_peak_flops(figures["matmul_flops"]),
+        peak_flops=cpu_peak_flops(figures["matmul_flops"], figures.get("int_matmul_flops")),
         memory_bytes=_memory_bytes(),
         cost_per_hour=CPU_COST_PER_HOUR,
         source=f"micro-benchmark on this machine, cached in {path}",
@@ -196,14 +208,21 @@ def measure_cpu(refresh: bool = False) -> Hardware:
     )
 
 
-def cpu_peak_flops(matmul_flops: dict[str, float]) -> dict[str, float]:
+def cpu_peak_flops(matmul_flops: dict[str, float],
+                   int_flops: dict[str, float] | None = None) -> dict[str, float]:
     """The CPU's peak per compute dtype from its measured matmul rates. Without native
     bf16 arithmetic (an AVX2 machine: torch's bf16 matmul ran at 0.85 GFLOP/s there,
     fp32 at 119) bf16 weights are multiplied in fp32, so bf16's peak is never below
     fp32's: the floor is what the hardware allows, not what one library's bf16 kernel
-    did."""
+    did. The integer activations of gguf-a16 / gguf-a8 (int16, int8) run the engine's
+    integer kernel up to a batch and may hand larger ones to the bf16 weights (on
+    AVX512 CPUs from 20 rows), so their peak is the faster of that kernel's and bf16's;
+    where the kernel was not measured they read bf16's (Hardware.peak_dtype)."""
     fp32 = matmul_flops["fp32"]
-    return {"fp32": fp32, "bf16": max(matmul_flops["bf16"], fp32)}
+    peaks = {"fp32": fp32, "bf16": max(matmul_flops["bf16"], fp32)}
+    for dtype, rate in (int_flops or {}).items():
+        peaks[dtype] = max(rate, peaks["bf16"])
+    return peaks
 
 
 def bandwidth_basis(hw: Hardware) -> str:
@@ -221,13 +240,18 @@ def bandwidth_basis(hw: Hardware) -> str:
             f"{min(tries) / GB:.1f}–{max(tries) / GB:.1f} GB/s")
 
 
-def _best_time(fn, reps: int) -> float:
+def _best_time(fn, reps: int, budget_s: float = 1.0) -> float:
+    """The fastest of `reps` timed calls after a warm-up, fewer (at least one) once the
+    timed calls took `budget_s` (torch's emulated bf16 matmul takes 2 s a call on AVX2)."""
     fn()  # warm-up: page faults, thread pool start, kernel selection
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(reps):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+        if spent >= budget_s:
+            break
     return best
 
 
@@ -266,7 +290,10 @@ def _micro_benchmark(torch) -> dict:
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
         matmul[name] = 2.0 * size**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), reps=3)
+    int_flops, int_kernel = _int_kernel_flops(torch)
     return {
+        "int_matmul_flops": int_flops,
+        "int_matmul_kernel": int_kernel,
         "read_bandwidth_bytes_s": statistics.median(read),
         "read_bandwidth_tries_bytes_s": read,
         "copy_bandwidth_bytes_s": statistics.median(copy),  # read + write, for reference
@@ -276,3 +303,47 @@ def _micro_benchmark(torch) -> dict:
         "matmul_shape": [size, size, size],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+# K, N of the integer kernels' weight: a SmolLM2-135M MLP projection's shape, whose Q4
+# records (553 KB) the two cores' L2 caches hold, as torch's 1024² matmuls are a peak
+INT_SHAPE = (576, 1536)
+INT_ROWS = 16  # rows of the per-row kernel's call (gguf-a16 / gguf-a8 below 20 rows)
+GEMM16_ROWS = 128  # rows of AVX2's gemm16 call (gguf-a16's prompts and large batches)
+
+
+def _int_kernel_flops(torch) -> tuple[dict[str, float], str | None]:
+    """The rates of the engine's gguf-a16 (int16) and gguf-a8 (int8) activations: its
+    integer kernel (tokenmill/kernels/q4q8_gemv.c) on Q4 records held in cache, 2
+    multiply-adds counted as 2 FLOPs; int16 on AVX2 is also AVX2's gemm16 at many rows
+    (the faster counts). ({}, why) where the kernel is not built or has no SIMD dot
+    products: those dtypes then read bf16's peak."""
+    try:
+        from tokenmill.kernels import q4q8_gemv
+        from tokenmill.quant import vnni
+        from tokenmill.quant.codes import int4_codes_from_float
+    except ImportError as e:  # pragma: no cover - part of the package
+        return {}, f"not measured: {e}"
+    isa = q4q8_gemv.isa()
+    if isa not in ("avx2", "avx512-vnni"):
+        return {}, f"not measured: the integer kernel is {isa or 'not built'} here"
+    k, n = INT_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    codes, scale, zero = int4_codes_from_float(torch.randn(n, k, generator=gen))
+    records, fmt = vnni.repack(codes, scale, zero, 1)
+
+    def rate(rows: int, call) -> float:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        if call(x) is None:  # the kernel did not take it: no figure rather than a wrong one
+            return 0.0
+        return 2.0 * rows * k * n / _best_time(lambda: call(x), reps=30)
+
+    rates = {bits_name: rate(INT_ROWS, lambda x, bits=bits: q4q8_gemv.linear(
+                 x, records, n, fmt, bits=bits))
+             for bits_name, bits in (("int8", 8), ("int16", 16))}
+    what = f"q4q8_gemv ({isa}), Q4 {n}×{k} in cache: {INT_ROWS} rows"
+    if isa == "avx2":
+        rates["int16"] = max(rates["int16"], rate(
+            GEMM16_ROWS, lambda x: q4q8_gemv.gemm16(x, records, n, fmt)))
+        what += f", gemm16 at {GEMM16_ROWS} rows"
+    return {name: r for name, r in rates.items() if r > 0}, what

@@ -7,6 +7,7 @@ Below both commands (command.py, explain.py), so neither imports the other.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from tokenmill.roofline.arch import WeightBits
 from tokenmill.roofline.hardware import Hardware, get_hardware
@@ -24,14 +25,18 @@ def load_model(spec: str) -> ResolvedModel:
         raise UsageError(str(e)) from None
 
 
-# the engine's --quantization values that run a GGUF file's own tensors
-GGUF_PATHS = ("gguf", "gguf-a8", "gguf-a16")
+# the engine's --quantization values that run a GGUF file's own tensors, and the
+# dtype each multiplies in (its activations: tokenmill/quant/model.py GGUF_ACTIVATIONS)
+GGUF_COMPUTE = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
+GGUF_PATHS = tuple(GGUF_COMPUTE)
 
 
 def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
-    if dtype and dtype.lower() in GGUF_PATHS and not model.gguf_path:
-        return _embedded_gguf_bits(model, dtype)
-    if not dtype or dtype.lower() in ("auto", *GGUF_PATHS, "none") or (
+    path = dtype.lower() if dtype else None
+    if path in GGUF_COMPUTE:
+        bits = model.default_bits if model.gguf_path else _embedded_gguf_bits(model, dtype)
+        return replace(bits, compute_dtype=GGUF_COMPUTE[path])
+    if not dtype or dtype.lower() in ("auto", "none") or (
             model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
         return model.default_bits
     try:

@@ -35,14 +35,18 @@ def test_readme_worked_example_line_for_line(capsys, fake_cpu):
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = [" ".join(line.split()) for line in out.splitlines()]
-    assert ("│ decode step (TPOT), batch 15.6, 192 tokens ctx │ 51 ms │ 10.1 ms │ 20% │ 14% │ 20% │"
+    # 15.6 sequences decoding while the others' 128-token prompts join: each step also
+    # prefilled 15 prompt tokens, whose FLOPs the floor counts (10.1 ms without them)
+    assert ("│ decode step (TPOT), batch 15.6, 192 tokens ctx │ 51 ms │ 17.4 ms │ 34% │ 14% │ 34% │"
             in lines)
     assert "│ prefill (TTFT p50), 128 tokens │ 4,300 ms │ 63.9 ms │ 1.5% │ │ 1.5% │" in lines
     text = " ".join(lines)  # rich wraps long lines at the terminal width
-    assert ("Bottleneck: decode is overhead-bound: TPOT 51 ms is 5.0× its 10.1 ms floor "
-            "(compute-bound at batch 15.6); it uses only 20% of peak FLOP/s") in text
-    assert ("Next lever: fewer, fused ops per step (torch.compile or fused kernels): 40.9 ms "
+    assert ("Bottleneck: decode is overhead-bound: TPOT 51 ms is 2.9× its 17.4 ms floor "
+            "(compute-bound at batch 15.6); it uses only 34% of peak FLOP/s") in text
+    assert ("Next lever: fewer, fused ops per step (torch.compile or fused kernels): 33.6 ms "
             "of every 51 ms step is neither moving bytes nor doing math at full rate") in text
+    assert ("each decode step also prefilled 15 prompt tokens on average (the other sequences' "
+            "next prompts, 128 uncached tokens each, over 128 steps)") in text
     # chunked prefill is always on in tokenmill: the lever is its knob, with the flag
     assert ("then: smaller prefill chunks (tokenmill always chunks prompts): ITL p99 410 ms "
             "is 10.0× p50 41 ms") in text
@@ -51,9 +55,10 @@ def test_readme_worked_example_line_for_line(capsys, fake_cpu):
     assert "then: faster prefill kernels: prefill reaches 1.5% MFU" in text
     r = json.loads(_json(capsys, f"{DATA}/bench_result.json", "--bandwidth", "47",
                          "--flops", "0.435"))
-    assert r["decode"]["floor_step_ms"] == pytest.approx(10.1, abs=0.05)
+    assert r["decode"]["floor_step_ms"] == pytest.approx(17.4, abs=0.05)
+    assert r["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(14.6 * 128 / 128)
     assert r["decode"]["measured_step_ms"] / r["decode"]["floor_step_ms"] == pytest.approx(
-        5.0, abs=0.05)
+        2.9, abs=0.05)
     assert names(r) == ["fewer, fused ops per step (torch.compile or fused kernels)",
                         "smaller prefill chunks (tokenmill always chunks prompts)",
                         "prefix caching (if prompts share a prefix)",
@@ -137,3 +142,31 @@ def test_prefill_bound_offers_prefix_caching_when_ttft_is_over_a_fifth(capsys, t
                                       "for 512 tokens")
     assert names(r) == ["prefix caching (if prompts share a prefix)", "faster prefill kernels"]
     assert "TTFT is 60% of end-to-end latency" in r["levers"][0]["why"]
+
+
+def test_a_decode_floor_counts_the_prompts_that_join_its_steps(capsys, tmp_path, fake_cpu):
+    # W2's shape on the CPU: 16 streams, 128-token prompts and outputs. In a long run each of
+    # the other 15 slots takes its next request while a sequence decodes its 128 tokens, so
+    # its TPOT also pays for 15 prompts of 128 tokens over 128 steps; one wave pays none
+    shape = {"mean_input_tokens": 128, "mean_output_tokens": 128, "mean_in_flight": 16,
+             "tpot_ms": {"mean": 50.0}, "ttft_ms": {"p50": 300.0}, "e2e_ms": {"mean": 7000.0}}
+    wave = explain(capsys, tmp_path, {**shape, "num_completed": 16}, model="smollm2-135m",
+                   hardware="cpu")
+    run = explain(capsys, tmp_path, {**shape, "num_completed": 256}, model="smollm2-135m",
+                  hardware="cpu")
+    assert wave["decode"]["shared_prefill_tokens_per_step"] == 0
+    assert run["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(15)
+    # 15 prompt tokens a step beside 16 decoded ones (a prompt token skips the LM head, a
+    # fifth of this model's weights): ~1.7x the multiply-adds, compute-bound
+    ratio = run["decode"]["flops_per_step"] / wave["decode"]["flops_per_step"]
+    assert 1.65 < ratio < 1.8
+    assert run["decode"]["floor_step_ms"] > 1.65 * wave["decode"]["floor_step_ms"]
+    assert any("also prefilled 15 prompt tokens" in note for note in run["notes"])
+    # prompts the prefix cache served are not prefilled again
+    path = tmp_path / "cached.json"
+    path.write_text(json.dumps({
+        "config": {"model": "smollm2-135m", "hardware": "cpu"},
+        "summary": {**shape, "num_completed": 256}, "server": {"prefix_cache_hit_rate": 0.75}}))
+    assert main(["explain", str(path), "--json"]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(15 / 4)

@@ -83,14 +83,34 @@ class _Run:
     context: int
     kv_bytes_per_element: float
     server: dict | None = None  # target_config(): what the run already has on
+    output_len: int = 1
+    join_tokens: float = 0.0  # uncached prompt tokens of a request joining the batch
+    join_share: float = 0.0  # of the other slots, the share that took a next request
 
     @property
     def machine(self) -> Machine:
         return self.report.machine
 
+    def joins_per_step(self, batch: float) -> float:
+        """Prompts prefilled in the steps a sequence decodes in, per step: while it decodes
+        its `output_len` tokens, each of the other `batch - 1` slots takes its next request
+        once (`join_share` of them: see _join_share)."""
+        if self.join_tokens < 1:
+            return 0.0
+        return self.join_share * max(0.0, batch - 1) / self.output_len
+
     def decode_floor(self, bits: WeightBits, batch: float) -> StepFloor:
-        return decode_step(self.arch, bits, self.machine, batch, self.context,
+        """A decode step of `batch` sequences, with the prompts that join it prefilled."""
+        floor = decode_step(self.arch, bits, self.machine, batch, self.context,
+                            self.kv_bytes_per_element)
+        joins = self.joins_per_step(batch)
+        if not joins:
+            return floor
+        pre = prefill_step(self.arch, bits, self.machine, max(1, round(self.join_tokens)),
                            self.kv_bytes_per_element)
+        return self.machine.floor(batch, floor.weight_bytes,
+                                  floor.kv_bytes + joins * pre.kv_bytes,
+                                  floor.flops + joins * pre.flops)
 
     def floor_tok_s(self, bits: WeightBits, batch: float) -> float:
         return batch / self.decode_floor(bits, batch).time_s
@@ -214,11 +234,21 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
                      output_len=output_len, context=context, kv_dtype=kv_dtype,
                      cost_per_hour=args.cost_per_hour)
     kv_bpe = report.kv_bytes_per_token / arch.kv_bytes_per_token(1)
-    run = _Run(arch, bits, report, batch, context, kv_bpe, server)
+    hit = _num(result.get("server") if isinstance(result.get("server"), dict) else None,
+               "prefix_cache_hit_rate") or 0.0
+    run = _Run(arch, bits, report, batch, context, kv_bpe, server, output_len=output_len,
+               join_tokens=(prompt or 0.0) * (1 - min(1.0, max(0.0, hit))),
+               join_share=_join_share(batch, _num(summary, "num_completed")
+                                      or _num(config, "num_requests")))
     machine = report.machine
 
     decode = None
     floor = run.decode_floor(bits, batch)
+    shared = run.joins_per_step(batch) * run.join_tokens
+    if shared:
+        notes.append(f"each decode step also prefilled {shared:,.0f} prompt tokens on average "
+                     f"(the other sequences' next prompts, {run.join_tokens:,.0f} uncached "
+                     f"tokens each, over {output_len:,} steps): counted in its floor")
     step_ms = _num(summary, "tpot_ms", "mean") or _num(summary, "itl_ms", "mean")
     out_tps = _num(summary, "output_throughput_tok_s")
     if step_ms is None and out_tps:
@@ -237,6 +267,7 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
             "achieved_flops_s": floor.flops / step_s,
             "mfu": floor.compute_time_s / step_s,
             "fraction_of_floor": floor.time_s / step_s,
+            "shared_prefill_tokens_per_step": shared,
         }
 
     prefill = None
@@ -261,6 +292,15 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
     bottleneck, levers = _diagnose(run, decode, prefill, engine_view, summary, hw_name)
     return Explanation(str(args.result), hw_name, report, decode, prefill, engine_view,
                        bottleneck, levers, notes + report.notes + list(model.notes))
+
+
+def _join_share(batch: float, requests: float | None) -> float:
+    """Of the `batch - 1` other slots, the share that takes a next request while a
+    sequence decodes: all in a long run, fewer where fewer requests than that were left
+    after the first batch, none where the result does not say how many requests ran."""
+    if requests is None or batch <= 1:
+        return 0.0
+    return max(0.0, min(batch - 1, requests - batch)) / (batch - 1)
 
 
 def _engine_view(engine, arch, bits, machine, context, prompt_len, kv_bpe) -> dict | None:
@@ -476,8 +516,8 @@ def _prefill_levers(run: _Run, prefill, summary) -> list[Lever]:
                             "prefill", flags=["--enable-prefix-caching"]))
     if prefill["mfu"] < 0.3 and prefill["bound"] == "compute":
         levers.append(Lever("faster prefill kernels", f"prefill reaches {fmt.pct(prefill['mfu'])}"
-                            " MFU: bf16 matmuls over the whole prompt, one attention call",
-                            instead=CODE_CHANGE))
+                            f" MFU: {run.machine.compute_dtype} matmuls over the whole prompt, "
+                            "one attention call", instead=CODE_CHANGE))
     return levers
 
 

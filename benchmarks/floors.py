@@ -3,6 +3,8 @@
 The CPU micro-benchmark underestimates bandwidth on a loaded machine, so the
 floors default to PERFORMANCE.md's quiet-machine ceilings (read 47 GB/s, bf16
 435 GFLOP/s on small shapes); pass other figures to see the floor they imply.
+`explain` / `floor_lines` hold a whole run (W1, W2, W5) against this CPU's measured
+figures with `tokenmill explain`, as a user would.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 QUIET_READ_GB_S = 47.0
 QUIET_BF16_TFLOP_S = 0.435
@@ -53,3 +56,37 @@ def prefill_floor_ms(prompt_len: int, tflop_s: float = QUIET_BF16_TFLOP_S) -> fl
     """TTFT floor of one prompt: max(FLOPs / matmul rate, bytes / bandwidth)."""
     r = roofline("bf16", prompt_len=prompt_len, output_len=1, tflop_s=tflop_s)
     return r["prefill"]["ttft_floor_ms"]
+
+
+def explain(result: dict) -> dict:
+    """`tokenmill explain --json --hardware cpu` on a result (tokenmill bench's JSON shape):
+    the run against this CPU's measured floor, as a user would hold it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="explain-") as f:
+        json.dump(result, f)
+        f.flush()
+        cmd = [sys.executable, "-m", "tokenmill.cli", "explain", f.name, "--json",
+               "--hardware", "cpu"]
+        return json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                         text=True).stdout)
+
+
+def floor_lines(ex: dict) -> list[str]:
+    """explain's distance to the floor in a few lines: the decode step (TPOT) and, for an
+    engine-side run, the whole run's forward time, each against its floor; the figures
+    the floor used; the verdict."""
+    lines = []
+    if d := ex.get("decode"):
+        shared = d.get("shared_prefill_tokens_per_step") or 0
+        lines.append(f"decode step {d['measured_step_ms']:.1f} ms against a "
+                     f"{d['floor_step_ms']:.1f} ms floor ({d['fraction_of_floor']:.0%} of it; "
+                     f"batch {d['batch']:.3g}, {d['bound']}-bound"
+                     + (f", {shared:.0f} joining prompt tokens a step" if shared else "") + ")")
+    if (e := ex.get("engine")) and "forward_floor_s" in e:
+        lines.append(f"whole run's forward {e['time_s']['forward']:.1f} s against a "
+                     f"{e['forward_floor_s']:.1f} s floor ({e['fraction_of_floor']:.0%} of it); "
+                     f"{e['overhead_share']:.0%} of step time outside the forward")
+    lines.append(f"floor figures: {ex['dtype']} weights, {ex['compute_dtype']} peak "
+                 f"{ex['peak_flops'] / 1e9:.0f} GFLOP/s, {ex['memory_bandwidth_bytes_s'] / 1e9:.1f}"
+                 f" GB/s ({ex['bandwidth_basis']})")
+    lines.append(f"explain: {ex['bottleneck']}")
+    return lines

@@ -7,7 +7,9 @@ offline (`vllm.LLM` on the same requests, both cores, bf16 checkpoint of the
 same GGUF; set up by benchmarks/peers/setup_vllm_cpu.sh, start-up 90-110 s),
 transformers `generate` one request at a time (on a subset), and static
 batches of 16 (padded; only each request's own tokens count). Same model and
-dtype. A peer that cannot be set up is skipped with the reason.
+dtype. tokenmill's run is also held against this CPU's floor (`tokenmill explain`
+on the engine's own counts: the whole run's forward time and the mean decode
+step against theirs). A peer that cannot be set up is skipped with the reason.
 
     .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16
     .venv/bin/python benchmarks/offline_throughput.py --peers vllm      # one peer
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import Stopwatch, load_transformers, machine
+from floors import explain, floor_lines
 from peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
 
 PEERS = ("vllm", "transformers")
@@ -56,7 +59,27 @@ def run_tokenmill(reqs, args) -> float:
           f"mean decode batch {stats.mean_decode_batch:.1f}, preemptions "
           f"{stats.num_preemptions}; time split "
           + ", ".join(f"{k} {v:.1f}s" for k, v in stats.time_s.items()))
+    print("  against the floor (tokenmill explain --hardware cpu on the engine's counts; "
+          "they include one 4-token warm-up request):")
+    for line in floor_lines(explain(_as_result(llm, reqs, stats, sw.elapsed_s, n_out))):
+        print(f"    {line}")
     return n_out / sw.elapsed_s
+
+
+def _as_result(llm, reqs, stats, elapsed_s: float, n_out: int) -> dict:
+    """The run as `tokenmill bench --offline` records one, for `tokenmill explain`."""
+    return {
+        "config": {"model": "smollm2-135m", "num_requests": len(reqs),
+                   "server_config": {"engine": "tokenmill", "dtype": str(llm.engine.dtype),
+                                     "quantization": llm.engine.quantization}},
+        "summary": {"num_completed": len(reqs), "output_throughput_tok_s": n_out / elapsed_s,
+                    "mean_input_tokens": sum(len(p) for p, _ in reqs) / len(reqs),
+                    "mean_output_tokens": n_out / len(reqs)},
+        "engine": {"num_steps": stats.num_steps, "time_s": dict(stats.time_s),
+                   "num_prefill_tokens": stats.num_prefill_tokens,
+                   "num_decode_tokens": stats.num_decode_tokens,
+                   "mean_decode_batch": stats.mean_decode_batch, "wall_time_s": elapsed_s},
+    }
 
 
 @torch.inference_mode()

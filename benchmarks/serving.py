@@ -12,8 +12,10 @@ figure here) and with its default (one core reserved for its front end) —
 set up by benchmarks/peers/setup_vllm_cpu.sh, 90-110 s start-up each; and
 `llama-server -t 2 -np 16 -c 16384 --no-webui` on the GGUF itself (built by
 benchmarks/peers/build_llama_cpp.sh). Prints TTFT p50/p99, TPOT mean and
-output tok/s per level and server, the ratios, and the targets at
-concurrency 16. A peer that cannot be set up is skipped with the reason.
+output tok/s per level and server, the ratios, the targets at concurrency 16,
+and each run against this CPU's floor (`tokenmill explain` on its result: the
+decode step against its floor, with the prompts that join its steps, and the
+verdict). A peer that cannot be set up is skipped with the reason.
 
     .venv/bin/python benchmarks/serving.py
     .venv/bin/python benchmarks/serving.py --peers vllm --vllm-threads both
@@ -37,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import embedded_gguf, machine
+from floors import explain, floor_lines
 from peers import (
     add_peer_args,
     ensure_servers,
@@ -53,6 +56,7 @@ PEERS = ("vllm", "llama")
 
 def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: int,
               out_path: Path) -> list[dict]:
+    """One result per level (the bench JSON's `runs`)."""
     cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url,
            "--dataset", "jsonl", "--dataset-path", str(W2_PROMPTS),
            "--output-len", str(output_len), "--num-requests", str(num_requests),
@@ -60,8 +64,7 @@ def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: i
            "--tokenizer", "smollm2-135m", "--output", str(out_path), "--no-progress"]
     print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads(out_path.read_text())
-    return [r["summary"] for r in result["runs"]]
+    return json.loads(out_path.read_text())["runs"]
 
 
 def warm_up(base_url: str) -> None:
@@ -72,18 +75,32 @@ def warm_up(base_url: str) -> None:
 
 
 def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
+    """Each level's result, as `tokenmill bench` wrote it."""
     try:
         warm_up(server.base_url)
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{slug}.json"
         if args.output:
             out_path = Path(args.output).with_suffix(f".{slug}.json")
-        summaries = run_bench(server.base_url, levels, args.num_requests, args.output_len,
-                              out_path)
+        runs = run_bench(server.base_url, levels, args.num_requests, args.output_len, out_path)
     finally:
         server.stop()
     print(f"  {name}: bench JSON {out_path}", flush=True)
-    return summaries
+    return runs
+
+
+def print_floors(runs: dict[str, list[dict]], levels: list[int]) -> None:
+    """Every server's run at every level against this CPU's floor (tokenmill explain)."""
+    print("against the floor (tokenmill explain --hardware cpu on each run's result):")
+    for name, results in runs.items():
+        for c, result in zip(levels, results):
+            try:
+                lines = floor_lines(explain(result))
+            except (subprocess.CalledProcessError, ValueError, KeyError) as e:
+                lines = [f"explain failed: {e}"]
+            print(f"  {name}, c={c}:")
+            for line in lines:
+                print(f"    {line}")
 
 
 def print_table(results: dict[str, list[dict]], levels: list[int]) -> None:
@@ -150,10 +167,10 @@ def main() -> None:
         raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
     print(f"W2 online serving · {machine()}")
     vllm, llama = ensure_servers(peers)
-    results: dict[str, list[dict]] = {}
-    results["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
-                                                                   *args.serve_args),
-                                        args, levels)
+    runs: dict[str, list[dict]] = {}
+    runs["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
+                                                               *args.serve_args),
+                                     args, levels)
     for threads in vllm_threads if vllm is not None else []:
         name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
         try:
@@ -161,16 +178,18 @@ def main() -> None:
         except RuntimeError as e:
             skip(name, e)
             continue
-        results[name] = bench_server(name, server, args, levels)
+        runs[name] = bench_server(name, server, args, levels)
     if llama is not None:
         name = f"llama-server -np {args.llama_np}"
         server = start_llama_server(llama, embedded_gguf(), np=args.llama_np,
                                     ctx=args.llama_ctx)
-        results[name] = bench_server(name, server, args, levels)
+        runs[name] = bench_server(name, server, args, levels)
+    results = {name: [r["summary"] for r in rs] for name, rs in runs.items()}
     print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
           "tokenmill better")
     print_table(results, levels)
     print_targets(results, levels)
+    print_floors(runs, levels)
 
 
 if __name__ == "__main__":

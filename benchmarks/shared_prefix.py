@@ -11,7 +11,9 @@ the same requests): `tokenmill serve`, vLLM's CPU backend with both cores and
 start-up), and `llama-server -t 2 -np 16 -c 32768` with its prompt cache
 (benchmarks/peers/build_llama_cpp.sh; 2,048 tokens of context per slot).
 Metrics: TTFT p50/p99 and total time; the caching ratio, and tokenmill's
-total time against each peer's. A peer that cannot be set up is skipped with
+total time against each peer's; each in-process run against this CPU's floor
+(`tokenmill explain` on its result; the floor counts each sequence's own KV, not
+the shared prefix read once a step, so it is above what the cascade needs). A peer that cannot be set up is skipped with
 the reason.
 
     .venv/bin/python benchmarks/shared_prefix.py
@@ -36,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import embedded_gguf, machine, median_spread
+from floors import explain, floor_lines
 from peers import (
     add_peer_args,
     ensure_servers,
@@ -66,7 +69,9 @@ def run(caching: bool, args) -> dict:
                         output_len=LengthSpec.parse(args.output_len), num_prefixes=1,
                         prefix_len=args.prefix_len)
     requests = build_workload(spec, args.num_requests, target.tokenizer, 0, 0)
-    plan = BenchPlan(target=target, config={"model": "smollm2-135m"},
+    served = {"engine": "tokenmill", "quantization": target.quantization,
+              "dtype": target.dtype, "enable_prefix_caching": caching}
+    plan = BenchPlan(target=target, config={"model": "smollm2-135m", "server_config": served},
                      make_requests=lambda i: requests)
     result = run_once(plan, LoadSpec(concurrency=args.concurrency))
     s = result["summary"]
@@ -78,6 +83,8 @@ def run(caching: bool, args) -> dict:
           f"run {engine.get('num_prefill_tokens', '?')}, mean decode batch "
           f"{engine.get('mean_decode_batch', 0):.1f}; engine time "
           + ", ".join(f"{k} {v:.1f}s" for k, v in engine.get("time_s", {}).items()))
+    for line in floor_lines(explain(result)):
+        print(f"    {line}")
     del target
     return s
 

@@ -170,3 +170,22 @@ def test_a_decode_floor_counts_the_prompts_that_join_its_steps(capsys, tmp_path,
     assert main(["explain", str(path), "--json"]) == 0
     cached = json.loads(capsys.readouterr().out)
     assert cached["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(15 / 4)
+    # and a prompt's own prefill floor is that of its 32 uncached tokens, not all 128
+    assert (cached["prefill"]["prompt_tokens"], cached["prefill"]["uncached_tokens"]) == (128, 32)
+    assert cached["prefill"]["floor_ttft_ms"] < run["prefill"]["floor_ttft_ms"] / 2
+    # an offline run says it by the engine's counts
+    path.write_text(json.dumps({
+        "config": {"model": "smollm2-135m", "hardware": "cpu"},
+        "summary": {**shape, "num_completed": 256},
+        "engine": {"prefix_cache_hits": 96, "prefix_cache_queries": 128}}))
+    assert main(["explain", str(path), "--json"]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(15 / 4)
+    # a step time from the run's throughput holds every prompt: 16 of them in 128 steps
+    path.write_text(json.dumps({
+        "config": {"model": "smollm2-135m", "hardware": "cpu"},
+        "summary": {**{k: v for k, v in shape.items() if k != "tpot_ms"},
+                    "output_throughput_tok_s": 300.0, "num_completed": 256}}))
+    assert main(["explain", str(path), "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["decode"]["shared_prefill_tokens_per_step"] == pytest.approx(16)

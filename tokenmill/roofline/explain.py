@@ -86,6 +86,7 @@ class _Run:
     output_len: int = 1
     join_tokens: float = 0.0  # uncached prompt tokens of a request joining the batch
     join_share: float = 0.0  # of the other slots, the share that took a next request
+    whole_run: bool = False  # the step time is the run's (batch ÷ throughput): every prompt
 
     @property
     def machine(self) -> Machine:
@@ -94,10 +95,13 @@ class _Run:
     def joins_per_step(self, batch: float) -> float:
         """Prompts prefilled in the steps a sequence decodes in, per step: while it decodes
         its `output_len` tokens, each of the other `batch - 1` slots takes its next request
-        once (`join_share` of them: see _join_share)."""
+        once (`join_share` of them: see _join_share). A step time taken from the whole
+        run's throughput holds every request's prompt: `batch` of them every `output_len`
+        steps."""
         if self.join_tokens < 1:
             return 0.0
-        return self.join_share * max(0.0, batch - 1) / self.output_len
+        slots = batch if self.whole_run else self.join_share * max(0.0, batch - 1)
+        return slots / self.output_len
 
     def decode_floor(self, bits: WeightBits, batch: float) -> StepFloor:
         """A decode step of `batch` sequences, with the prompts that join it prefilled."""
@@ -234,26 +238,29 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
                      output_len=output_len, context=context, kv_dtype=kv_dtype,
                      cost_per_hour=args.cost_per_hour)
     kv_bpe = report.kv_bytes_per_token / arch.kv_bytes_per_token(1)
-    hit = _num(result.get("server") if isinstance(result.get("server"), dict) else None,
-               "prefix_cache_hit_rate") or 0.0
+    hit = _prefix_hit_rate(result, engine)
+    step_ms = _num(summary, "tpot_ms", "mean") or _num(summary, "itl_ms", "mean")
+    out_tps = _num(summary, "output_throughput_tok_s")
+    whole_run = step_ms is None and bool(out_tps)
+    if whole_run:
+        step_ms = batch / out_tps * 1e3
+        notes.append("no TPOT/ITL: decode step time taken as batch ÷ output throughput")
     run = _Run(arch, bits, report, batch, context, kv_bpe, server, output_len=output_len,
-               join_tokens=(prompt or 0.0) * (1 - min(1.0, max(0.0, hit))),
+               join_tokens=(prompt or 0.0) * (1 - hit),
                join_share=_join_share(batch, _num(summary, "num_completed")
-                                      or _num(config, "num_requests")))
+                                      or _num(config, "num_requests")),
+               whole_run=whole_run)
     machine = report.machine
 
     decode = None
     floor = run.decode_floor(bits, batch)
     shared = run.joins_per_step(batch) * run.join_tokens
     if shared:
+        whose = ("every request's prompt" if whole_run
+                 else "the other sequences' next prompts")
         notes.append(f"each decode step also prefilled {shared:,.0f} prompt tokens on average "
-                     f"(the other sequences' next prompts, {run.join_tokens:,.0f} uncached "
-                     f"tokens each, over {output_len:,} steps): counted in its floor")
-    step_ms = _num(summary, "tpot_ms", "mean") or _num(summary, "itl_ms", "mean")
-    out_tps = _num(summary, "output_throughput_tok_s")
-    if step_ms is None and out_tps:
-        step_ms = batch / out_tps * 1e3
-        notes.append("no TPOT/ITL: decode step time taken as batch ÷ output throughput")
+                     f"({whose}, {run.join_tokens:,.0f} uncached tokens each, over "
+                     f"{output_len:,} steps): counted in its floor")
     if step_ms:
         step_s = step_ms / 1e3
         decode = {
@@ -271,12 +278,13 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
         }
 
     prefill = None
-    pre = prefill_step(arch, bits, machine, prompt_len, kv_bpe)
+    uncached = max(1, round(prompt_len * (1 - hit)))  # the prefix cache served the rest
+    pre = prefill_step(arch, bits, machine, uncached, kv_bpe)
     ttft_ms = _num(summary, "ttft_ms", "p50") or _num(summary, "ttft_ms", "mean")
     if ttft_ms and prompt is not None:
         ttft_s = ttft_ms / 1e3
         prefill = {
-            "prompt_tokens": prompt_len, "measured_ttft_ms": ttft_ms,
+            "prompt_tokens": prompt_len, "uncached_tokens": uncached, "measured_ttft_ms": ttft_ms,
             "floor_ttft_ms": pre.time_s * 1e3, "bound": pre.bound, "flops": pre.flops,
             "arithmetic_intensity": pre.intensity, "achieved_flops_s": pre.flops / ttft_s,
             "mfu": pre.compute_time_s / ttft_s, "fraction_of_floor": pre.time_s / ttft_s,
@@ -292,6 +300,24 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
     bottleneck, levers = _diagnose(run, decode, prefill, engine_view, summary, hw_name)
     return Explanation(str(args.result), hw_name, report, decode, prefill, engine_view,
                        bottleneck, levers, notes + report.notes + list(model.notes))
+
+
+def _prompt_tokens(prefill: dict) -> str:
+    """'128 tokens', or '1,088 tokens, 80 uncached' where the prefix cache served some."""
+    total, uncached = prefill["prompt_tokens"], prefill.get("uncached_tokens", 0)
+    tail = f", {uncached:,} uncached" if uncached and uncached < total else ""
+    return f"{total:,} tokens{tail}"
+
+
+def _prefix_hit_rate(result: dict, engine: dict | None) -> float:
+    """The share of prompt tokens the prefix cache served: the server's metrics' rate, or
+    an offline run's engine counts; 0 where the result says neither."""
+    server = result.get("server") if isinstance(result.get("server"), dict) else None
+    rate = _num(server, "prefix_cache_hit_rate")
+    queries = _num(engine, "prefix_cache_queries")
+    if rate is None and queries:
+        rate = (_num(engine, "prefix_cache_hits") or 0.0) / queries
+    return min(1.0, max(0.0, rate or 0.0))
 
 
 def _join_share(batch: float, requests: float | None) -> float:
@@ -408,7 +434,7 @@ def _diagnose(run: _Run, decode, prefill, engine, summary, hw_name) -> tuple[str
     elif prefill:
         t, f = prefill["measured_ttft_ms"], prefill["floor_ttft_ms"]
         bottleneck = (f"prefill: TTFT p50 {t:,.0f} ms against a {f:.3g} ms floor for "
-                      f"{prefill['prompt_tokens']:,} tokens ({fmt.pct(prefill['mfu'])} MFU)")
+                      f"{_prompt_tokens(prefill)} ({fmt.pct(prefill['mfu'])} MFU)")
         levers.extend(_prefill_levers(run, prefill, summary))
     else:
         bottleneck = "not enough measurements to name one (no TPOT, ITL, TTFT or throughput)"
@@ -544,7 +570,7 @@ def print_explanation(ex: Explanation) -> None:
                       fmt.pct(d["mfu"]))
     if ex.prefill:
         p = ex.prefill
-        table.add_row(f"prefill (TTFT p50), {p['prompt_tokens']:,} tokens",
+        table.add_row(f"prefill (TTFT p50), {_prompt_tokens(p)}",
                       f"{p['measured_ttft_ms']:,.4g} ms", f"{p['floor_ttft_ms']:.3g} ms",
                       fmt.pct(p["fraction_of_floor"]), "", fmt.pct(p["mfu"]))
     e = ex.engine

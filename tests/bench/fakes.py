@@ -161,9 +161,11 @@ async def models(request: Request):
 
 class FakeServer:
     """`vllm_metrics=True` adds a `/metrics` page with vLLM's names; without it
-    `/metrics` is a 404, as on a server that exposes none."""
+    `/metrics` is a 404, as on a server that exposes none. `props` is served at `/props`
+    (llama-server's route; a 404 without it)."""
 
-    def __init__(self, vllm_metrics: bool = False) -> None:
+    def __init__(self, vllm_metrics: bool = False, props: dict | None = None) -> None:
+        self.props = props
         self.app = self.build_app(vllm_metrics)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1",
@@ -199,9 +201,14 @@ class FakeServer:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             return Response(self.stats.render(), media_type="text/plain")
 
+        async def props(request: Request):
+            body = getattr(self, "props", None)
+            return JSONResponse(body or {"detail": "Not Found"}, status_code=200 if body else 404)
+
         return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"]),
-                                 Route("/v1/models", models), Route("/metrics", metrics)])
+                                 Route("/v1/models", models), Route("/metrics", metrics),
+                                 Route("/props", props)])
 
     @property
     def base_url(self) -> str:

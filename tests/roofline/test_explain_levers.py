@@ -161,6 +161,26 @@ def test_explain_holds_a_run_against_the_weights_the_server_ran(capsys, fake_cpu
     assert (bf16["compute_dtype"], bf16["peak_flops"]) == ("bf16", 435e9)
 
 
+def test_explain_holds_a_llama_server_run_against_the_file_it_ran(capsys, fake_cpu, plant_cpu,
+                                                                  smollm2_gguf, tmp_path):
+    # a llama-server run whose client named the model by its config (a bf16 checkpoint's
+    # directory): /props names the GGUF file the server ran, and llama.cpp multiplies its
+    # Q4_1 blocks by 8-bit activations (tokenmill's gguf-a8)
+    plant_cpu({**fake_cpu, "int_matmul_flops": {"int16": 600e9, "int8": 900e9}})
+    checkpoint = tmp_path / "smollm2"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_bytes((DATA / "smollm2_config.json").read_bytes())
+    summary = {"mean_in_flight": 16, "mean_input_tokens": 128, "mean_output_tokens": 128,
+               "tpot_ms": _stat(100.0), "ttft_ms": _stat(900.0)}
+    served = {"engine": "llama.cpp", "model": smollm2_gguf, "quantization": "gguf-a8",
+              "max_num_seqs": 16}
+    r = _explain_json(capsys, _write(tmp_path, "llama.json", {
+        "model": str(checkpoint), "hardware": "cpu", "server_config": served}, summary))
+    assert r["dtype"].startswith("gguf:") and r["compute_dtype"] == "int8"
+    assert r["decode"]["weight_bytes_per_step"] == 96_576_768
+    assert r["peak_flops"] == 900e9
+
+
 def test_chunked_prefill_on_is_not_recommended(capsys, fake_cpu, tmp_path):
     result = json.loads((DATA / "bench_result.json").read_text())
     result["summary"]["itl_ms"] = _stat(40, 30, 400)

@@ -45,6 +45,23 @@ def test_vllm_server_info_is_read_into_the_same_names():
     assert normalize({"something": "else"}) is None
 
 
+# llama-server's GET /props (llama-cpp-python 0.3.36's server), the fields read
+LLAMA_PROPS = {"total_slots": 16, "model_alias": "smollm2-135m", "model_ftype": "Q4_1",
+               "model_path": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+               "default_generation_settings": {"n_ctx": 1024}, "build_info": "b0-unknown"}
+
+
+def test_llama_server_props_are_read_into_the_same_names():
+    # llama-server has no /server_info: its /props says which GGUF it runs and how many
+    # slots, so explain holds its runs against the file's bytes, not a bf16 preset's
+    from tests.bench.fakes import FakeServer
+
+    with FakeServer(props=LLAMA_PROPS) as srv:
+        cfg = asyncio.run(fetch_server_config(srv.base_url + "/v1", None))
+    assert cfg == {"engine": "llama.cpp", "model": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "quantization": "gguf-a8", "gguf_type": "Q4_1", "max_num_seqs": 16}
+
+
 def test_a_server_without_server_info_gives_none():
     from tests.bench.fakes import FakeServer
 

@@ -2,8 +2,11 @@
 
 tokenmill answers `GET /server_info` with a flat dict (tokenmill/server/server_info.py);
 vLLM answers it (when its dev endpoints are on) with `{"vllm_config": "<repr>"}`, whose
-`key=value` pairs are parsed here into the same names. Anything else gives None: explain
-then says it does not know which levers are already pulled.
+`key=value` pairs are parsed here into the same names. llama-server has no such route; its
+`GET /props` names the GGUF file it runs and its slots, read into the same names
+(`quantization` gguf-a8: llama.cpp multiplies a GGUF's blocks by 8-bit activations on a
+CPU, as tokenmill's gguf-a8 does). Anything else gives None: explain then says it does
+not know which levers are already pulled.
 """
 
 from __future__ import annotations
@@ -63,13 +66,30 @@ def normalize(body: Any) -> dict[str, Any] | None:
     return None
 
 
+def normalize_llama_props(body: Any) -> dict[str, Any] | None:
+    """llama-server's `/props` (model_path, total_slots, ...) in /server_info's names."""
+    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        return None
+    out: dict[str, Any] = {"engine": "llama.cpp", "model": body["model_path"],
+                           "quantization": "gguf-a8"}
+    if isinstance(body.get("model_ftype"), str):
+        out["gguf_type"] = body["model_ftype"]
+    if isinstance(body.get("total_slots"), int):
+        out["max_num_seqs"] = body["total_slots"]
+    return out
+
+
 async def fetch_server_config(base_url: str, api_key: str | None) -> dict[str, Any] | None:
-    """The target's configuration from its `/server_info`, or None when it has none."""
+    """The target's configuration from its `/server_info` (else llama-server's `/props`),
+    or None when it has neither."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = base_url.rstrip("/").removesuffix("/v1") + "/server_info"
+    root = base_url.rstrip("/").removesuffix("/v1")
     try:
         async with httpx.AsyncClient(timeout=10.0, headers=headers) as http:
-            resp = await http.get(url)
-        return normalize(resp.json()) if resp.status_code == 200 else None
+            resp = await http.get(root + "/server_info")
+            if resp.status_code == 200:
+                return normalize(resp.json())
+            resp = await http.get(root + "/props")
+        return normalize_llama_props(resp.json()) if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

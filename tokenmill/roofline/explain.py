@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokenmill.roofline import fmt
 from tokenmill.roofline.arch import ModelArch, WeightBits
@@ -197,6 +198,10 @@ def _weight_bits(model, config: dict) -> WeightBits:
     result records them (a tokenmill server on the embedded model says gguf-a16: its
     Q4_1 file, not the preset's bf16), else the client's --dtype, else the checkpoint's."""
     server = target_config(config) or {}
+    gguf = server.get("model")
+    if (server.get("engine") == "llama.cpp" and isinstance(gguf, str)
+            and gguf.endswith(".gguf") and Path(gguf).is_file()):
+        return weight_bits(load_model(gguf), "gguf-a8")  # the file llama-server said it runs
     for source, key in ((server, "quantization"), (server, "dtype"), (config, "quantization"),
                         (config, "dtype")):
         value = source.get(key)

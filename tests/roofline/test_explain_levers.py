@@ -179,6 +179,11 @@ def test_explain_holds_a_llama_server_run_against_the_file_it_ran(capsys, fake_c
     assert r["dtype"].startswith("gguf:") and r["compute_dtype"] == "int8"
     assert r["decode"]["weight_bytes_per_step"] == 96_576_768
     assert r["peak_flops"] == 900e9
+    # 28 requests in flight at concurrency 32 against its 16 slots: 16 decode at a time
+    r = _explain_json(capsys, _write(tmp_path, "llama32.json", {
+        "model": str(checkpoint), "hardware": "cpu", "server_config": served},
+        {**summary, "mean_in_flight": 28.1}))
+    assert r["decode"]["batch"] == 16
 
 
 def test_chunked_prefill_on_is_not_recommended(capsys, fake_cpu, tmp_path):

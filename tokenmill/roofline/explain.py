@@ -236,6 +236,11 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
     if server is None:
         notes.append("the result does not record the server's configuration "
                      "(config.server_config): levers already in use may be listed")
+    slots = _num(server, "max_num_seqs")
+    if engine is None and slots and batch > slots:  # the rest waited in the server's queue
+        notes.append(f"{batch:.3g} requests in flight, {slots:.0f} decoding at a time "
+                     "(the server's max_num_seqs): the decode batch is the latter")
+        batch = slots
     kv_dtype = KV_DTYPES.get(str((server or {}).get("kv_cache_dtype", "auto")).lower(),
                              "fp32" if bits.compute_dtype == "fp32" else "bf16")
     batches = sorted({1, 8, 32, 64, 128, 256, max(1, round(batch))})

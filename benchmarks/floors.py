@@ -71,9 +71,9 @@ def explain(result: dict) -> dict:
 
 
 def floor_lines(ex: dict) -> list[str]:
-    """explain's distance to the floor in a few lines: the decode step (TPOT) and, for an
-    engine-side run, the whole run's forward time, each against its floor; the figures
-    the floor used; the verdict."""
+    """explain's distance to the floor in a few lines: the decode step (TPOT), or a
+    prefill-only run's TTFT, and for an engine-side run the whole run's forward time,
+    each against its floor; the figures the floor used; the verdict."""
     lines = []
     if d := ex.get("decode"):
         shared = d.get("shared_prefill_tokens_per_step") or 0
@@ -81,6 +81,10 @@ def floor_lines(ex: dict) -> list[str]:
                      f"{d['floor_step_ms']:.1f} ms floor ({d['fraction_of_floor']:.0%} of it; "
                      f"batch {d['batch']:.3g}, {d['bound']}-bound"
                      + (f", {shared:.0f} joining prompt tokens a step" if shared else "") + ")")
+    if (p := ex.get("prefill")) and not ex.get("decode"):  # a prefill-only run (W4)
+        lines.append(f"prefill (TTFT p50) {p['measured_ttft_ms']:.0f} ms against a "
+                     f"{p['floor_ttft_ms']:.0f} ms floor for {p['prompt_tokens']:,} tokens "
+                     f"({p['fraction_of_floor']:.0%} of it; {p['bound']}-bound)")
     if (e := ex.get("engine")) and "forward_floor_s" in e:
         lines.append(f"whole run's forward {e['time_s']['forward']:.1f} s against a "
                      f"{e['forward_floor_s']:.1f} s floor ({e['fraction_of_floor']:.0%} of it); "

@@ -8,8 +8,9 @@ and fp32 (`generate` with max_new_tokens=1), and llama.cpp's `llama-bench -p
 512 -n 0` (pp512 on the same Q4_1 GGUF, 2 threads; built by
 benchmarks/peers/build_llama_cpp.sh; its TTFT is 512 / pp512 tok/s). The
 floor is the prefill's FLOPs over the bf16 matmul rate (PERFORMANCE.md: 435
-GFLOP/s on small shapes, 920 on large ones). A peer that cannot be set up is
-skipped with the reason.
+GFLOP/s on small shapes, 920 on large ones); tokenmill's default is also held
+against this CPU's measured floor for the arithmetic it runs (`tokenmill explain`).
+A peer that cannot be set up is skipped with the reason.
 
     .venv/bin/python benchmarks/prefill.py
     .venv/bin/python benchmarks/prefill.py --peers llama   # one peer
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import embedded_gguf, load_transformers, machine, median_spread
-from floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
+from floors import QUIET_BF16_TFLOP_S, explain, floor_lines, prefill_floor_ms
 from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
 from tokenmill.quant.mlp_int8 import available as mlp_int8_available
@@ -36,7 +37,8 @@ from tokenmill.quant.mlp_int8 import available as mlp_int8_available
 PEERS = ("llama", "transformers")
 
 
-def run_tokenmill(prompt: list[int], repeats: int, **engine_kwargs) -> list[float]:
+def run_tokenmill(prompt: list[int], repeats: int, against_floor: bool = False,
+                  **engine_kwargs) -> list[float]:
     from tokenmill import LLM, SamplingParams
 
     # prefix caching off, and the whole prompt in one chunk: each repeat is a cold prefill
@@ -48,6 +50,16 @@ def run_tokenmill(prompt: list[int], repeats: int, **engine_kwargs) -> list[floa
     for _ in range(repeats):
         m = llm.generate([prompt], params, use_tqdm=False)[0].metrics
         ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
+    if against_floor:
+        print("  tokenmill default against this CPU's floor (tokenmill explain --hardware cpu):")
+        served = {"engine": "tokenmill", "quantization": llm.engine.quantization,
+                  "dtype": str(llm.engine.dtype)}
+        for line in floor_lines(explain({
+                "config": {"model": "smollm2-135m", "num_requests": 1, "server_config": served},
+                "summary": {"num_completed": 1, "mean_input_tokens": len(prompt),
+                            "mean_output_tokens": 1,
+                            "ttft_ms": {"p50": statistics.median(ttfts)}}})):
+            print(f"    {line}")
     return ttfts
 
 
@@ -89,7 +101,7 @@ def main() -> None:
         if llama is None:
             skip("llama.cpp", why)
     results: dict[str, list[float]] = {}
-    results["tokenmill default"] = run_tokenmill(prompt, args.repeats)
+    results["tokenmill default"] = run_tokenmill(prompt, args.repeats, against_floor=True)
     results["tokenmill bf16, no quantization"] = run_tokenmill(
         prompt, args.repeats, dtype="bfloat16", quantization="none")
     if mlp_int8_available():  # opt-in: it misses the accuracy gate (BENCHMARKS.md)

@@ -151,7 +151,8 @@ def cpu_cache_path() -> Path:
 
 def cpu_cache_key(threads: int, torch_version: str) -> str:
     """Figures are reused only on the same CPU model, thread count and torch version (and
-    the same micro-benchmark: `v2` reads buffers >= 4x the last-level cache)."""
+    the same micro-benchmark: `v2` reads buffers >= 4x the last-level cache, `v3` adds
+    the integer kernels' rates)."""
     return f"{_cpu_model()}|threads={threads}|torch={torch_version}|v3"
 
 

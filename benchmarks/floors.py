@@ -3,7 +3,7 @@
 The CPU micro-benchmark underestimates bandwidth on a loaded machine, so the
 floors default to PERFORMANCE.md's quiet-machine ceilings (read 47 GB/s, bf16
 435 GFLOP/s on small shapes); pass other figures to see the floor they imply.
-`explain` / `floor_lines` hold a whole run (W1, W2, W5) against this CPU's measured
+`explain` / `floor_lines` hold a run (W1, W2, W4, W5) against this CPU's measured
 figures with `tokenmill explain`, as a user would.
 """
 

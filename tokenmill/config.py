@@ -177,6 +177,12 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be at least 1")
 
 
+# --quantization methods that run a GGUF file's own blocks natively, and the activations
+# each multiplies them by (tokenmill/quant/model.py; roofline holds each against the peak
+# of that arithmetic). Here, torch-free, for both.
+GGUF_ACTIVATIONS = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"

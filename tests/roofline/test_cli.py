@@ -125,19 +125,14 @@ def test_the_integer_rates_keep_the_faster_of_two_tries(monkeypatch):
     assert figures["int_matmul_flops"] == {"int16": 220e9, "int8": 230e9}
 
 
-def test_cpu_bf16_peak_is_never_below_fp32(cache_home, monkeypatch):
+def test_cpu_bf16_peak_is_never_below_fp32(plant_cpu, monkeypatch):
     # an AVX2 machine without native bf16: torch's bf16 matmul ran at 0.85 GFLOP/s, fp32 at
     # 119; an engine multiplies bf16 weights in fp32 there, so bf16's peak is fp32's
-    import torch
-
     from tokenmill.roofline import hardware
 
     monkeypatch.setattr(hardware, "_micro_benchmark", lambda torch: pytest.fail("measured"))
-    path = hardware.cpu_cache_path()
-    path.parent.mkdir(parents=True)
-    key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
-    path.write_text(json.dumps({key: {"read_bandwidth_bytes_s": 25e9,
-                                      "matmul_flops": {"fp32": 119e9, "bf16": 0.85e9}}}))
+    plant_cpu({"read_bandwidth_bytes_s": 25e9,
+               "matmul_flops": {"fp32": 119e9, "bf16": 0.85e9}})
     hw = hardware.measure_cpu()
     assert hw.flops("bf16") == 119e9 and hw.flops("fp32") == 119e9
     assert hw.measured["matmul_flops"]["bf16"] == 0.85e9  # the measurement itself is kept

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.quant import huge_pages, mlp_int8, vnni, widened
 from tokenmill.quant.codes import (
@@ -64,7 +65,6 @@ from tokenmill.quant.int8_dynamic import available as w8a8_available
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
 METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "int4", "int8", "fp8")
-GGUF_ACTIVATIONS = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
 # AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights

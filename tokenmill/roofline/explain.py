@@ -198,10 +198,9 @@ def _weight_bits(model, config: dict) -> WeightBits:
     result records them (a tokenmill server on the embedded model says gguf-a16: its
     Q4_1 file, not the preset's bf16), else the client's --dtype, else the checkpoint's."""
     server = target_config(config) or {}
-    gguf = server.get("model")
-    if (server.get("engine") == "llama.cpp" and isinstance(gguf, str)
-            and gguf.endswith(".gguf") and Path(gguf).is_file()):
-        return weight_bits(load_model(gguf), "gguf-a8")  # the file llama-server said it runs
+    served = server.get("model")
+    if isinstance(served, str) and served.endswith(".gguf") and Path(served).is_file():
+        model = load_model(served)  # the file the server said it runs (llama-server's /props)
     for source, key in ((server, "quantization"), (server, "dtype"), (config, "quantization"),
                         (config, "dtype")):
         value = source.get(key)

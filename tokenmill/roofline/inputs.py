@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.roofline.arch import WeightBits
 from tokenmill.roofline.hardware import Hardware, get_hardware
 from tokenmill.roofline.source import ModelNotFound, ResolvedModel, resolve
@@ -25,19 +26,13 @@ def load_model(spec: str) -> ResolvedModel:
         raise UsageError(str(e)) from None
 
 
-# the engine's --quantization values that run a GGUF file's own tensors, and the
-# dtype each multiplies in (its activations: tokenmill/quant/model.py GGUF_ACTIVATIONS)
-GGUF_COMPUTE = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
-GGUF_PATHS = tuple(GGUF_COMPUTE)
-
-
 def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
     path = dtype.lower() if dtype else None
-    if path in GGUF_COMPUTE:
+    if path in GGUF_ACTIVATIONS:  # a GGUF path computes in its activations' dtype
         bits = model.default_bits if model.gguf_path else _embedded_gguf_bits(model, dtype)
-        return replace(bits, compute_dtype=GGUF_COMPUTE[path])
-    if not dtype or dtype.lower() in ("auto", "none") or (
-            model.gguf_path and dtype.lower() == model.default_bits.name.lower()):
+        return replace(bits, compute_dtype=GGUF_ACTIVATIONS[path])
+    if not path or path in ("auto", "none") or (
+            model.gguf_path and path == model.default_bits.name.lower()):
         return model.default_bits
     try:
         return WeightBits.from_name(dtype)

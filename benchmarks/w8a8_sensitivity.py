@@ -10,7 +10,16 @@ weights in float32). This is the fast way to see why a scheme fails
 benchmarks/accuracy.py's gate (within 1% perplexity of bf16, >= 97% top-1 with fp32)
 before writing its kernel; the gate itself runs the real engine.
 
+`a8s32` is gguf-a8's rounding (symmetric, per block of 32, the weights exact); with
+`--keep16 F,...` each F also runs `a8s32` with the share F of every row's blocks kept at
+gguf-a16's 16 bits: those whose step (amax / 127) squared times the block's weight energy
+(sum of its weights squared) is largest, chosen per row as a kernel could from the
+activations it quantizes. `--head16` keeps the LM head at 16 bits in those schemes.
+`--windows 10` scores 5,120 positions (2 windows, 1,024, read a point apart run to run).
+
     .venv/bin/python benchmarks/w8a8_sensitivity.py [--schemes bf16,w8a8,w8,a8,a8g32,w8g32]
+    .venv/bin/python benchmarks/w8a8_sensitivity.py --schemes bf16,a8s32 --keep16 0.12,0.25 \
+        --windows 10 [--head16]
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "opticks_book
 # scheme -> (weight group or None for per channel or 0 for unrounded,
 #            activation group or None for per token or 0 for unrounded)
 SCHEMES = {"bf16": (0, 0), "w8a8": (None, None), "w8": (None, 0), "a8": (0, None),
-           "a8g32": (0, 32), "w8g32": (32, 0), "w8g32a8g32": (32, 32)}
+           "a8g32": (0, 32), "w8g32": (32, 0), "w8g32a8g32": (32, 32), "a8s32": (0, "s32")}
 
 
 def _round_weight(w: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -43,11 +52,31 @@ def _round_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
     return ((torch.round(g / scale) + zero).clamp(0, 255) - zero).mul(scale).reshape(m, k)
 
 
-def _emulation(w: torch.Tensor, wgroup: int | None, agroup: int | None):
+def _round_symmetric(x: torch.Tensor, keep16: float, energy: torch.Tensor) -> torch.Tensor:
+    """gguf-a8's rounding (per block of 32, v = round(x / d), d = amax / 127), each row's
+    keep16 share of blocks with the largest d^2 * weight energy at 16 bits (amax / 32512)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    vmax = torch.full_like(amax, 127.0)
+    n16 = round(keep16 * (k // 32))
+    if n16:
+        top = (amax.squeeze(-1) ** 2 * energy).topk(n16, dim=1).indices
+        vmax.squeeze(-1).scatter_(1, top, 32512.0)
+    d = amax / vmax
+    return (torch.round(g / d).clamp(-vmax, vmax) * d).reshape(m, k)
+
+
+def _emulation(w: torch.Tensor, wgroup: int | None, agroup: int | str | None,
+               keep16: float = 0.0):
     wq = w if wgroup == 0 else _round_weight(w, wgroup)
+    energy = w.reshape(w.shape[0], -1, 32).pow(2).sum((0, 2))  # per input block
 
     def run(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        xq = x.float() if agroup == 0 else _round_activations(x, agroup)
+        if agroup == "s32":
+            xq = _round_symmetric(x, keep16, energy)
+        else:
+            xq = x.float() if agroup == 0 else _round_activations(x, agroup)
         return (xq @ wq.t()).to(out_dtype)
     return run
 
@@ -57,6 +86,10 @@ def main() -> None:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--keep16", default="", help="comma-separated shares of a row's blocks "
+                    "kept at 16 bits, each run as an a8s32 variant")
+    ap.add_argument("--head16", action="store_true",
+                    help="the LM head at 16 bits in the a8s32 variants")
     args = ap.parse_args()
     from tokenmill.loaders import load_model
     from tokenmill.loaders.model_source import resolve_model
@@ -83,10 +116,16 @@ def main() -> None:
     # each linear's bf16 weight, read back through its packed copy
     weights = [d(torch.eye(m.in_features, dtype=torch.bfloat16)).float().t().contiguous()
                for m, d in zip(linears, dense)]
-    for name in args.schemes.split(","):
-        wgroup, agroup = SCHEMES[name]
+    runs = [(name, *SCHEMES[name], 0.0) for name in args.schemes.split(",")]
+    runs += [(f"a8s32+{float(f):g}@16", 0, "s32", float(f))
+             for f in args.keep16.split(",") if f]
+    head = max(linears, key=lambda m: m.out_features)  # the LM head (49,152 outputs)
+    for name, wgroup, agroup, keep16 in runs:
+        if agroup == "s32" and args.head16:
+            name += " head16"
         for m, w in zip(linears, weights):
-            m.dense = _emulation(w, wgroup, agroup)
+            head16 = agroup == "s32" and args.head16 and m is head
+            m.dense = _emulation(w, wgroup, agroup, 1.0 if head16 else keep16)
         nll, agree = [], 0
         for w, ref in zip(windows, ref_argmax):
             lg = logits(model, w)

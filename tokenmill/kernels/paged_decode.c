@@ -174,9 +174,8 @@ static inline __attribute__((always_inline)) void prefetch_rows_ahead(const item
                                                                       int64_t i0, int64_t nrows) {
     if (j + PREFETCH_BLOCKS >= nblocks) return;
     if (nrows > it->BS - i0) nrows = it->BS - i0;
-    const char *r = (const char *)(pool + ((int64_t)it->tab[j + PREFETCH_BLOCKS] * it->BS + i0) *
-                                              it->D);
-    for (int64_t off = 0; off < nrows * it->D * 2; off += 64) __builtin_prefetch(r + off, 0, 3);
+    prefetch_block(pool + ((int64_t)it->tab[j + PREFETCH_BLOCKS] * it->BS + i0) * it->D,
+                   nrows * it->D * 2);
 }
 
 /* a row of bytes widened to fp32 (not yet scaled) */

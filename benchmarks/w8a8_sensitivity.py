@@ -70,7 +70,8 @@ def _round_symmetric(x: torch.Tensor, keep16: float, energy: torch.Tensor) -> to
 def _emulation(w: torch.Tensor, wgroup: int | None, agroup: int | str | None,
                keep16: float = 0.0):
     wq = w if wgroup == 0 else _round_weight(w, wgroup)
-    energy = w.reshape(w.shape[0], -1, 32).pow(2).sum((0, 2))  # per input block
+    # per input block, what picks _round_symmetric's 16-bit blocks
+    energy = w.reshape(w.shape[0], -1, 32).pow(2).sum((0, 2)) if agroup == "s32" else None
 
     def run(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if agroup == "s32":
@@ -81,12 +82,23 @@ def _emulation(w: torch.Tensor, wgroup: int | None, agroup: int | str | None,
     return run
 
 
+def _shares(text: str) -> list[float]:
+    """--keep16's comma-separated shares, each in [0, 1]."""
+    try:
+        shares = [float(f) for f in text.split(",") if f]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if any(not 0.0 <= f <= 1.0 for f in shares):
+        raise argparse.ArgumentTypeError(f"each share must be in [0, 1]: {text!r}")
+    return shares
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--keep16", default="", help="comma-separated shares of a row's blocks "
+    ap.add_argument("--keep16", type=_shares, default=[], help="comma-separated shares of a row's blocks "
                     "kept at 16 bits, each run as an a8s32 variant")
     ap.add_argument("--head16", action="store_true",
                     help="the LM head at 16 bits in the a8s32 variants")
@@ -117,8 +129,7 @@ def main() -> None:
     weights = [d(torch.eye(m.in_features, dtype=torch.bfloat16)).float().t().contiguous()
                for m, d in zip(linears, dense)]
     runs = [(name, *SCHEMES[name], 0.0) for name in args.schemes.split(",")]
-    runs += [(f"a8s32+{float(f):g}@16", 0, "s32", float(f))
-             for f in args.keep16.split(",") if f]
+    runs += [(f"a8s32+{f:g}@16", 0, "s32", f) for f in args.keep16]
     head = max(linears, key=lambda m: m.out_features)  # the LM head (49,152 outputs)
     for name, wgroup, agroup, keep16 in runs:
         if agroup == "s32" and args.head16:

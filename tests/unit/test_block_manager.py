@@ -233,3 +233,40 @@ def test_free_slots_beyond_rolls_back_speculative_slots():
 
 def test_max_tokens_that_fit():
     assert BlockManager(num_blocks=10, block_size=16).max_tokens_that_fit() == 160
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last_where_that_is_free():
+    """Decode attention reads a table's blocks in order, and adjacent blocks come from
+    memory faster: a sequence that grows takes the block after its last one where nobody
+    holds it, not the last freed."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a, b, c = (make_seq(range(100 * n, 100 * n + size)) for n, size in ((1, 8), (2, 4), (3, 4)))
+    for seq in (a, b, c):
+        admit(bm, seq)
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [2], [3])
+    bm.free(b)
+    bm.free(c)  # block 3 is now the last freed
+    a.num_computed_tokens = a.num_tokens
+    assert bm.allocate_slots(a, 8)
+    assert a.block_table == [0, 1, 2, 3]
+    bm.free(a)
+    bm.check_integrity([])
+
+
+def test_blocks_the_lru_hands_out_are_in_ascending_order_and_continue_the_table():
+    """The LRU gives back a freed sequence's blocks tail first; a step's fresh blocks are
+    put in ascending order after those that continue the table."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    old = make_seq(range(1000, 1024))  # 6 full blocks: all cached when freed
+    admit(bm, old)
+    compute_all(bm, old)
+    assert old.block_table == [0, 1, 2, 3, 4, 5]
+    bm.free(old)
+    assert bm.prefix_cache.evictable_blocks == [5, 4, 3, 2, 1, 0]
+    new = make_seq(range(2000, 2016))  # a miss: 4 blocks evicted, least recently freed first
+    admit(bm, new)
+    assert new.block_table == [2, 3, 4, 5]
+    new.num_computed_tokens = new.num_tokens
+    assert bm.allocate_slots(new, 8)  # block 6 is past the pool: the LRU's next two
+    assert new.block_table == [2, 3, 4, 5, 0, 1]
+    bm.check_integrity([new])

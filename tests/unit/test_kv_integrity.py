@@ -41,8 +41,8 @@ def test_a_corrupted_free_list_is_caught(busy):
     bm._free.append(held)  # a held block handed out again would be overwritten
     with pytest.raises(KVCacheIntegrityError, match=f"block {held} is in 2 places"):
         bm.check_integrity(live)
-    bm._free.remove(held)
-    lost = bm._free.popleft()  # a block in no list at all is a leak
+    bm._free.take(held)
+    lost = bm._free.pop()  # a block in no list at all is a leak
     with pytest.raises(KVCacheIntegrityError, match=f"block {lost} .*nowhere \\(leaked\\)"):
         bm.check_integrity(live)
 

@@ -3,7 +3,8 @@
 Blocks are ints 0..num_blocks-1; block `b` holds the K/V of token slots
 `b * block_size .. b * block_size + block_size - 1`, and the model runner
 maps a sequence's token at position `p` to slot
-`block_table[p // block_size] * block_size + p % block_size`.
+`block_table[p // block_size] * block_size + p % block_size`. A sequence's
+fresh blocks are taken adjacent where the pool allows (`_take_fresh_run`).
 
 Check, then commit: `can_allocate_slots` answers without changing anything,
 and `allocate_slots` returns False, with nothing changed, when it cannot
@@ -26,8 +27,8 @@ Plain Python, no torch.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tokenmill.engine.sequence import Sequence
@@ -58,7 +59,7 @@ class BlockManager:
         # free, never-cached blocks, taken last-freed first: a block freed a moment ago is
         # still in cache and its pages resident, where the pool's oldest free block may
         # never have been touched (its pages faulted in, and zeroed, on first use)
-        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
+        self._free = FreeList(range(num_blocks - 1, -1, -1))
         # blocks ever handed out: the pool's memory is touched lazily, block by block
         self._touched = bytearray(num_blocks)
         self.num_touched_blocks = 0
@@ -122,8 +123,9 @@ class BlockManager:
         if prefix is not None:
             self._admit_prefix(seq, prefix)
         num_needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < num_needed:
-            seq.block_table.append(self._take_fresh_block())
+        seq.block_table.extend(self._take_fresh_run(
+            num_needed - len(seq.block_table),
+            seq.block_table[-1] + 1 if seq.block_table else None))
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -250,8 +252,30 @@ class BlockManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += prefix.num_tokens
 
-    def _take_fresh_block(self) -> int:
-        if self._free:
+    def _take_fresh_run(self, n: int, after: int | None) -> list[int]:
+        """`n` fresh blocks for a table that ends just before block `after` (None: an
+        empty table), as adjacent as the pool allows: decode attention reads a sequence's
+        blocks in table order, and on a CPU adjacent blocks come from memory faster than
+        scattered ones (1.33-1.43x on a Zen 3: benchmarks/kv_adjacency.py).
+        Each block is the one after the block taken before it where that one is free;
+        the blocks that do not continue the table are put in ascending order (the prefix
+        cache's LRU hands out a freed sequence's blocks tail first)."""
+        run: list[int] = []
+        prefer = after
+        for _ in range(n):
+            run.append(self._take_fresh_block(prefer))
+            prefer = run[-1] + 1
+        head = 0  # the blocks that continue the table
+        while after is not None and head < n and run[head] == after + head:
+            head += 1
+        return run[:head] + sorted(run[head:])
+
+    def _take_fresh_block(self, prefer: int | None = None) -> int:
+        """A free block: `prefer` where it is free, else the last freed, else the prefix
+        cache's least recently freed (its LRU order is kept: hit rates stay as they were)."""
+        if prefer is not None and prefer < self.num_total_blocks and self._free.take(prefer):
+            block_id = prefer
+        elif self._free:
             block_id = self._free.pop()
         else:
             assert self.prefix_cache is not None
@@ -277,3 +301,34 @@ class BlockManager:
                 self.prefix_cache.release(block_id)
             else:
                 self._free.append(block_id)
+
+
+class FreeList:
+    """Free, never-cached blocks in the order they were freed: `pop` takes the last freed,
+    `take` any one by id. An insertion-ordered dict, so each is O(1)."""
+
+    def __init__(self, blocks: Iterable[int] = ()) -> None:
+        self._blocks = dict.fromkeys(blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blocks)
+
+    def append(self, block_id: int) -> None:
+        self._blocks[block_id] = None
+
+    def extend(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self.append(block_id)
+
+    def pop(self) -> int:
+        return self._blocks.popitem()[0]
+
+    def take(self, block_id: int) -> bool:
+        """Remove `block_id` if it is free; whether it was."""
+        if block_id not in self._blocks:
+            return False
+        del self._blocks[block_id]
+        return True

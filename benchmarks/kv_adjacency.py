@@ -1,5 +1,5 @@
 """What adjacent KV blocks buy decode attention on a CPU, and what the block manager's
-adjacent allocation buys a long-context decode after the pool has churned.
+adjacent allocation buys long-context decode steps.
 
 1. Kernel: decode attention (paged_decode.c) over the same 30 layers' pools through three
    block tables per row: blocks shuffled over the pool, runs of 4 adjacent blocks
@@ -10,12 +10,15 @@ adjacent allocation buys a long-context decode after the pool has churned.
    blocks come from the prefix cache's LRU; then `--rows` requests of `--context` random
    ids decode `--new-tokens` tokens. Engine "as before" takes each fresh block as the
    block manager did until this change (the last freed, else the LRU's least recently
-   freed, in that order); engine "adjacent" runs BlockManager as it is. The long
-   requests' decode steps are alternated between the two engines, step by step; the
-   tables' share of adjacent block pairs is printed for each.
+   freed, in that order, nothing held back); engine "adjacent" runs BlockManager as
+   it is. The long requests' decode steps are alternated between the two engines, step
+   by step; the share of adjacent block pairs in the tables they read is printed.
 
     .venv/bin/python benchmarks/kv_adjacency.py
     .venv/bin/python benchmarks/kv_adjacency.py --skip-engine --rows 16 --context 4096
+    # long generations on a fresh pool (no churn): decode growth is what scatters
+    .venv/bin/python benchmarks/kv_adjacency.py --skip-kernel --churn 0 --context 128 \
+        --new-tokens 1024
 """
 
 from __future__ import annotations
@@ -90,13 +93,15 @@ def engine_part(args: argparse.Namespace) -> None:
         if name == "as before":  # each block as it comes: the last freed, else the LRU's
             bm._take_fresh_run = lambda n, after, bm=bm: [
                 bm._take_fresh_block() for _ in range(n)]
+            bm._hold_back = lambda start, n: None
         rng = random.Random(1)
         churn = [[rng.randrange(100, 49000) for _ in range(rng.randint(32, 512))]
                  for _ in range(args.churn)]
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 64), ignore_eos=True)
                   for _ in churn]
         t0 = time.perf_counter()
-        llm.generate(churn, params, use_tqdm=False)
+        if churn:
+            llm.generate(churn, params, use_tqdm=False)
         print(f"  {name}: churned {args.churn} requests in {time.perf_counter() - t0:.0f} s; "
               f"{bm.num_touched_blocks} of {bm.num_total_blocks} blocks touched")
         engines[name] = llm.engine
@@ -112,13 +117,13 @@ def engine_part(args: argparse.Namespace) -> None:
         for name, eng in engines.items():
             if not eng.has_unfinished_requests():
                 continue
-            running = list(eng.scheduler.running)
+            held = [list(s.block_table) for s in eng.scheduler.running]
             t0 = time.perf_counter()
             outs = eng.step()
             dt = time.perf_counter() - t0
             if len(outs) == args.rows and all(len(o.outputs[0].token_ids) > 1 for o in outs):
                 times[name].append(dt)  # a decode step of every row
-                tables[name] = [list(s.block_table) for s in running]
+                tables[name] = held  # the tables it read (its last step frees them)
     print(f"engine decode steps, {args.rows} rows x {args.context}-token prompts, "
           f"{args.new_tokens} new tokens, after the churn (alternated step by step):")
     for name, t in times.items():

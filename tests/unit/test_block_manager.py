@@ -237,19 +237,22 @@ def test_max_tokens_that_fit():
 
 def test_a_growing_sequence_takes_the_block_after_its_last_where_that_is_free():
     """Decode attention reads a table's blocks in order, and adjacent blocks come from
-    memory faster: a sequence that grows takes the block after its last one where nobody
-    holds it, not the last freed."""
+    memory faster: an admitted sequence's next blocks (as many as its max_tokens may
+    need) are taken by others only when nothing else is free, and a sequence that grows
+    takes the block after its last one, not the last freed."""
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     a, b, c = (make_seq(range(100 * n, 100 * n + size)) for n, size in ((1, 8), (2, 4), (3, 4)))
-    for seq in (a, b, c):
+    for seq in (a, b, c):  # max_tokens 8: two more blocks each, at most
         admit(bm, seq)
-    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [2], [3])
-    bm.free(b)
-    bm.free(c)  # block 3 is now the last freed
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [4], [7])
     a.num_computed_tokens = a.num_tokens
     assert bm.allocate_slots(a, 8)
     assert a.block_table == [0, 1, 2, 3]
-    bm.free(a)
+    d = make_seq(range(400, 408))  # only b's room is left: it is handed out, not refused
+    admit(bm, d)
+    assert sorted(d.block_table) == [5, 6]
+    for seq in (a, b, c, d):
+        bm.free(seq)
     bm.check_integrity([])
 
 

@@ -284,14 +284,14 @@ class BlockManager:
         """Send the free blocks from `start` on (up to `n`, to the first one not free) to
         the far end of the free list, so that other sequences take them last and the
         sequence whose table ends before `start` can grow into them."""
-        for block_id in range(start, min(start + n, self.num_total_blocks)):
+        for block_id in range(start, start + n):  # past the pool: never free
             if not self._free.hold_back(block_id):
                 return
 
     def _take_fresh_block(self, prefer: int | None = None) -> int:
         """A free block: `prefer` where it is free, else the last freed, else the prefix
         cache's least recently freed (its LRU order is kept: hit rates stay as they were)."""
-        if prefer is not None and prefer < self.num_total_blocks and self._free.take(prefer):
+        if prefer is not None and self._free.take(prefer):  # past the pool: never free
             block_id = prefer
         elif self._free:
             block_id = self._free.pop()

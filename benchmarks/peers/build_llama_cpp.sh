@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-bench, the W2-W5 peer, from the
+# Build llama.cpp's llama-server, llama-bench, llama-quantize and
+# llama-perplexity (the W2-W5 peer and the accuracy anchor), from the
 # source vendored in the llama-cpp-python sdist (PyPI works here; GitHub does
 # not). Idempotent: a finished build is reused. Takes about 5 min on 2 cores.
 #
 #   benchmarks/peers/build_llama_cpp.sh
 #
 # Writes under ${TOKENMILL_PEERS_DIR:-$HOME/.cache/tokenmill-peers}/llama.cpp
-# and prints the two binaries' paths as KEY=PATH lines on stdout (the last
+# and prints the binaries' paths as KEY=PATH lines on stdout (the last
 # lines); everything else goes to stderr.
 set -euo pipefail
 
@@ -25,9 +26,12 @@ log() { echo "build_llama_cpp.sh: $*" >&2; }
 report() {
     echo "LLAMA_SERVER=$BIN/llama-server"
     echo "LLAMA_BENCH=$BIN/llama-bench"
+    echo "LLAMA_QUANTIZE=$BIN/llama-quantize"
+    echo "LLAMA_PERPLEXITY=$BIN/llama-perplexity"
 }
 
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -f "$BUILD/.done" ]]; then
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" \
+      && -x "$BIN/llama-perplexity" && -f "$BUILD/.done" ]]; then
     log "already built in $BUILD"
     report
     exit 0
@@ -37,7 +41,8 @@ mkdir -p "$PEERS_DIR"
 # One build at a time: two benchmarks started together must not share a build dir.
 exec 9>"$ROOT.lock"
 flock 9
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -f "$BUILD/.done" ]]; then
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" \
+      && -x "$BIN/llama-perplexity" && -f "$BUILD/.done" ]]; then
     log "built meanwhile by another run in $BUILD"
     report
     exit 0
@@ -79,11 +84,12 @@ cmake -S "$SRC" -B "$BUILD" "${GENERATOR[@]}" \
     -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF >&2 \
     || fail "cmake configure failed (see above)"
-log "building llama-server llama-bench with $JOBS jobs (about 5 min on 2 cores)"
-cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server llama-bench >&2 \
+log "building llama-server llama-bench llama-quantize llama-perplexity with $JOBS jobs (about 5 min on 2 cores)"
+cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server llama-bench llama-quantize llama-perplexity >&2 \
     || fail "cmake build failed (see above)"
-[[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]] \
-    || fail "build finished but $BIN/llama-server or llama-bench is missing"
+for tool in llama-server llama-bench llama-quantize llama-perplexity; do
+    [[ -x "$BIN/$tool" ]] || fail "build finished but $BIN/$tool is missing"
+done
 "$BIN/llama-bench" --help >/dev/null 2>&1 || fail "$BIN/llama-bench does not run"
 touch "$BUILD/.done"
 report

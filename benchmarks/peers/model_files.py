@@ -53,6 +53,12 @@ def llama_binaries() -> dict[str, Path]:
     return bins
 
 
+def llama_built() -> bool:
+    """Whether build_llama_cpp.sh has finished a build (checked without building)."""
+    version = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
+    return (peers_dir() / "llama.cpp" / f"build-{version}" / ".done").is_file()
+
+
 def llama_tool(name: str) -> Path:
     """One tool, e.g. "LLAMA_QUANTIZE"; the environment variable of that name
     overrides the build (to use another llama.cpp)."""

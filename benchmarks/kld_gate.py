@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-chunks", type=int, default=None,
                     help="score at most this many chunks (default: all the text gives)")
     ap.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    ap.add_argument("--mode", choices=["prefill", "decode"], default="prefill",
+                    help="tokenmill scores each chunk by prefill (its second half one "
+                    "chunk reading the first half from the KV cache; default) or by a "
+                    "decode step per position (the serving decode path; ~20x slower)")
     ap.add_argument("--no-llama", action="store_true", help="tokenmill's side only")
     ap.add_argument("--output", help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = GateConfig(model=args.model, texts=tuple(Path(t) for t in args.text) if args.text
                      else TEXTS, paths=parse_paths(args.paths), max_chunks=args.max_chunks,
-                     use_llama=not args.no_llama, resamples=args.resamples)
+                     use_llama=not args.no_llama, resamples=args.resamples,
+                     mode=args.mode)
     result = run(cfg)
     print(render(result))
     if args.output:

@@ -55,6 +55,7 @@ class GateConfig:
     use_llama: bool = True
     resamples: int = 1000
     threads: int = 2
+    mode: str = "prefill"                        # tokenmill_runs: prefill | decode
 
 
 def log(msg: str) -> None:
@@ -139,7 +140,7 @@ def run(cfg: GateConfig) -> dict:
     add_bos, bos_id = bos_policy(model_file)
     result: dict = {"model": cfg.model, "file": str(model_file),
                     "texts": [str(t) for t in cfg.texts], "n_ctx": cfg.n_ctx,
-                    "add_bos": add_bos, "rows": []}
+                    "add_bos": add_bos, "mode": cfg.mode, "rows": []}
 
     from tokenmill.loaders.model_source import resolve_model
     from tokenmill.loaders.tokenizer import load_tokenizer
@@ -190,7 +191,7 @@ def run(cfg: GateConfig) -> dict:
         if cross is not None:
             cross(rows, logp)
 
-    desc, secs = score(cfg.model, REFERENCE_FLAGS, chunks, chunking, sink)
+    desc, secs = score(cfg.model, REFERENCE_FLAGS, chunks, chunking, sink, cfg.mode)
     store.check_complete()
     log(f"reference ({desc}) in {secs:.0f} s")
     result["reference"] = {"flags": REFERENCE_FLAGS, "engine": desc, "seconds": secs}
@@ -202,7 +203,7 @@ def run(cfg: GateConfig) -> dict:
         for label, flags in cfg.paths.items():
             comp = Comparison(store.logp, targets)
             try:
-                desc, secs = score(cfg.model, flags, chunks, chunking, comp)
+                desc, secs = score(cfg.model, flags, chunks, chunking, comp, cfg.mode)
             except (ValueError, RuntimeError) as exc:
                 log(f"{label}: not run ({exc})")
                 result["rows"].append({"path": label, "flags": flags, "error": str(exc)})
@@ -228,7 +229,8 @@ def render(result: dict) -> str:
     bos = "first" if result["add_bos"] else "not added (the vocabulary adds none)"
     title = (f"## {Path(result['file']).name}: {result['positions']:,} positions "
              f"({result['chunks']} chunks of {result['n_ctx']}, second halves scored, "
-             f"BOS {bos}; tokens: {result['tokens_source']})")
+             f"BOS {bos}; tokens: {result['tokens_source']}; tokenmill scored by "
+             f"{result['mode']})")
     out = [title]
     rows = list(result["rows"])
     if "references_agree" in result:

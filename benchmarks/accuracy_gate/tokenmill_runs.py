@@ -1,18 +1,23 @@
 """tokenmill's log-probs at llama-perplexity's scored positions, through the real
-engine (scheduler, KV cache, the path's kernels).
+engine (scheduler, KV cache, the path's kernels). Two modes, both scoring the same
+positions; the whole log-softmax of each goes to a sink (the fp32 reference stores
+it, a path under test is compared with it):
 
-Each chunk is one request: its prompt is the chunk's tokens up to the first scored
-position (one prefill, chunked at the engine's token budget), then every scored
-position is a decode step, teacher-forced (the token appended is the text's next
-one, as tokenmill/engine/teacher_forced.py does). The whole step's log-softmax goes
-to a sink: the fp32 reference stores it, a path under test is compared with it.
-Decode steps are where a quantized KV cache is read, and with all chunks in one
-batch the batched linears (--batched-linears) run as in serving.
+prefill (default; as llama-perplexity evaluates a chunk): each chunk is one prompt
+  with vLLM's prompt_logprobs, the engine's token budget set to n_ctx / 2
+  (PREFILL_FLAGS) so the scored second half is one prefill chunk that reads the
+  first half back from the KV cache (where an int8 / fp8 cache shows), batched
+  linears at 256 rows.
+decode: the chunk's tokens up to the first scored position are the prompt, then
+  every scored position is a teacher-forced decode step (as
+  tokenmill/engine/teacher_forced.py), all chunks one batch: the serving decode
+  path, ~20x slower on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import time
 from collections.abc import Callable
@@ -66,10 +71,70 @@ class _CapturingSampler:
         return SamplerOutput(token_ids=tokens, logprobs=[None] * len(seqs))
 
 
+def prefill_flags(chunking: Chunking) -> str:
+    return f"--max-num-batched-tokens {chunking.n_ctx - chunking.first}"
+
+
+@contextlib.contextmanager
+def _capture_prompt_logprobs(chunks: dict[str, tuple[int, list[int]]], chunking: Chunking,
+                             sink: Sink):
+    """Hands the prompt rows' log-probs at scored positions to the sink, then lets
+    the engine record its prompt_logprobs as usual."""
+    from tokenmill.engine import llm_engine
+
+    original = llm_engine.record_prompt_logprobs
+    per = chunking.scored_per_chunk
+
+    def record(logits, rows, recorded):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked, where, i = [], [], 0
+        for seq, start, count in rows.spans:
+            index, _ = chunks[seq.request_id]
+            for pos in range(start, start + count):  # logits of position pos
+                if chunking.first <= pos < chunking.n_ctx - 1:
+                    picked.append(i + pos - start)
+                    where.append(index * per + pos - chunking.first)
+            i += count
+        if picked:
+            sink(np.asarray(where), logp[picked])
+        original(logits, rows, recorded)
+
+    llm_engine.record_prompt_logprobs = record
+    try:
+        yield
+    finally:
+        llm_engine.record_prompt_logprobs = original
+
+
 def score(model: str, flags: str, chunks: list[list[int]], chunking: Chunking,
-          sink: Sink) -> tuple[str, float]:
+          sink: Sink, mode: str = "prefill") -> tuple[str, float]:
     """Run every chunk through an engine built with `flags`; returns the engine's
     description and the seconds it took."""
+    if mode == "prefill":
+        return _score_prefill(model, flags, chunks, chunking, sink)
+    return _score_decode(model, flags, chunks, chunking, sink)
+
+
+def _score_prefill(model, flags, chunks, chunking, sink):
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = build_engine(model, f"{prefill_flags(chunking)} {flags}")
+    desc = describe(engine)
+    ids = {f"kld-{i}": (i, chunk) for i, chunk in enumerate(chunks)}
+    t0 = time.perf_counter()
+    with _capture_prompt_logprobs(ids, chunking, sink):
+        for rid, (_, chunk) in ids.items():
+            engine.add_request(rid, chunk, SamplingParams(temperature=0.0, max_tokens=1,
+                                                          prompt_logprobs=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    seconds = time.perf_counter() - t0
+    engine.close()
+    del engine
+    return desc, seconds
+
+
+def _score_decode(model, flags, chunks, chunking, sink):
     from tokenmill.sampling_params import SamplingParams
 
     engine = build_engine(model, flags)

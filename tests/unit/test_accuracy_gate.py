@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import types
 from pathlib import Path
 
 import gguf
@@ -179,3 +180,33 @@ def test_f32_file_holds_the_dequantized_weights_and_the_metadata(tmp_path):
     want = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(np.asarray(t["blk.0.attn_q.weight"].data).reshape(4, 64), want)
     assert np.abs(want - w).max() < 1e-3                 # and that is close to w
+
+
+def test_prefill_capture_keeps_only_the_scored_positions_of_each_chunk(monkeypatch):
+    """The prompt rows of a step (two chunks, spans as prompt_rows gives them) go to
+    the sink at their chunk-major row; the engine still records its prompt logprobs."""
+    import torch
+    from accuracy_gate import tokenmill_runs
+
+    from tokenmill.engine import llm_engine
+
+    seen_by_engine = []
+    monkeypatch.setattr(llm_engine, "record_prompt_logprobs",
+                        lambda logits, rows, rec: seen_by_engine.append(len(logits)))
+
+    class Seq:
+        def __init__(self, rid):
+            self.request_id = rid
+
+    ch = Chunking(8)                       # scored logit positions 4, 5, 6
+    chunks = {"a": (0, list(range(8))), "b": (1, list(range(8)))}
+    got = []
+
+    # chunk a: positions 2..6 in this step; chunk b: positions 0..3
+    rows = types.SimpleNamespace(spans=[(Seq("a"), 2, 5), (Seq("b"), 0, 4)])
+
+    logits = torch.arange(9.0)[:, None].repeat(1, 3)   # row r holds r everywhere
+    with tokenmill_runs._capture_prompt_logprobs(chunks, ch, lambda rows, lp: got.append(rows)):
+        llm_engine.record_prompt_logprobs(logits, rows, {})
+    assert got[0].tolist() == [0, 1, 2]    # a's positions 4, 5, 6; none of b's (0..3)
+    assert seen_by_engine == [9]

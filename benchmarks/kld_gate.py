@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kld_gate.py                          # the embedded Q4_1
     .venv/bin/python benchmarks/kld_gate.py --model ~/.cache/tokenmill-peers/models/smollm2-135m-Q4_K_M.gguf
-    .venv/bin/python benchmarks/kld_gate.py --model FILE --paths "gguf-a8,int8 KV" --max-chunks 8
+    .venv/bin/python benchmarks/kld_gate.py --model FILE --paths "default,int8 KV" --max-chunks 8
 
 For FILE: llama.cpp's `llama-perplexity` on FILE against FILE-f32.gguf (every tensor
 dequantized to F32), and every tokenmill path against tokenmill's `--dtype float32`

@@ -33,10 +33,15 @@ DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 # Gutenberg's). ~23k SmolLM2 tokens: 45 chunks, 11,475 scored positions.
 TEXTS = (DATA / "opticks_book1.txt", DATA / "pride_and_prejudice_ch1_8.txt")
 
-# The paths judged (issue 57): label -> engine flags. "" is today's default.
+# The paths judged (issue 57): label -> engine flags. "" is today's default. In
+# prefill mode a step holds n_ctx/2 = 256 rows, so gguf-a16 and gguf-a8 both run their
+# linears on the packed bf16 weights (rows >= VNNI_DENSE_MIN_ROWS, 20): the same
+# arithmetic. Their own kernels (the per-row int16 / int8-activation ones, what batch-1
+# decode runs) are judged with 16-token steps, the path's flag overriding the budget.
 PATHS = {
-    "default (gguf-a16)": "",
-    "gguf-a8": "--quantization gguf-a8",
+    "default": "",
+    "gguf-a16 kernel (16-row steps)": "--quantization gguf-a16 --max-num-batched-tokens 16",
+    "gguf-a8 kernel (16-row steps)": "--quantization gguf-a8 --max-num-batched-tokens 16",
     "mlp-int8": "--batched-linears mlp-int8",
     "w8a8": "--batched-linears w8a8",
     "int8 KV": "--kv-cache-dtype int8",

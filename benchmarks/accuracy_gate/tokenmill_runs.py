@@ -7,7 +7,8 @@ prefill (default; as llama-perplexity evaluates a chunk): each chunk is one prom
   with vLLM's prompt_logprobs, the engine's token budget set to n_ctx / 2
   (PREFILL_FLAGS) so the scored second half is one prefill chunk that reads the
   first half back from the KV cache (where an int8 / fp8 cache shows), batched
-  linears at 256 rows.
+  linears at 256 rows (a path's own --max-num-batched-tokens overrides the budget:
+  16 puts the low-bit linears on their per-row kernels, below VNNI_DENSE_MIN_ROWS).
 decode: the chunk's tokens up to the first scored position are the prompt, then
   every scored position is a teacher-forced decode step (as
   tokenmill/engine/teacher_forced.py), all chunks one batch: the serving decode

@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from peers.servers import vllm_env
+from .servers import vllm_env
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-from floors import decode_floor_ms, roofline_dtype
-
+from benchmarks.common import machine
+from benchmarks.floors import decode_floor_ms, roofline_dtype
 from tokenmill.config import CacheConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.overlap import OverlapStepper
@@ -54,7 +51,7 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> di
     return {"tpot_ms": statistics.mean(tpots), "step_ms": 1e3 * wall_s / max(steps, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -63,7 +60,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--no-floor", action="store_true", help="skip the roofline subprocess")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     rng = random.Random(0)
     engine = LLMEngine(model="smollm2-135m", dtype=args.dtype, quantization=args.quantization,

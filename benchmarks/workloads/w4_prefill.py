@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import embedded_gguf, load_transformers, machine, median_spread
-from floors import QUIET_BF16_TFLOP_S, explain, floor_lines, prefill_floor_ms
-from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
-
+from benchmarks.common import embedded_gguf, load_transformers, machine, median_spread
+from benchmarks.floors import QUIET_BF16_TFLOP_S, explain, floor_lines, prefill_floor_ms
+from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 from tokenmill.quant.mlp_int8 import available as mlp_int8_available
 
 PEERS = ("llama", "transformers")
@@ -77,7 +74,7 @@ def run_transformers(prompt: list[int], repeats: int, dtype: str) -> list[float]
     return ttfts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
@@ -86,7 +83,7 @@ def main() -> None:
     ap.add_argument("--skip-fp32", action="store_true", help="skip the transformers fp32 peer")
     ap.add_argument("--llama-repetitions", type=int, default=5, help="llama-bench -r")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W4 prefill · {machine()}")
     floor_ms = prefill_floor_ms(args.prompt_len, args.flops)

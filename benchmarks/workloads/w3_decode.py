@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import embedded_gguf, load_transformers, machine, median_spread
-from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
-from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
+from benchmarks.common import embedded_gguf, load_transformers, machine, median_spread
+from benchmarks.floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
+from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
 PEERS = ("llama", "transformers")
 TARGET_VS_LLAMA = 1.2  # PERFORMANCE.md: >= 1.2x llama-bench tg128 in the same run
@@ -108,7 +106,7 @@ def report(name: str, tpots: list[float], ttfts: list[float] | None, floor_ms: f
     return tpot
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -118,7 +116,7 @@ def main() -> None:
     ap.add_argument("--llama-repetitions", type=int, default=5,
                     help="llama-bench -r (its own median-free mean and stddev)")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W3 batch-1 decode · {machine()}")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "

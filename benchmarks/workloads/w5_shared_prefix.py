@@ -35,11 +35,9 @@ import httpx
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import embedded_gguf, machine, median_spread
-from floors import explain, floor_lines
-from peers import (
+from benchmarks.common import embedded_gguf, machine, median_spread
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import (
     add_peer_args,
     ensure_servers,
     selected_peers,
@@ -47,7 +45,7 @@ from peers import (
     start_llama_server,
     start_vllm_server,
 )
-from serving import start_server
+from benchmarks.server import start_server
 
 PEERS = ("vllm", "llama")
 
@@ -132,7 +130,7 @@ def run_servers(peers: set[str], args) -> dict[str, dict]:
     return served
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1024)
@@ -146,7 +144,7 @@ def main() -> None:
     ap.add_argument("--llama-ctx", type=int, default=32768,
                     help="llama-server -c (split over the slots: 2,048 tokens each)")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W5 shared prefix · {machine()}")
     print(f"{args.num_requests} requests, {args.prefix_len}-token shared prefix + "

@@ -89,11 +89,11 @@ def time_call(ops: list[torch.nn.Module | torch.Tensor], x: torch.Tensor,
         return t.blocked_autorange(min_run_time=min_run_time).median / len(ops)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-run-time", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bw = read_bandwidth_bytes_s(args.min_run_time)

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import Stopwatch, load_transformers, machine
-from floors import explain, floor_lines
-from peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
+from benchmarks.common import Stopwatch, load_transformers, machine
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
 
 PEERS = ("vllm", "transformers")
 
@@ -113,7 +111,7 @@ def run_hf_static_batches(model, reqs, batch_size: int) -> float:
     return n_out / sw.elapsed_s
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -130,7 +128,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="tokenmill's KV cache format (auto, int8, fp8: as the flag)")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W1 offline throughput · {machine()} · dtype {args.dtype} · tokenmill KV cache "
           f"{args.kv_cache_dtype}")

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -30,10 +29,8 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import machine
-from serving import start_server
+from benchmarks.common import machine
+from benchmarks.server import start_server
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -113,14 +110,14 @@ async def compile_cost(base_url: str, max_tokens: int) -> tuple[float, float]:
     return first * 1e3, cached * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,16", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=32, help="requests per level and mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="schema/baseline pairs per level")
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     print(f"structured output · {machine()}")
     server = start_server("smollm2-135m", "--max-num-seqs", str(max(levels)), *args.serve_args)

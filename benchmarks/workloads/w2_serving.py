@@ -36,11 +36,9 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import embedded_gguf, machine
-from floors import explain, floor_lines
-from peers import (
+from benchmarks.common import embedded_gguf, machine
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import (
     add_peer_args,
     ensure_servers,
     selected_peers,
@@ -48,9 +46,9 @@ from peers import (
     start_llama_server,
     start_vllm_server,
 )
-from serving import start_server
+from benchmarks.server import start_server
 
-W2_PROMPTS = HERE.parent.parent / "shared" / "data" / "w2_prompts_128.json"
+W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
 PEERS = ("vllm", "llama")
 
 
@@ -146,7 +144,7 @@ def print_targets(results: dict[str, list[dict]], levels: list[int]) -> None:
               f"{'met' if ratio_ >= 4 else 'missed'}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=64, help="requests per level")
@@ -159,7 +157,7 @@ def main() -> None:
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
     add_peer_args(ap, PEERS)
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     levels = [int(x) for x in args.concurrency.split(",")]
     vllm_threads = [t.strip() for t in args.vllm_threads.split(",") if t.strip()]

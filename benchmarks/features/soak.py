@@ -24,14 +24,11 @@ import contextlib
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "wizards", "quietly", "hex", "every", "jolly", "mountain", "river"]
@@ -215,7 +212,7 @@ def verdict(result: dict) -> list[str]:
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--concurrency", type=int, default=32)
@@ -228,7 +225,7 @@ def main() -> int:
                     help="start the server without --kv-cache-prefault (RSS then climbs "
                          "while the KV pool is touched for the first time)")
     ap.add_argument("server_args", nargs="*", help="extra `tokenmill serve` arguments")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = None
     if args.base_url is None:

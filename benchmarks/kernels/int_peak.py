@@ -107,12 +107,12 @@ def measure(compiler: str, workdir: Path, insn: str, reg: str, threads: int,
     return float(out.strip())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iterations", type=int, default=100_000_000,
                     help="loop trips a thread (12 instructions each)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     compiler = build.compiler()
     if compiler is None:
         sys.exit("int_peak.py: no C compiler ($CC, cc or gcc)")

@@ -223,7 +223,7 @@ def report(what: str, times: dict[str, list[float]]) -> None:
     print(f"{what}: " + "; ".join(parts) + f"; old / new {ratio:.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["kernel", "step", "linears"])
     ap.add_argument("--rev", required=True, help="the other build's git revision (old)")
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
     ap.add_argument("--gemm16", action="store_true",
                     help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     name = {"kernel": "paged_decode", "step": "decode_step", "linears": "q4q8_gemv"}[args.mode]
     from tokenmill.kernels import build
 

@@ -33,14 +33,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-
+from benchmarks.common import machine
 from tokenmill.attention import cpu
 from tokenmill.attention.torch_ref import kv_cache_shape
 
@@ -151,7 +148,7 @@ def engine_ab(args) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--prefix-tokens", type=int, default=1024)
@@ -168,7 +165,7 @@ def main() -> int:
     ap.add_argument("--engine", action="store_true", help="W5 end to end instead")
     ap.add_argument("--requests", type=int, default=64, help="--engine: requests per run")
     ap.add_argument("--output-tokens", type=int, default=64, help="--engine: tokens each")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.engine and cpu.native.available():

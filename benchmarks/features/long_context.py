@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def run(kv_dtype: str, concurrency: int, args) -> dict:
@@ -69,7 +68,7 @@ def run(kv_dtype: str, concurrency: int, args) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -81,10 +80,9 @@ def main() -> int:
                     help="the fixed KV budget both dtypes get")
     ap.add_argument("--kv-dtypes", default="bfloat16,int8")
     ap.add_argument("--output", help="write the rows as JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    from common import machine
-
+    from benchmarks.common import machine
     from tokenmill.engine.args import parse_bytes
 
     args.kv_cache_memory = parse_bytes(args.kv_cache_memory)

@@ -25,12 +25,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
+from benchmarks.common import machine
+from benchmarks.floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--paths", default="gguf,gguf-a16/modules,gguf-a16,gguf-a8",
                     help="--quantization methods, the first the one the others are held "
@@ -40,7 +39,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--bandwidth", type=float, default=QUIET_READ_GB_S)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from tokenmill import LLM, SamplingParams

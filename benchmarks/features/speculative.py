@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
+from benchmarks.common import machine
 
 PASSAGE = (
     "The city council met on Tuesday to discuss the new budget. After a long debate, "
@@ -125,7 +123,7 @@ def run_workload(llm, spec, prompts: list[str], args) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--speculative", default="ngram", choices=["ngram", "draft", "layerskip"])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -141,7 +139,7 @@ def main() -> None:
                     help="memory read bandwidth for the floor (default: tokenmill's CPU measurement)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 avoids OpenMP spin-waits when other jobs share the cores)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from .servers import vllm_env
@@ -16,21 +17,36 @@ HERE = Path(__file__).resolve().parent
 def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: int = 2,
                     repetitions: int = 5, timeout_s: float = 1800.0) -> dict:
     """`llama-bench -p P -n N -t 2 -r R -o json`: one test (pp P when N is 0, tg N
-    when P is 0). Returns {"tok_s", "stddev_tok_s", "samples_tok_s", "command"}."""
+    when P is 0). Returns {"tok_s", "stddev_tok_s", "samples_tok_s", "command",
+    "peak_rss_mib", "build", "type"}."""
     cmd = [str(llama.bench), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen_len),
            "-t", str(threads), "-r", str(repetitions), "-o", "json"]
     print(f"[peers] $ {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                          timeout=timeout_s)
+    # os.wait4 gives this child's own peak RSS (resident memory beside speed)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + timeout_s
+        while (done := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                raise RuntimeError(f"llama-bench did not finish in {timeout_s:.0f} s")
+            time.sleep(0.05)
+        _, status, usage = done
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-    tests = json.loads(proc.stdout)
+        raise RuntimeError(f"llama-bench exited with {proc.returncode}:\n{stderr[-3000:]}")
+    tests = json.loads(stdout)
     if len(tests) != 1:
         raise RuntimeError(f"llama-bench printed {len(tests)} tests, expected one")
     t = tests[0]
     return {"tok_s": float(t["avg_ts"]), "stddev_tok_s": float(t["stddev_ts"]),
             "samples_tok_s": [float(x) for x in t.get("samples_ts", [])],
-            "command": " ".join(cmd)}
+            "command": " ".join(cmd), "peak_rss_mib": usage.ru_maxrss / 1024,  # KiB on Linux
+            "build": t.get("build_commit", ""), "type": t.get("model_type", "")}
 
 
 def run_vllm_offline(vllm, requests: list[tuple[list[int], int]], threads: str = "both",

@@ -11,8 +11,8 @@ request (seed 0), --new-tokens new tokens, ignore_eos, greedy. Per run: TPOT
 --repeats, with the on/off tok/s ratio (off TPOT / on TPOT), and batch 1 against its floor (weight + KV
 bytes read per step / PERFORMANCE.md's quiet-machine bandwidth).
 
-    .venv/bin/python benchmarks/async_scheduling.py                   # W3 sizes
-    .venv/bin/python benchmarks/async_scheduling.py --new-tokens 16 --repeats 1  # smoke
+    python -m benchmarks run async-scheduling                   # W3 sizes
+    python -m benchmarks run async-scheduling --new-tokens 16 --repeats 1  # smoke
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ cold. Reports each policy's prefix-cache hit rate (from the replicas' own
 Part 2 (W2, concurrency 16): 1 replica x 2 threads vs 2 replicas x 1 thread
 behind round_robin, output tok/s and TTFT p50.
 
-    .venv/bin/python benchmarks/data_parallel.py          # needs vllm-router==0.1.17
+    python -m benchmarks run data-parallel          # needs vllm-router==0.1.17
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the blocks that budget holds, the largest concurrency whose sequences all fit at
 (blocks x block size / (prompt + output)), the median decode-only step time and its
 batch, output tok/s over the run, and the preemptions the scheduler had to make.
 
-    .venv/bin/python benchmarks/long_context.py                  # 2,048 + 256, c=16 and 32
-    .venv/bin/python benchmarks/long_context.py --prompt-len 128 --output-len 16 \\
+    python -m benchmarks run long-context                  # 2,048 + 256, c=16 and 32
+    python -m benchmarks run long-context --prompt-len 128 --output-len 16 \\
         --concurrency 4 --num-requests 4 --kv-cache-memory 8MiB  # a smoke run
 """
 
@@ -21,8 +21,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 def run(kv_dtype: str, concurrency: int, args) -> dict:

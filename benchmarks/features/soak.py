@@ -6,8 +6,8 @@ invalid. Reports requests and errors by kind; RSS summed over the server's
 process tree (front end, engine, workers), open fds and threads at 1, 5 and 10
 minutes (and the end); KV usage once the load stops.
 
-    python benchmarks/soak.py --duration 600           # starts its own server
-    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid PID
+    python -m benchmarks run soak --duration 600           # starts its own server
+    python -m benchmarks run soak --base-url http://127.0.0.1:8000 --server-pid PID
 
 Not part of `make test`; the figures go to BENCHMARKS.md. Pass criteria printed
 at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%

@@ -12,8 +12,8 @@ tok/s (after the first token) off and on, their ratio, acceptance rate, mean
 accepted length, and the distance to the W3 floor (weight bytes read per
 step / memory bandwidth).
 
-    .venv/bin/python benchmarks/speculative.py --speculative ngram
-    .venv/bin/python benchmarks/speculative.py --speculative layerskip --draft-layers 8
+    python -m benchmarks run speculative --speculative ngram
+    python -m benchmarks run speculative --speculative layerskip --draft-layers 8
 """
 
 from __future__ import annotations

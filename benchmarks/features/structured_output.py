@@ -11,8 +11,8 @@ the compile cost: TTFT of the first request with a never-seen schema vs the same
 schema again (cached). Targets (issue 16): TPOT overhead <= 10% at c=16; a cached
 schema adds <= 20 ms TTFT.
 
-    .venv/bin/python benchmarks/structured_output.py            # the real run
-    .venv/bin/python benchmarks/structured_output.py --num-requests 2 --concurrency 1 \\
+    python -m benchmarks run structured-output            # the real run
+    python -m benchmarks run structured-output --num-requests 2 --concurrency 1 \\
         --max-tokens 8                                          # a smoke run
 """
 
@@ -24,11 +24,9 @@ import json
 import statistics
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
 from benchmarks.common import machine
 from benchmarks.server import start_server
 

@@ -7,13 +7,13 @@ the paths see the same machine (on a busy one, read the paired ratios, not the
 absolute times). Each path's median TPOT is held against its own floor (weight + KV
 bytes per step / --bandwidth).
 
-    .venv/bin/python benchmarks/batch1_kernels.py                  # gguf vs gguf-a16 vs gguf-a8
-    .venv/bin/python benchmarks/batch1_kernels.py --paths gguf-a16/modules,gguf-a16
+    python -m benchmarks run batch1-kernels                  # gguf vs gguf-a16 vs gguf-a8
+    python -m benchmarks run batch1-kernels --paths gguf-a16/modules,gguf-a16
 
 A path written METHOD/modules is METHOD's engine (the same one, not a second copy)
 with its fused batch-1 decode step off for that generate (engine/fused_decode.py),
 so `gguf-a16/modules,gguf-a16` is the fused step's A/B in one engine, alternating.
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batch1_kernels.py --threads 1 --rounds 5
+    OMP_NUM_THREADS=1 python -m benchmarks run batch1-kernels --threads 1 --rounds 5
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ ignore_eos, greedy, 16 in flight), the paths toggled between runs in alternating
 order; there `cascade` also sends the suffix prefills through the cascade call, and
 `merge` / `unshared` leave them to SDPA.
 
-    .venv/bin/python benchmarks/cascade_decode.py
-    .venv/bin/python benchmarks/cascade_decode.py --sweep-blocks 1,2,3,4,6,8 --own-max 16
-    .venv/bin/python benchmarks/cascade_decode.py --engine --rounds 3
+    python -m benchmarks run cascade-decode
+    python -m benchmarks run cascade-decode --sweep-blocks 1,2,3,4,6,8 --own-max 16
+    python -m benchmarks run cascade-decode --engine --rounds 3
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ gguf-a16's kernels (q4q8_gemv.c) are bound by these instructions once a batch ha
 rows: AVX2's gemm16 multiplies int16 weights by int16 activations, 16 multiply-adds a
 vpmaddwd; the VNNI kernel multiplies nibbles by each of the activations' two byte
 planes, 64 byte products a vpdpbusd, 32 real multiply-adds. What a linear reaches in
-benchmarks/q4q8_step.py (G multiply-adds/s) reads against the line printed here.
+benchmarks run q4q8-step (G multiply-adds/s) reads against the line printed here.
 
 Each thread runs 12 independent chains of the instruction (far more than its latency
 needs), in inline assembly, for about half a second, best of 5; the source is written to
 a temporary directory and built with the kernels' C compiler (-O2 -march=native
 -fopenmp).
 
-    .venv/bin/python benchmarks/int_peak.py [--threads 2]
+    python -m benchmarks run int-peak [--threads 2]
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ adjacent allocation buys long-context decode steps.
    it is. The long requests' decode steps are alternated between the two engines, step
    by step; the share of adjacent block pairs in the tables they read is printed.
 
-    .venv/bin/python benchmarks/kv_adjacency.py
-    .venv/bin/python benchmarks/kv_adjacency.py --skip-engine --rows 16 --context 4096
+    python -m benchmarks run kv-adjacency
+    python -m benchmarks run kv-adjacency --skip-engine --rows 16 --context 4096
     # long generations on a fresh pool (no churn): decode growth is what scatters
-    .venv/bin/python benchmarks/kv_adjacency.py --skip-kernel --churn 0 --context 128 \
+    python -m benchmarks run kv-adjacency --skip-kernel --churn 0 --context 128 \
         --new-tokens 1024
 """
 

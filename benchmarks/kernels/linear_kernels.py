@@ -10,7 +10,7 @@ as one decode step uses (30 per layer shape, 1 LM head), so weights come from
 memory as in a real step, not from a warm cache. The last table sums one
 decode step's linears per method: where the low-bit/bf16 cross-over is.
 
-    .venv/bin/python benchmarks/linear_kernels.py [--min-run-time 0.2] [--threads 2]
+    python -m benchmarks run linear-kernels [--min-run-time 0.2] [--threads 2]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ multiply-adds per second at each row count; `--bits 8` for gguf-a8; `--gemm16` r
 many-rows path instead (tm_q4q8_gemm16: on AVX2 the records widened to int16 a few
 groups at a time, the same bits), what prompts and 12+-row decode steps take there.
 
-    .venv/bin/python benchmarks/q4q8_step.py [--rows 1,8,16,32,64] [--repeats 5] [--gemm16]
+    python -m benchmarks run q4q8-step [--rows 1,8,16,32,64] [--repeats 5] [--gemm16]
 """
 
 from __future__ import annotations

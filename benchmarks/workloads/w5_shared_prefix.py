@@ -34,7 +34,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
 from benchmarks import results
 from benchmarks.common import embedded_gguf, machine, median_spread
 from benchmarks.floors import explain, floor_lines

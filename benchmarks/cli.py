@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import inspect
 import sys
-from pathlib import Path
 
 from benchmarks.registry import BENCHMARKS, WORKLOADS, find
 
@@ -33,40 +31,46 @@ def _list() -> int:
     return 0
 
 
-def _options_of(name: str) -> set[str]:
-    """The long options a benchmark's parser takes, read from its source (no import cost)."""
-    spec = importlib.util.find_spec(find(name).module)
-    assert spec is not None and spec.origin is not None
-    src = Path(spec.origin).read_text()
-    opts = {tok.strip("\"'") for tok in src.replace("(", " ").split()
-            if tok.startswith(("\"--", "'--"))}
-    return {o.rstrip(",") for o in opts}
+def all_argv(name: str, peers: str | None, skip_peers: bool, model: str | None,
+             repeats: int | None) -> tuple[list[str], list[str]]:
+    """The arguments `run all` gives workload `name`, and the options it does not take
+    (said aloud, never dropped silently)."""
+    bench = find(name)
+    argv: list[str] = []
+    if skip_peers:
+        argv.append("--skip-peers")
+    elif peers is not None:
+        own = importlib.import_module(bench.module).PEERS
+        mine = [p for p in (x.strip() for x in peers.split(",")) if p in own]
+        argv += ["--peers", ",".join(mine)] if mine else ["--skip-peers"]
+    not_taken = []
+    for flag, value in (("--model", model), ("--repeats", repeats)):
+        if value is None:
+            continue
+        if flag in bench.shared:
+            argv += [flag, str(value)]
+        else:
+            not_taken.append(flag)
+    return argv, not_taken
 
 
 def _run_all(rest: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks run all")
     ap.add_argument("--peers", default=None, help="comma-separated: vllm,llama,transformers")
     ap.add_argument("--skip-peers", action="store_true")
-    ap.add_argument("--model", default=None, help="GGUF file or alias, for W2-W5")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--model", default=None, help="GGUF file or alias, for W2-W4")
+    ap.add_argument("--repeats", type=int, default=None, help="for W1, W3, W4, W5")
     args = ap.parse_args(rest)
+    if args.peers is not None:
+        known = {"vllm", "llama", "transformers"}
+        if bad := [p for p in args.peers.split(",") if p.strip() and p.strip() not in known]:
+            ap.error(f"--peers: {', '.join(bad)} is not a peer (vllm, llama, transformers)")
     for name in WORKLOADS:
-        mod = importlib.import_module(find(name).module)
-        argv: list[str] = []
-        if args.skip_peers:
-            argv.append("--skip-peers")
-        elif args.peers is not None:
-            wanted = [p.strip() for p in args.peers.split(",") if p.strip()]
-            mine = [p for p in wanted if p in mod.PEERS]
-            argv += ["--peers", ",".join(mine)] if mine else ["--skip-peers"]
-        opts = _options_of(name)
-        for flag, value in (("--model", args.model), ("--repeats", args.repeats)):
-            if value is None:
-                continue
-            if flag in opts:
-                argv += [flag, str(value)]
-            else:
-                print(f"[benchmarks] {name} takes no {flag}: it runs without it", flush=True)
+        argv, not_taken = all_argv(name, args.peers, args.skip_peers, args.model,
+                                   args.repeats)
+        for flag in not_taken:
+            print(f"[benchmarks] {name} takes no {flag}: it runs with its own default",
+                  flush=True)
         print(f"\n=== python -m benchmarks run {name} {' '.join(argv)}", flush=True)
         sys.argv = [sys.argv[0], "run", name, *argv]  # the command its result records
         find(name).main()(argv)

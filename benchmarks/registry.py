@@ -14,6 +14,7 @@ class Benchmark:
     module: str
     summary: str
     writes_result: bool = False  # writes benchmarks/results/*.json at the end of a run
+    shared: tuple[str, ...] = ()  # the options of `run all` it takes (--model, --repeats)
 
     def main(self) -> Callable[[list[str] | None], object]:
         return importlib.import_module(self.module).main
@@ -24,16 +25,20 @@ _F = "benchmarks.features."
 _K = "benchmarks.kernels."
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("w1", "workload", _W + "w1_offline",
-              "W1 offline throughput: 256 requests, vs vLLM CPU and transformers", True),
+              "W1 offline throughput: 256 requests, vs vLLM CPU and transformers", True,
+              ("--repeats",)),
     Benchmark("w2", "workload", _W + "w2_serving",
-              "W2 online serving at c=1,4,16,32, vs vLLM CPU and llama-server", True),
+              "W2 online serving at c=1,4,16,32, vs vLLM CPU and llama-server", True,
+              ("--model",)),
     Benchmark("w3", "workload", _W + "w3_decode",
-              "W3 batch-1 decode (tg128), vs llama-bench on the same GGUF", True),
+              "W3 batch-1 decode (tg128), vs llama-bench on the same GGUF", True,
+              ("--model", "--repeats")),
     Benchmark("w4", "workload", _W + "w4_prefill",
-              "W4 prefill of 512 tokens (pp512), vs llama-bench on the same GGUF", True),
+              "W4 prefill of 512 tokens (pp512), vs llama-bench on the same GGUF", True,
+              ("--model", "--repeats")),
     Benchmark("w5", "workload", _W + "w5_shared_prefix",
               "W5 shared 1,024-token prefix, caching on/off, vs vLLM CPU and llama-server",
-              True),
+              True, ("--repeats",)),
     Benchmark("speculative", "feature", _F + "speculative",
               "speculative decoding at batch 1: speedup over none"),
     Benchmark("structured-output", "feature", _F + "structured_output",

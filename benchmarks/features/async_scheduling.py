@@ -22,8 +22,10 @@ import random
 import statistics
 import time
 
+from benchmarks import results as results_mod
 from benchmarks.common import machine
 from benchmarks.floors import decode_floor_ms, roofline_dtype
+from benchmarks.results import Figure
 from tokenmill.config import CacheConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.overlap import OverlapStepper
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--no-floor", action="store_true", help="skip the roofline subprocess")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     args = ap.parse_args(argv)
 
     rng = random.Random(0)
@@ -101,6 +105,17 @@ def main(argv: list[str] | None = None) -> None:
         if b == 1 and floor is not None:
             print(f"{'':>5} floor {floor:>8.2f} (TPOT off/on = {med['off']['tpot_ms'] / floor:.2f}x"
                   f" / {med['on']['tpot_ms'] / floor:.2f}x the floor)")
+    if not args.no_result:
+        cfg = {"model": "smollm2-135m", "prompt": args.prompt_len,
+               "new_tokens": args.new_tokens, "dtype": str(engine.dtype),
+               "quantization": engine.quantization}
+        figures = [Figure(f"async scheduling {mode}, batch {b}", "tokenmill",
+                          f"decode batch {b}", "tok/s",
+                          [b * 1e3 / r["tpot_ms"] for r in results[(b, mode)]], True,
+                          {**cfg, "async_scheduling": mode == "on", "batch": b})
+                   for b in args.batches for mode in ("off", "on")]
+        results_mod.write(results_mod.build("async-scheduling", "Async scheduling A/B",
+                                            figures))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the fixed KV budget both dtypes get")
     ap.add_argument("--kv-dtypes", default="bfloat16,int8")
     ap.add_argument("--output", help="write the rows as JSON")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     args = ap.parse_args(argv)
 
     from benchmarks.common import machine
@@ -102,6 +104,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['num_preemptions']} preemptions")
     if args.output:
         Path(args.output).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    if not args.no_result:
+        from benchmarks import results
+        from benchmarks.results import Figure
+
+        cfg = {"model": args.model, "prompt": args.prompt_len, "output_len": args.output_len,
+               "kv_cache_memory_mib": args.kv_cache_memory // 2**20}
+        figures = [Figure(f"KV {r['kv_cache_dtype']}, c={r['concurrency']}", "tokenmill",
+                          f"output throughput c={r['concurrency']}", "tok/s",
+                          [r["output_tok_s"]], True,
+                          {**cfg, "kv_cache_dtype": r["kv_cache_dtype"],
+                           "blocks": r["num_total_blocks"],
+                           "preemptions": r["num_preemptions"]}) for r in rows]
+        results.write(results.build("long-context", "Long context: bf16 vs 8-bit KV cache",
+                                    figures))
     return 0
 
 

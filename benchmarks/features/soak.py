@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = None
     if args.base_url is None:
-        from tests.serving import start_server
+        from benchmarks.server import start_server
 
         # the pool pre-touched, so a flat RSS means no leak rather than "the KV pool
         # happens to be fully touched by now" (--no-prefault to watch it fill instead)

@@ -87,3 +87,9 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def short_command(command: str, gguf: Path) -> str:
+    """A peer's command as a reader retypes it: no machine's paths in it."""
+    binary, _, rest = command.partition(" ")
+    return f"{Path(binary).name} {rest.replace(str(gguf), gguf.name)}"

@@ -46,7 +46,10 @@ def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: i
     return {"tok_s": float(t["avg_ts"]), "stddev_tok_s": float(t["stddev_ts"]),
             "samples_tok_s": [float(x) for x in t.get("samples_ts", [])],
             "command": " ".join(cmd), "peak_rss_mib": usage.ru_maxrss / 1024,  # KiB on Linux
-            "build": t.get("build_commit", ""), "type": t.get("model_type", "")}
+            # the vendored source reports no commit: its build folder names the version
+            "build": (t.get("build_commit") if t.get("build_commit") not in (None, "", "unknown")
+                      else Path(llama.bench).parent.parent.name),
+            "type": t.get("model_type", "")}
 
 
 def run_vllm_offline(vllm, requests: list[tuple[list[int], int]], threads: str = "both",

@@ -38,6 +38,7 @@ from benchmarks.common import (
     median_spread,
     model_gguf,
     random_prompt,
+    short_command,
 )
 from benchmarks.floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
 from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers
@@ -76,7 +77,7 @@ def run_tokenmill(model: Path, prompt: list[int], new_tokens: int, repeats: int,
         tpots.append(1e3 * (m.finished_time - m.first_token_time) / (new_tokens - 1))
     run = {"tpots": tpots, "ttfts": ttfts, "rss": memory.peak_rss_mib(),
            "weights": roofline_dtype(llm.engine.quantization, str(llm.engine.dtype)),
-           "quantization": llm.engine.quantization, "dtype": str(llm.engine.dtype),
+           "quantization": llm.engine.quantization, "dtype": str(llm.engine.dtype).removeprefix("torch."),
            "fused": llm.engine.runner.fused_decode is not None}
     del llm
     return run
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         tpots = [1e3 / x for x in samples]
         show(f"llama.cpp tg{args.new_tokens}", tpots, floor("gguf"), tg["peak_rss_mib"])
         add(f"llama.cpp tg{args.new_tokens}", "llama.cpp", tpots, tg["peak_rss_mib"],
-            command=tg["command"].replace(str(gguf), gguf.name), llama_build=tg["build"])
+            prompt=0, command=short_command(tg["command"], gguf), llama_build=tg["build"])
     if "transformers" in peers:
         try:
             tpots, _ = run_transformers(gguf, prompt, args.new_tokens, args.repeats,

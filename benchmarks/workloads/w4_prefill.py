@@ -36,6 +36,7 @@ from benchmarks.common import (
     median_spread,
     model_gguf,
     random_prompt,
+    short_command,
 )
 from benchmarks.floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
 from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         samples = pp["samples_tok_s"] or [pp["tok_s"]]
         add(f"llama.cpp pp{args.prompt_len}", "llama.cpp",
             [1e3 * args.prompt_len / x for x in samples], pp["peak_rss_mib"],
-            command=pp["command"].replace(str(gguf), gguf.name), llama_build=pp["build"])
+            command=short_command(pp["command"], gguf), llama_build=pp["build"])
     if "transformers" in peers:
         for dtype in ("bfloat16",) if args.skip_fp32 else ("bfloat16", "float32"):
             try:

@@ -77,7 +77,8 @@ def run_tokenmill(model: Path, prompt: list[int], new_tokens: int, repeats: int,
         tpots.append(1e3 * (m.finished_time - m.first_token_time) / (new_tokens - 1))
     run = {"tpots": tpots, "ttfts": ttfts, "rss": memory.peak_rss_mib(),
            "weights": roofline_dtype(llm.engine.quantization, str(llm.engine.dtype)),
-           "quantization": llm.engine.quantization, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+           "quantization": llm.engine.quantization,
+           "dtype": str(llm.engine.dtype).removeprefix("torch."),
            "fused": llm.engine.runner.fused_decode is not None}
     del llm
     return run

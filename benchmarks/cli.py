@@ -26,7 +26,8 @@ def _list() -> int:
         print(f"{kind}s:")
         for b in BENCHMARKS:
             if b.kind == kind:
-                print(f"  {b.name:<18} {b.summary}")
+                mark = "" if b.writes_result else "  (prints only)"
+                print(f"  {b.name:<18} {b.summary}{mark}")
     print("run one: python -m benchmarks run NAME [--help]; all workloads: run all")
     return 0
 

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--bandwidth", type=float, default=QUIET_READ_GB_S)
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
               f"floor ({floor:.2f} ms); {base} / {p} per round "
               f"{' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}); "
               f"greedy tokens equal to {base}'s: {same}/{args.new_tokens}")
+    if not args.no_result:
+        from benchmarks import results
+        from benchmarks.results import Figure
+
+        figures = [Figure(p, "tokenmill", "decode", "tok/s", [1e3 / t for t in tpots[p]], True,
+                          {"model": "smollm2-135m", "path": p, "prompt": args.prompt_len,
+                           "new_tokens": args.new_tokens}) for p in paths]
+        results.write(results.build("batch1-kernels", "Batch-1 decode by weight path",
+                                    figures))
     return 0
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import results
+from benchmarks.results import Figure
 from tokenmill.cpuinfo import cpu_flags
 from tokenmill.kernels import build
 
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iterations", type=int, default=100_000_000,
                     help="loop trips a thread (12 instructions each)")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     args = ap.parse_args(argv)
     compiler = build.compiler()
     if compiler is None:
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     flags = cpu_flags()
     print(f"integer multiply-add ceiling · {args.threads} threads · CPU flags: "
           f"{', '.join(sorted(f for f in flags if f.startswith(('avx2', 'avx512_vnni', 'fma'))))}")
+    figures = []
     with tempfile.TemporaryDirectory(prefix="tokenmill-int-peak-") as tmp:
         for name, need, reg, insn, macs in INSTRUCTIONS:
             if not need <= flags:
@@ -129,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:26s} {per_thread / 1e9:6.2f} G a second a thread; "
                   f"{per_thread * args.threads * macs / 1e9:7.1f} G multiply-adds/s in all "
                   f"({macs} an instruction at 16-bit activations)")
+            figures.append(Figure(name, "tokenmill", name, "G multiply-adds/s",
+                                  [per_thread * args.threads * macs / 1e9], True,
+                                  {"threads": args.threads, "per_instruction": macs}))
+    if not args.no_result:
+        results.write(results.build("int-peak", "Integer multiply-add ceiling", figures))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
+from benchmarks import results
+from benchmarks.results import Figure
 from tokenmill.quant.codes import int4_codes_from_float, int8_codes_from_float
 from tokenmill.quant.dense import DenseWeight
 from tokenmill.quant.linear import Int4Linear, Int8Linear
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-run-time", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -129,6 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         row = {m: step_us[(m, b)] / 1e3 for m in METHODS}
         best = min(row, key=row.__getitem__)
         print(f"{b:>5} " + "".join(f"{row[m]:10.2f}" for m in METHODS) + f"   {best}")
+    if not args.no_result:
+        figures = [Figure(m, "tokenmill", f"one decode step's linears, {b} rows", "ms",
+                          [step_us[(m, b)] / 1e3], False,
+                          {"method": m, "rows": b, "threads": args.threads})
+                   for b in BATCHES for m in METHODS]
+        results.write(results.build("linear-kernels", "Linear kernels at SmolLM2's shapes",
+                                    figures))
 
 
 if __name__ == "__main__":

@@ -38,9 +38,12 @@ def test_run_all_refuses_an_unknown_peer_by_name(capsys):
 
 
 def test_every_benchmark_parses_its_own_arguments(capsys):
-    """Each module imports as a package member (no sys.path) and has main(argv)."""
+    """Each module imports as a package member (no sys.path) and has main(argv); the ones
+    that write a result can be told not to, and W2-W4 take the model file."""
     for b in BENCHMARKS:
         with pytest.raises(SystemExit) as e:
             cli.main(["run", b.name, "--help"])
         assert e.value.code == 0, b.name
-    assert "--model" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert ("--no-result" in out) == b.writes_result, b.name
+        assert ("--model" in out) >= (b.name in ("w2", "w3", "w4")), b.name

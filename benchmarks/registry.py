@@ -51,6 +51,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "2 replicas behind vllm-router, by routing policy"),
     Benchmark("async-scheduling", "feature", _F + "async_scheduling",
               "--async-scheduling on vs off, batch 1 and 16", True),
+    Benchmark("gpu-check", "feature", "benchmarks.gpu_check",
+              "on a GPU: HBM bandwidth, decode/prefill against it, CUDA graphs (--smoke: CPU)"),
     Benchmark("batch1-kernels", "kernel", _K + "batch1_kernels",
               "batch-1 decode TPOT of each weight path, one process", True),
     Benchmark("cascade-decode", "kernel", _K + "cascade_decode",

@@ -104,13 +104,21 @@ def machine_class(flags: set[str], gpu: str | None) -> str:
 
 
 def _cpu_model() -> str:
+    """The model name, with family and model numbers where a VM names only the vendor
+    ("AMD EPYC (family 25, model 17)": Zen 4)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def fingerprint() -> dict:

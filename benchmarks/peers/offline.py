@@ -14,6 +14,18 @@ from .servers import vllm_env
 HERE = Path(__file__).resolve().parent
 
 
+def proc_peak_rss_kib(pid: int) -> int:
+    """A live process's peak resident memory (VmHWM, KiB); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: int = 2,
                     repetitions: int = 5, timeout_s: float = 1800.0) -> dict:
     """`llama-bench -p P -n N -t 2 -r R -o json`: one test (pp P when N is 0, tg N
@@ -22,18 +34,20 @@ def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: i
     cmd = [str(llama.bench), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen_len),
            "-t", str(threads), "-r", str(repetitions), "-o", "json"]
     print(f"[peers] $ {' '.join(cmd)}", flush=True)
-    # os.wait4 gives this child's own peak RSS (resident memory beside speed)
+    # Its own peak RSS: the exec'd process's VmHWM, read while it runs. Not wait4's
+    # ru_maxrss, which Linux carries over from the parent's memory at fork/exec (a child
+    # of a 1 GB Python process reads >= 1 GB whatever it uses).
+    peak_kib = 0
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         deadline = time.monotonic() + timeout_s
-        while (done := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
+        while proc.poll() is None:
+            peak_kib = max(peak_kib, proc_peak_rss_kib(proc.pid))
             if time.monotonic() > deadline:
                 proc.kill()
-                os.wait4(proc.pid, 0)
+                proc.wait()
                 raise RuntimeError(f"llama-bench did not finish in {timeout_s:.0f} s")
-            time.sleep(0.05)
-        _, status, usage = done
-        proc.returncode = os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
@@ -45,7 +59,7 @@ def run_llama_bench(llama, gguf: Path, prompt_len: int, gen_len: int, threads: i
     t = tests[0]
     return {"tok_s": float(t["avg_ts"]), "stddev_tok_s": float(t["stddev_ts"]),
             "samples_tok_s": [float(x) for x in t.get("samples_ts", [])],
-            "command": " ".join(cmd), "peak_rss_mib": usage.ru_maxrss / 1024,  # KiB on Linux
+            "command": " ".join(cmd), "peak_rss_mib": peak_kib / 1024 or None,
             # the vendored source reports no commit: its build folder names the version
             "build": (t.get("build_commit") if t.get("build_commit") not in (None, "", "unknown")
                       else Path(llama.bench).parent.parent.name),

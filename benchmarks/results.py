@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -145,8 +146,7 @@ def _git(*args: str) -> str:
 
 def command_line() -> str:
     """The command as a user would retype it: `python -m benchmarks run w3 --peers llama`."""
-    argv = [a for a in sys.argv[1:]]
-    return "python -m benchmarks " + " ".join(argv) if argv else "python -m benchmarks"
+    return " ".join(["python -m benchmarks", shlex.join(sys.argv[1:])]).strip()
 
 
 def ratios(figures: list[Figure]) -> list[dict]:

@@ -34,6 +34,8 @@ examples:
   tokenmill bench --compare a.json b.json --html a_vs_b.html
   # a fast GPU server: 4 generator processes so one event loop is not the limit
   tokenmill bench --base-url URL --concurrency 256 --workers 4 --num-requests 2048
+  # replay a Mooncake trace at twice its speed; the report shows the prefix-cache hits
+  tokenmill bench --base-url URL --dataset trace --trace-path trace.jsonl --time-scale 0.5
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -64,11 +66,20 @@ def register(subparsers) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="random",
-                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic"],
+                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic",
+                            "trace"],
                    help="multiturn and agentic (and sharegpt with --turns > 1) send "
                    "conversations: each turn's prompt is every earlier message plus the "
                    "server's reply; --num-requests then counts conversations")
     w.add_argument("--dataset-path", help="sharegpt JSON, or jsonl/JSON list of prompts")
+    w.add_argument("--trace-path", help="trace dataset: a Mooncake-format JSONL trace "
+                   "(timestamp ms, input_length, output_length, hash_ids); requests are sent "
+                   "at its timestamps and shared hash ids become shared prompt prefixes")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace dataset: multiply the trace's timestamps (0.5 replays twice "
+                   "as fast; default 1)")
+    w.add_argument("--trace-block-size", type=int, default=512,
+                   help="trace dataset: prompt tokens per hash id (Mooncake: 512)")
     w.add_argument("--input-len", default="128",
                    help="prompt tokens (random), suffix tokens (prefix) or tokens of each user "
                    "message (multiturn, agentic): N, LO:HI uniform, or normal:MEAN,STD "
@@ -198,6 +209,7 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.max_rate_under_slo and args.sweep:
         raise ValueError("choose --sweep or --max-rate-under-slo, not both")
     sweep = _parse_sweep(args.sweep) if args.sweep else None
+    _check_trace_args(args, sweep)
     spec = WorkloadSpec(
         dataset=args.dataset, dataset_path=args.dataset_path,
         input_len=LengthSpec.parse(args.input_len),
@@ -205,7 +217,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
         output_len_from_dataset=args.output_len is None,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         sharegpt_max_input_len=args.sharegpt_max_input_len,
-        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns)
+        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns,
+        trace_block_size=args.trace_block_size, time_scale=args.time_scale)
     if args.turns is not None and args.turns < 1:
         raise ValueError("--turns must be at least 1")
     if (args.turns or 1) > 1 and args.dataset not in ("sharegpt", "multiturn", "agentic"):
@@ -216,6 +229,10 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.dataset_path and not os.path.exists(args.dataset_path):
         raise FileNotFoundError(f"--dataset-path {args.dataset_path} does not exist")
     num_requests = args.num_requests or (None if args.duration else 64)
+    if args.dataset == "trace" and not args.num_requests:
+        from tokenmill.bench.trace import load_trace
+
+        num_requests = len(load_trace(args.dataset_path)) - args.warmup  # the whole trace
 
     target, config = _make_target(args, err)
     tokenizer = target.tokenizer
@@ -283,6 +300,28 @@ def _compare(args: argparse.Namespace, console) -> int:
         write_html(render_comparison(names, results), args.html)
         console.print(f"report: {args.html}")
     return 0
+
+
+def _check_trace_args(args: argparse.Namespace, sweep) -> None:
+    """The trace flags belong to the trace dataset, whose timestamps are the arrivals."""
+    if args.dataset != "trace":
+        for flag, default in (("trace_path", None), ("time_scale", 1.0),
+                              ("trace_block_size", 512)):
+            if getattr(args, flag) != default:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --dataset trace")
+        return
+    if not args.trace_path and not args.dataset_path:
+        raise ValueError("--dataset trace needs --trace-path FILE.jsonl (Mooncake format)")
+    if args.trace_path and args.dataset_path:
+        raise ValueError("give --trace-path or --dataset-path, not both")
+    args.dataset_path = args.trace_path or args.dataset_path
+    if math.isfinite(args.request_rate) or (sweep and sweep[0] == "rate") \
+            or args.max_rate_under_slo:
+        raise ValueError("--dataset trace sends at the trace's timestamps: use --time-scale "
+                         "instead of --request-rate (or a rate sweep/search)")
+    if args.offline:
+        raise ValueError("--dataset trace needs a server (--base-url): the offline target "
+                         "does not honour arrival times")
 
 
 def _exit_code(result: dict[str, Any], err) -> int:

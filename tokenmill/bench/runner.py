@@ -39,6 +39,7 @@ from tokenmill.bench.client_cost import (
     summarize_cost,
 )
 from tokenmill.bench.reconcile import reconcile, reconcile_notes, timings_section
+from tokenmill.bench.trace import trace_arrivals
 from tokenmill.bench.workload import BenchRequest, iter_arrivals
 
 
@@ -162,7 +163,8 @@ async def dispatch(send: Send, requests: list[BenchRequest], load: LoadSpec,
     conversation holds its concurrency slot from its first turn to its last; each later
     turn is planned for the moment the previous one ended."""
     limit = len(requests) if load.duration_s is None else (max_requests or math.inf)
-    arrivals = iter_arrivals(load.request_rate, load.burstiness, rng)
+    arrivals = trace_arrivals(requests) or iter_arrivals(load.request_rate, load.burstiness,
+                                                         rng)
     slots: asyncio.Queue[float] = asyncio.Queue()
     for _ in range(load.concurrency or 0):
         slots.put_nowait(0.0)

@@ -127,6 +127,13 @@ def register(subparsers) -> None:
                     "--concurrency), all timestamp on one clock, results are merged")
     ld.add_argument("--sweep", metavar="KIND=V1,V2,...",
                     help="one run per value: rate=1,2,4 or concurrency=1,4,16,32")
+    ld.add_argument("--repeats", type=int, default=1,
+                    help="run the configuration N times: each metric's mean with a 95%% "
+                    "interval (JSON: repeats.metrics.*.ci95); with --versus the servers "
+                    "alternate A B B A and B/A gets its interval too")
+    ld.add_argument("--versus", metavar="URL",
+                    help="with --repeats: a second server (B) to compare --base-url (A) with, "
+                    "same workload, runs interleaved")
     ld.add_argument("--max-rate-under-slo", action="store_true",
                     help="bisect for the highest request rate meeting --slo-attainment")
     ld.add_argument("--slo-attainment", type=float, default=90.0,
@@ -250,7 +257,9 @@ def _main(args: argparse.Namespace, console, err) -> int:
         scraper=_make_scraper(args))
     base = runner.LoadSpec(concurrency=args.concurrency, request_rate=args.request_rate,
                            burstiness=args.burstiness, duration_s=args.duration)
-    if sweep:
+    if args.repeats > 1 or args.versus:
+        result = _run_repeats(args, plan, base, sweep, err)
+    elif sweep:
         result = runner.run_sweep(plan, base, *sweep)
     elif args.max_rate_under_slo:
         start = args.request_rate if math.isfinite(args.request_rate) else 1.0
@@ -268,6 +277,10 @@ def _main(args: argparse.Namespace, console, err) -> int:
     print_summary(console, result)
     if "runs" in result:
         print_runs(console, result)
+    if "repeats" in result:
+        from tokenmill.bench.repeats import print_repeats
+
+        print_repeats(console, result, (args.base_url or "A", args.versus or "B"))
     if args.output:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
@@ -300,6 +313,40 @@ def _compare(args: argparse.Namespace, console) -> int:
         write_html(render_comparison(names, results), args.html)
         console.print(f"report: {args.html}")
     return 0
+
+
+def _run_repeats(args: argparse.Namespace, plan, base, sweep, err) -> dict[str, Any]:
+    """--repeats N [--versus URL]: the runs, the A result on top, B's under `versus`."""
+    from dataclasses import replace
+
+    from tokenmill.bench import runner
+    from tokenmill.bench.repeats import run_repeats
+
+    if args.repeats < 2:
+        raise ValueError("--versus needs --repeats N (N >= 2): one run each is an anecdote")
+    if sweep or args.max_rate_under_slo or args.duration:
+        raise ValueError("--repeats runs one configuration: not with --sweep, "
+                         "--max-rate-under-slo or --duration")
+    plans = [plan]
+    if args.versus:
+        if args.offline:
+            raise ValueError("--versus compares two servers: use --base-url, not --offline")
+        b_args = argparse.Namespace(**{**vars(args), "base_url": args.versus,
+                                       "model": None})  # B: the first model it lists
+        target, config = _make_target(b_args, err)
+        plans.append(replace(plan, target=target,
+                             config={**config, "workload": plan.config["workload"]},
+                             scraper=_make_scraper(b_args)))
+    rep = run_repeats(lambda server, k: runner.run_once(plans[server], base, run_index=k),
+                      args.repeats, num_servers=len(plans))
+    runs_a = rep.pop("runs_by_server")
+    result = runner.combine(plan, runs_a[0], rep)
+    if args.versus:
+        result["repeats"]["versus"]["base_url"] = args.versus
+        result["versus_runs"] = runs_a[1]
+        if plans[1].scraper is not None:
+            plans[1].scraper.close()
+    return result
 
 
 def _check_trace_args(args: argparse.Namespace, sweep) -> None:

@@ -51,6 +51,10 @@ def register(subparsers) -> None:
         "report and side-by-side comparisons.\n\n" + METRIC_DEFINITIONS + "\n\n"
         + SERVER_CLIENT_DEFINITIONS + "\n\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", nargs="?", choices=["sweep"],
+                   help="sweep: one run per value of a --concurrency or --request-rate list "
+                   "(e.g. --concurrency 1,4,8), one result file per point, the Pareto front "
+                   "of tok/s per user vs per device in the JSON, plots and HTML")
     t = p.add_argument_group("target")
     t.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000")
     t.add_argument("--model", help="model name sent in requests (default: the first model "
@@ -107,10 +111,12 @@ def register(subparsers) -> None:
                    help="JSON object merged into every request body")
 
     ld = p.add_argument_group("load")
-    ld.add_argument("--concurrency", type=int, default=None,
-                    help="at most N requests in flight (default: unlimited)")
-    ld.add_argument("--request-rate", type=float, default=math.inf,
-                    help="requests/s with gamma-distributed gaps (default inf: all at once)")
+    ld.add_argument("--concurrency", type=_number_list(int), default=None,
+                    help="at most N requests in flight (default: unlimited); "
+                    "`bench sweep`: a list, 1,4,8")
+    ld.add_argument("--request-rate", type=_number_list(float), default=math.inf,
+                    help="requests/s with gamma-distributed gaps (default inf: all at once); "
+                    "`bench sweep`: a list, 1,2,4")
     ld.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 steadier; "
                     "CV² of the gaps = 1/burstiness")
@@ -216,6 +222,7 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.max_rate_under_slo and args.sweep:
         raise ValueError("choose --sweep or --max-rate-under-slo, not both")
     sweep = _parse_sweep(args.sweep) if args.sweep else None
+    sweep = _sweep_action(args, sweep)
     _check_trace_args(args, sweep)
     spec = WorkloadSpec(
         dataset=args.dataset, dataset_path=args.dataset_path,
@@ -284,6 +291,15 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.output:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
+        if args.action == "sweep":
+            from tokenmill.bench.sweep_files import write_points
+
+            for path in write_points(result, args.output):
+                console.print(f"  point: {path}")
+    if result.get("pareto"):
+        from tokenmill.bench.pareto import describe_knee
+
+        console.print(describe_knee(result["pareto"]))
     if args.html:
         from tokenmill.bench.html_report import render_report, write_html
 
@@ -391,6 +407,50 @@ def _exit_code(result: dict[str, Any], err) -> int:
         err.print("[red]error:[/] no request completed; see the failures above")
         return 1
     return 0
+
+
+def _number_list(kind):
+    """`16` → [16]; `1,4,8` → [1, 4, 8] (a list is for `bench sweep`)."""
+
+    def parse(text: str) -> list:
+        try:
+            vals = [kind(v) for v in str(text).split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}")
+        return vals
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _sweep_action(args: argparse.Namespace, sweep):
+    """`bench sweep --concurrency 1,4,8` → ("concurrency", [1, 4, 8]); the lists become
+    single values again for everything else."""
+    conc = args.concurrency or [None]
+    rate = args.request_rate if isinstance(args.request_rate, list) else [args.request_rate]
+    if args.action != "sweep":
+        for flag, vals in (("--concurrency", conc), ("--request-rate", rate)):
+            if len(vals) > 1:
+                raise ValueError(f"{flag} takes one value; a list of them is a sweep: "
+                                 f"`tokenmill bench sweep {flag} {','.join(map(str, vals))}`")
+        args.concurrency, args.request_rate = conc[0], rate[0]
+        return sweep
+    if sweep or args.max_rate_under_slo:
+        raise ValueError("`bench sweep` takes its values from --concurrency or "
+                         "--request-rate lists: not with --sweep or --max-rate-under-slo")
+    if len(conc) > 1 and len(rate) > 1:
+        raise ValueError("`bench sweep`: give a list to --concurrency or to --request-rate, "
+                         "not both")
+    if len(rate) > 1 or (conc == [None] and math.isfinite(rate[0])):
+        args.concurrency, args.request_rate = conc[0], math.inf
+        return "rate", [float(r) for r in rate]
+    if conc == [None]:
+        raise ValueError("`bench sweep` needs a list: --concurrency 1,4,8 or "
+                         "--request-rate 1,2,4")
+    args.concurrency, args.request_rate = None, rate[0]
+    return "concurrency", conc
 
 
 def _parse_sweep(text: str) -> tuple[str, list[float]]:

@@ -369,7 +369,11 @@ def run_sweep(plan: BenchPlan, base: LoadSpec, parameter: str,
         load = (replace(base, request_rate=float(v)) if parameter == "rate"
                 else replace(base, concurrency=int(v)))
         runs.append(run_once(plan, load, run_index=i))
-    return combine(plan, runs, {"sweep": {"parameter": parameter, "values": values}})
+    from tokenmill.bench.pareto import pareto_section
+
+    par = pareto_section(runs, parameter, plan.num_gpus, plan.slo.tpot_ms if plan.slo else None)
+    return combine(plan, runs, {"sweep": {"parameter": parameter, "values": values},
+                                "pareto": par, "pareto_front": par["front"]})
 
 
 def search_max_rate(plan: BenchPlan, base: LoadSpec, target_attainment: float,

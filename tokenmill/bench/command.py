@@ -151,6 +151,11 @@ def register(subparsers) -> None:
                    help="SLOs for goodput: ttft_ms=… tpot_ms=… e2e_ms=…")
     m.add_argument("--cost-per-hour", type=float, default=None, help="$ per hour per GPU")
     m.add_argument("--num-gpus", type=int, default=1)
+    m.add_argument("--no-power", dest="power", action="store_false",
+                   help="do not read this host's power (NVML on NVIDIA GPUs, RAPL on CPUs) "
+                   "during each run")
+    m.add_argument("--price-per-kwh", type=float, default=None,
+                   help="$ per kWh: the measured energy's cost per 1M output tokens")
     m.add_argument("--hardware", help="recorded in the result for `tokenmill explain` "
                    "(e.g. h100, cpu; --offline: detected)")
     m.add_argument("--served-dtype", dest="dtype_label", default=None,
@@ -261,7 +266,7 @@ def _main(args: argparse.Namespace, console, err) -> int:
         request_cap=args.num_requests if args.duration else None, seed=args.seed, slo=slo,
         cost_per_hour=args.cost_per_hour, num_gpus=args.num_gpus,
         progress=ProgressFactory(console, enabled=not args.no_progress),
-        scraper=_make_scraper(args))
+        scraper=_make_scraper(args), power=args.power, price_per_kwh=args.price_per_kwh)
     base = runner.LoadSpec(concurrency=args.concurrency, request_rate=args.request_rate,
                            burstiness=args.burstiness, duration_s=args.duration)
     if args.repeats > 1 or args.versus:

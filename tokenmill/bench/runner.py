@@ -286,6 +286,8 @@ class BenchPlan:
     num_gpus: int = 1
     progress: Any = None  # report.ProgressFactory or None
     scraper: Any = None  # server_metrics.MetricsScraper, or None (--no-scrape, offline)
+    power: bool = False  # read the host's power during each run (power.py)
+    price_per_kwh: float | None = None  # $ per kWh for the energy's cost
 
 
 def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, Any]:
@@ -300,10 +302,22 @@ def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, A
                    if plan.progress is not None else contextlib.nullcontext(lambda r: None))
     if plan.scraper is not None:
         plan.scraper.start()
+    meter = None
+    if plan.power:
+        from tokenmill.bench.power import PowerMeter
+
+        meter = PowerMeter()
+        meter.start()
     with on_done_ctx as on_done:
         outcome = plan.target.run(measured, load, rng, on_done, plan.request_cap)
     summary = metrics.summarize(outcome.records, outcome.duration_s, plan.slo,
                                 plan.cost_per_hour, plan.num_gpus)
+    if meter is not None:
+        from tokenmill.bench.power import power_summary
+
+        same = outcome.client_cost.same_host if outcome.client_cost is not None else True
+        summary["power"] = power_summary(meter.stop(), summary["total_output_tokens"],
+                                         plan.price_per_kwh, same)
     server = None
     if plan.scraper is not None:
         server = plan.scraper.stop(expected_requests=summary["num_completed"])

@@ -1,7 +1,7 @@
 """Async streaming client for OpenAI-compatible servers, timestamping every chunk.
 
 Timestamps are `time.perf_counter()` seconds relative to the run's start, taken the
-moment a server-sent event is parsed. A chunk is a *content* chunk when it carries
+moment the network read that delivered a server-sent event returned (sse.py). A chunk is a *content* chunk when it carries
 generated text (`choices[0].text` for completions, `delta.content` or
 `delta.reasoning_content` for chat); a role-only first chunk, a finish chunk with empty
 text and the usage chunk are not.
@@ -9,12 +9,13 @@ text and the usage chunk are not.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from tokenmill.bench.sse import DONE, BadChunk, sse_events
 
 # failure kinds that mean the server went away (the bench exits non-zero on them)
 CONNECTION_FAILURES = ("connect", "disconnected", "timeout")
@@ -46,6 +47,7 @@ class RequestRecord:
     server_timings: dict[str, Any] | None = None  # llama-server's `timings` object
     conversation_id: int | None = None  # multi-turn: the conversation, its turn
     turn_index: int = 0
+    tokens_counted: int = 0  # running sum of chunk_tokens while streaming
 
     @property
     def ok(self) -> bool:
@@ -148,25 +150,22 @@ class OpenAIClient:
                         return True
                     record.fail(f"http_{resp.status_code}", text[:500], now() - t0)
                     return False
-                async for line in resp.aiter_lines():
-                    t = now() - t0
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError:
-                        record.fail("bad_chunk", f"unparseable chunk: {data[:200]}", t)
-                        return False
-                    if "error" in chunk and not chunk.get("choices"):
-                        err = chunk["error"]
-                        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                        record.fail("stream_error", msg[:500], t)
-                        return False
-                    self._on_chunk(record, chunk, t, chat)
+                events = sse_events(resp.aiter_bytes(), t0)
+                try:
+                    async for t, chunk in events:
+                        if chunk is DONE:
+                            done = True
+                            break
+                        if not isinstance(chunk, dict) or (
+                                "error" in chunk and not chunk.get("choices")):
+                            self._stream_error(record, chunk, t)
+                            return False
+                        self._on_chunk(record, chunk, t, chat)
+                except BadChunk as e:
+                    record.fail("bad_chunk", f"unparseable chunk: {e}", now() - t0)
+                    return False
+                finally:
+                    await events.aclose()
                 record.end_time_s = now() - t0
         except httpx.ConnectError as e:
             record.fail("connect", f"cannot connect to {self.options.base_url}: {e}",
@@ -190,6 +189,12 @@ class OpenAIClient:
                         record.end_time_s)
         return False
 
+    @staticmethod
+    def _stream_error(record: RequestRecord, chunk: Any, t: float) -> None:
+        err = chunk.get("error") if isinstance(chunk, dict) else chunk
+        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        record.fail("stream_error", msg[:500], t)
+
     def _on_chunk(self, record: RequestRecord, chunk: dict, t: float, chat: bool) -> None:
         if record.first_chunk_time_s is None:
             record.first_chunk_time_s = t
@@ -209,9 +214,11 @@ class OpenAIClient:
             record.chunk_times_s.append(t)
             record.chunk_texts.append(text)
             if usage and usage.get("completion_tokens") is not None and choices:
-                # continuous usage: the exact number of tokens this chunk carried
-                before = sum(record.chunk_tokens)
-                record.chunk_tokens.append(max(0, usage["completion_tokens"] - before))
+                # continuous usage: the exact number of tokens this chunk carried (a
+                # running total: summing the list each chunk was quadratic in the output)
+                record.chunk_tokens.append(max(0, usage["completion_tokens"]
+                                               - record.tokens_counted))
+                record.tokens_counted += record.chunk_tokens[-1]
         if chunk.get("timings"):  # llama-server: its own prompt and decode times
             record.server_timings = chunk["timings"]
         if usage:

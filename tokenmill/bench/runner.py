@@ -125,7 +125,7 @@ class HttpTarget:
         client.dropped_fields = self.dropped_fields
         try:
             with contextlib.suppress(Exception):  # open a connection, pay lazy imports now
-                await client.http.get("/v1/models")
+                await client.warm()
             return await dispatch(client.send, requests, load, rng, on_done, max_requests)
         finally:
             await client.aclose()

@@ -28,8 +28,8 @@ from common import machine
 from floors import decode_floor_ms, roofline_dtype
 
 from tokenmill.config import CacheConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.overlap import OverlapStepper
+from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.core.overlap import OverlapStepper
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -82,7 +82,7 @@ def kernels(batches: list[int], repeats: int) -> None:
 
 def engine(batches: list[int], steps: int) -> None:
     from tokenmill.config import CacheConfig, EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
     engines = {name: LLMEngine(EngineConfig(batched_linears=name, max_num_seqs=max(batches),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 def run(kv_dtype: str, concurrency: int, args) -> dict:
     from tokenmill.config import CacheConfig, EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(
@@ -85,7 +85,7 @@ def main() -> int:
 
     from common import machine
 
-    from tokenmill.engine.args import parse_bytes
+    from tokenmill.cli.engine_args import parse_bytes
 
     args.kv_cache_memory = parse_bytes(args.kv_cache_memory)
     print(f"machine: {machine()}")

@@ -17,9 +17,9 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from tokenmill.engine.engine_client import EngineClient
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import (
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.frontend.engine_client import EngineClient
+from tokenmill.engine.frontend.request_stream import (
     EngineDiedError,
     EngineStepError,
     EngineUnavailableError,

@@ -7,13 +7,13 @@ the paths see the same machine (on a busy one, read the paired ratios, not the
 absolute times). Each path's median TPOT is held against its own floor (weight + KV
 bytes per step / --bandwidth).
 
-    .venv/bin/python benchmarks/batch1_kernels.py                  # gguf vs gguf-a16 vs gguf-a8
-    .venv/bin/python benchmarks/batch1_kernels.py --paths gguf-a16/modules,gguf-a16
+    python -m benchmarks run batch1-kernels                  # gguf vs gguf-a16 vs gguf-a8
+    python -m benchmarks run batch1-kernels --paths gguf-a16/modules,gguf-a16
 
 A path written METHOD/modules is METHOD's engine (the same one, not a second copy)
 with its fused batch-1 decode step off for that generate (engine/fused_decode.py),
 so `gguf-a16/modules,gguf-a16` is the fused step's A/B in one engine, alternating.
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batch1_kernels.py --threads 1 --rounds 5
+    OMP_NUM_THREADS=1 python -m benchmarks run batch1-kernels --threads 1 --rounds 5
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
+from benchmarks.common import machine
+from benchmarks.floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--paths", default="gguf,gguf-a16/modules,gguf-a16,gguf-a8",
                     help="--quantization methods, the first the one the others are held "
@@ -40,7 +39,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--bandwidth", type=float, default=QUIET_READ_GB_S)
-    args = ap.parse_args()
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from tokenmill import LLM, SamplingParams
@@ -81,6 +82,15 @@ def main() -> int:
               f"floor ({floor:.2f} ms); {base} / {p} per round "
               f"{' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}); "
               f"greedy tokens equal to {base}'s: {same}/{args.new_tokens}")
+    if not args.no_result:
+        from benchmarks import results
+        from benchmarks.results import Figure
+
+        figures = [Figure(p, "tokenmill", "decode", "tok/s", [1e3 / t for t in tpots[p]], True,
+                          {"model": "smollm2-135m", "path": p, "prompt": args.prompt_len,
+                           "new_tokens": args.new_tokens}) for p in paths]
+        results.write(results.build("batch1-kernels", "Batch-1 decode by weight path",
+                                    figures))
     return 0
 
 

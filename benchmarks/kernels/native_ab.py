@@ -7,17 +7,17 @@ not by two runs. The other revision's `tokenmill/kernels/*.c` and `*.h` are read
 for `build.load` of one library name.
 
     # decode attention alone (SmolLM2's heads, 30 layers' pools, from DRAM)
-    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 512
+    python -m benchmarks run native-ab kernel --rev HEAD~1 --rows 16 --context 512
     # the same over 8-bit pools (tm_paged_decode_q8), or whole steps with that cache
-    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 64 --context 350 \
+    python -m benchmarks run native-ab kernel --rev HEAD~1 --rows 64 --context 350 \
         --kv-cache-dtype int8
     # the shared-prefix (cascade) path: --shared tokens read once for the batch
-    .venv/bin/python benchmarks/native_ab.py kernel --rev HEAD~1 --rows 16 --context 80 \\
+    python -m benchmarks run native-ab kernel --rev HEAD~1 --rows 16 --context 80 \\
         --shared 1024
     # whole engine decode steps (the fused step, decode_step.c), alternating step by step
-    .venv/bin/python benchmarks/native_ab.py step --rev HEAD~1 --rows 16 --context 128
-    # one decode step's linears on q4q8_gemv.c (benchmarks/q4q8_step.py's records)
-    .venv/bin/python benchmarks/native_ab.py linears --rev HEAD~1 --rows 16 [--bits 8 | --gemm16]
+    python -m benchmarks run native-ab step --rev HEAD~1 --rows 16 --context 128
+    # one decode step's linears on q4q8_gemv.c (benchmarks run q4q8-step's records)
+    python -m benchmarks run native-ab linears --rev HEAD~1 --rows 16 [--bits 8 | --gemm16]
 
 Prints each build's median and minimum, old / new, and (kernel and linears modes)
 whether the two builds gave the same bits.
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 KERNELS = ROOT / "tokenmill" / "kernels"
 
 
@@ -223,7 +223,7 @@ def report(what: str, times: dict[str, list[float]]) -> None:
     print(f"{what}: " + "; ".join(parts) + f"; old / new {ratio:.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["kernel", "step", "linears"])
     ap.add_argument("--rev", required=True, help="the other build's git revision (old)")
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
     ap.add_argument("--gemm16", action="store_true",
                     help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     name = {"kernel": "paged_decode", "step": "decode_step", "linears": "q4q8_gemv"}[args.mode]
     from tokenmill.kernels import build
 

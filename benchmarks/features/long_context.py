@@ -7,8 +7,8 @@ the blocks that budget holds, the largest concurrency whose sequences all fit at
 (blocks x block size / (prompt + output)), the median decode-only step time and its
 batch, output tok/s over the run, and the preemptions the scheduler had to make.
 
-    .venv/bin/python benchmarks/long_context.py                  # 2,048 + 256, c=16 and 32
-    .venv/bin/python benchmarks/long_context.py --prompt-len 128 --output-len 16 \\
+    python -m benchmarks run long-context                  # 2,048 + 256, c=16 and 32
+    python -m benchmarks run long-context --prompt-len 128 --output-len 16 \\
         --concurrency 4 --num-requests 4 --kv-cache-memory 8MiB  # a smoke run
 """
 
@@ -21,9 +21,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def run(kv_dtype: str, concurrency: int, args) -> dict:
@@ -69,7 +66,7 @@ def run(kv_dtype: str, concurrency: int, args) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -81,10 +78,11 @@ def main() -> int:
                     help="the fixed KV budget both dtypes get")
     ap.add_argument("--kv-dtypes", default="bfloat16,int8")
     ap.add_argument("--output", help="write the rows as JSON")
-    args = ap.parse_args()
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    args = ap.parse_args(argv)
 
-    from common import machine
-
+    from benchmarks.common import machine
     from tokenmill.cli.engine_args import parse_bytes
 
     args.kv_cache_memory = parse_bytes(args.kv_cache_memory)
@@ -106,6 +104,20 @@ def main() -> int:
                   f"{row['num_preemptions']} preemptions")
     if args.output:
         Path(args.output).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    if not args.no_result:
+        from benchmarks import results
+        from benchmarks.results import Figure
+
+        cfg = {"model": args.model, "prompt": args.prompt_len, "output_len": args.output_len,
+               "kv_cache_memory_mib": args.kv_cache_memory // 2**20}
+        figures = [Figure(f"KV {r['kv_cache_dtype']}, c={r['concurrency']}", "tokenmill",
+                          f"output throughput c={r['concurrency']}", "tok/s",
+                          [r["output_tok_s"]], True,
+                          {**cfg, "kv_cache_dtype": r["kv_cache_dtype"],
+                           "blocks": r["num_total_blocks"],
+                           "preemptions": r["num_preemptions"]}) for r in rows]
+        results.write(results.build("long-context", "Long context: bf16 vs 8-bit KV cache",
+                                    figures))
     return 0
 
 

@@ -10,7 +10,7 @@ cold. Reports each policy's prefix-cache hit rate (from the replicas' own
 Part 2 (W2, concurrency 16): 1 replica x 2 threads vs 2 replicas x 1 thread
 behind round_robin, output tok/s and TTFT p50.
 
-    .venv/bin/python benchmarks/data_parallel.py          # needs vllm-router==0.1.17
+    python -m benchmarks run data-parallel          # needs vllm-router==0.1.17
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import machine
-from serving import free_port, start_server
+from benchmarks.common import machine
+from benchmarks.server import free_port, start_server
 
-W2_PROMPTS = HERE.parent.parent / "shared" / "data" / "w2_prompts_128.json"
+W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
     shutil.which("vllm-router")
 
@@ -131,7 +129,7 @@ def w2_layouts(args) -> None:
     print(f"2 replicas x 1 thr {s['output_throughput_tok_s']:9.1f} {s['ttft_ms']['p50']:8.0f} ms")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware", "round_robin"])
@@ -139,7 +137,7 @@ def main() -> None:
     ap.add_argument("--num-prefixes", type=int, nargs="*", default=[4, 16],
                     help="distinct 1,024-token prefixes, one part-1 run per value "
                          "(none: skip part 1)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if ROUTER is None:
         sys.exit("vllm-router is not installed: pip install vllm-router==0.1.17")
     print(f"data parallel behind vllm-router · {machine()}")

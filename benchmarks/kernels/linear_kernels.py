@@ -10,7 +10,7 @@ as one decode step uses (30 per layer shape, 1 LM head), so weights come from
 memory as in a real step, not from a warm cache. The last table sums one
 decode step's linears per method: where the low-bit/bf16 cross-over is.
 
-    .venv/bin/python benchmarks/linear_kernels.py [--min-run-time 0.2] [--threads 2]
+    python -m benchmarks run linear-kernels [--min-run-time 0.2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
+from benchmarks import results
+from benchmarks.results import Figure
 from tokenmill.quant.codes import int4_codes_from_float, int8_codes_from_float
 from tokenmill.quant.dense import DenseWeight
 from tokenmill.quant.linear import Int4Linear, Int8Linear
@@ -89,11 +91,13 @@ def time_call(ops: list[torch.nn.Module | torch.Tensor], x: torch.Tensor,
         return t.blocked_autorange(min_run_time=min_run_time).median / len(ops)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-run-time", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = ap.parse_args()
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bw = read_bandwidth_bytes_s(args.min_run_time)
@@ -129,6 +133,13 @@ def main() -> None:
         row = {m: step_us[(m, b)] / 1e3 for m in METHODS}
         best = min(row, key=row.__getitem__)
         print(f"{b:>5} " + "".join(f"{row[m]:10.2f}" for m in METHODS) + f"   {best}")
+    if not args.no_result:
+        figures = [Figure(m, "tokenmill", f"one decode step's linears, {b} rows", "ms",
+                          [step_us[(m, b)] / 1e3], False,
+                          {"method": m, "rows": b, "threads": args.threads})
+                   for b in BATCHES for m in METHODS]
+        results.write(results.build("linear-kernels", "Linear kernels at SmolLM2's shapes",
+                                    figures))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ ignore_eos, greedy, 16 in flight), the paths toggled between runs in alternating
 order; there `cascade` also sends the suffix prefills through the cascade call, and
 `merge` / `unshared` leave them to SDPA.
 
-    .venv/bin/python benchmarks/cascade_decode.py
-    .venv/bin/python benchmarks/cascade_decode.py --sweep-blocks 1,2,3,4,6,8 --own-max 16
-    .venv/bin/python benchmarks/cascade_decode.py --engine --rounds 3
+    python -m benchmarks run cascade-decode
+    python -m benchmarks run cascade-decode --sweep-blocks 1,2,3,4,6,8 --own-max 16
+    python -m benchmarks run cascade-decode --engine --rounds 3
 """
 
 from __future__ import annotations
@@ -33,14 +33,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-
+from benchmarks.common import machine
 from tokenmill.attention import cpu
 from tokenmill.attention.torch_ref import kv_cache_shape
 
@@ -151,7 +148,7 @@ def engine_ab(args) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--prefix-tokens", type=int, default=1024)
@@ -168,7 +165,7 @@ def main() -> int:
     ap.add_argument("--engine", action="store_true", help="W5 end to end instead")
     ap.add_argument("--requests", type=int, default=64, help="--engine: requests per run")
     ap.add_argument("--output-tokens", type=int, default=64, help="--engine: tokens each")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.engine and cpu.native.available():

@@ -11,8 +11,8 @@ request (seed 0), --new-tokens new tokens, ignore_eos, greedy. Per run: TPOT
 --repeats, with the on/off tok/s ratio (off TPOT / on TPOT), and batch 1 against its floor (weight + KV
 bytes read per step / PERFORMANCE.md's quiet-machine bandwidth).
 
-    .venv/bin/python benchmarks/async_scheduling.py                   # W3 sizes
-    .venv/bin/python benchmarks/async_scheduling.py --new-tokens 16 --repeats 1  # smoke
+    python -m benchmarks run async-scheduling                   # W3 sizes
+    python -m benchmarks run async-scheduling --new-tokens 16 --repeats 1  # smoke
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
-from floors import decode_floor_ms, roofline_dtype
-
+from benchmarks import results as results_mod
+from benchmarks.common import machine
+from benchmarks.floors import decode_floor_ms, roofline_dtype
+from benchmarks.results import Figure
 from tokenmill.config import CacheConfig
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.core.overlap import OverlapStepper
@@ -54,7 +53,7 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> di
     return {"tpot_ms": statistics.mean(tpots), "step_ms": 1e3 * wall_s / max(steps, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -63,7 +62,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--no-floor", action="store_true", help="skip the roofline subprocess")
-    args = ap.parse_args()
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    args = ap.parse_args(argv)
 
     rng = random.Random(0)
     engine = LLMEngine(model="smollm2-135m", dtype=args.dtype, quantization=args.quantization,
@@ -104,6 +105,17 @@ def main() -> None:
         if b == 1 and floor is not None:
             print(f"{'':>5} floor {floor:>8.2f} (TPOT off/on = {med['off']['tpot_ms'] / floor:.2f}x"
                   f" / {med['on']['tpot_ms'] / floor:.2f}x the floor)")
+    if not args.no_result:
+        cfg = {"model": "smollm2-135m", "prompt": args.prompt_len,
+               "new_tokens": args.new_tokens, "dtype": str(engine.dtype),
+               "quantization": engine.quantization}
+        figures = [Figure(f"async scheduling {mode}, batch {b}", "tokenmill",
+                          f"decode batch {b}", "tok/s",
+                          [b * 1e3 / r["tpot_ms"] for r in results[(b, mode)]], True,
+                          {**cfg, "async_scheduling": mode == "on", "batch": b})
+                   for b in args.batches for mode in ("off", "on")]
+        results_mod.write(results_mod.build("async-scheduling", "Async scheduling A/B",
+                                            figures))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ adjacent allocation buys long-context decode steps.
    it is. The long requests' decode steps are alternated between the two engines, step
    by step; the share of adjacent block pairs in the tables they read is printed.
 
-    .venv/bin/python benchmarks/kv_adjacency.py
-    .venv/bin/python benchmarks/kv_adjacency.py --skip-engine --rows 16 --context 4096
+    python -m benchmarks run kv-adjacency
+    python -m benchmarks run kv-adjacency --skip-engine --rows 16 --context 4096
     # long generations on a fresh pool (no churn): decode growth is what scatters
-    .venv/bin/python benchmarks/kv_adjacency.py --skip-kernel --churn 0 --context 128 \
+    python -m benchmarks run kv-adjacency --skip-kernel --churn 0 --context 128 \
         --new-tokens 1024
 """
 
@@ -32,8 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
+from benchmarks.common import machine
 
 
 def kernel_part(rows: int, context: int, layers: int, rounds: int) -> None:
@@ -134,7 +133,7 @@ def engine_part(args: argparse.Namespace) -> None:
     print(f"as before / adjacent: {ratio:.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=2048)
@@ -145,7 +144,7 @@ def main() -> None:
     ap.add_argument("--churn", type=int, default=160, help="engine part")
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rows * -(-(args.context + args.new_tokens) // 16) > args.pool_blocks:
         ap.error("--pool-blocks must hold --rows x (--context + --new-tokens) tokens")
     print(f"KV block adjacency · {machine()}")

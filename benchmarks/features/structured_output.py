@@ -11,8 +11,8 @@ the compile cost: TTFT of the first request with a never-seen schema vs the same
 schema again (cached). Targets (issue 16): TPOT overhead <= 10% at c=16; a cached
 schema adds <= 20 ms TTFT.
 
-    .venv/bin/python benchmarks/structured_output.py            # the real run
-    .venv/bin/python benchmarks/structured_output.py --num-requests 2 --concurrency 1 \\
+    python -m benchmarks run structured-output            # the real run
+    python -m benchmarks run structured-output --num-requests 2 --concurrency 1 \\
         --max-tokens 8                                          # a smoke run
 """
 
@@ -22,18 +22,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import machine
-from serving import start_server
+from benchmarks import results
+from benchmarks.common import machine
+from benchmarks.results import Figure
+from benchmarks.server import start_server
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -113,17 +110,20 @@ async def compile_cost(base_url: str, max_tokens: int) -> tuple[float, float]:
     return first * 1e3, cached * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,16", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=32, help="requests per level and mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="schema/baseline pairs per level")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     print(f"structured output · {machine()}")
     server = start_server("smollm2-135m", "--max-num-seqs", str(max(levels)), *args.serve_args)
+    tpots: dict[tuple[int, str], list[float]] = {}
     try:
         url = server.base_url
         asyncio.run(level(url, 1, 1, 8, SCHEMA))  # warm-up; compiles SCHEMA once
@@ -137,6 +137,8 @@ def main() -> None:
                 # runs see the same batch sizes and the same prefills per decoded token
                 base_ttft, base_tpot, _ = asyncio.run(level(
                     url, c, len(lengths), args.max_tokens, None, lengths))
+                tpots.setdefault((c, "unconstrained (matched lengths)"), []).append(base_tpot)
+                tpots.setdefault((c, "json_schema"), []).append(tpot)
                 mean_len = statistics.mean(lengths)
                 print(f"{c:>3} {'unconstrained (matched)':>22} {mean_len:>7.1f} "
                       f"{base_ttft:>12.1f} {base_tpot:>9.2f}")
@@ -147,6 +149,18 @@ def main() -> None:
               f"the same schema again {cached:.1f} ms (cached)")
     finally:
         server.stop()
+    if not args.no_result:
+        cfg = {"model": "smollm2-135m", "requests": args.num_requests,
+               "max_tokens": args.max_tokens}
+        figures = [Figure(f"{mode}, c={c}", "tokenmill", f"TPOT c={c}", "ms", runs, False,
+                          {**cfg, "concurrency": c, "mode": mode})
+                   for (c, mode), runs in sorted(tpots.items())]
+        figures += [Figure("a new schema (compile included)", "tokenmill", "TTFT", "ms",
+                           [first], False, cfg),
+                    Figure("the same schema again (cached)", "tokenmill", "TTFT", "ms",
+                           [cached], False, cfg)]
+        results.write(results.build("structured-output", "Structured output overhead",
+                                    figures))
 
 
 if __name__ == "__main__":

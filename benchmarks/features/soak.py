@@ -6,8 +6,8 @@ invalid. Reports requests and errors by kind; RSS summed over the server's
 process tree (front end, engine, workers), open fds and threads at 1, 5 and 10
 minutes (and the end); KV usage once the load stops.
 
-    python benchmarks/soak.py --duration 600           # starts its own server
-    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid PID
+    python -m benchmarks run soak --duration 600           # starts its own server
+    python -m benchmarks run soak --base-url http://127.0.0.1:8000 --server-pid PID
 
 Not part of `make test`; the figures go to BENCHMARKS.md. Pass criteria printed
 at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%
@@ -24,14 +24,11 @@ import contextlib
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "wizards", "quietly", "hex", "every", "jolly", "mountain", "river"]
@@ -215,7 +212,7 @@ def verdict(result: dict) -> list[str]:
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--concurrency", type=int, default=32)
@@ -228,11 +225,11 @@ def main() -> int:
                     help="start the server without --kv-cache-prefault (RSS then climbs "
                          "while the KV pool is touched for the first time)")
     ap.add_argument("server_args", nargs="*", help="extra `tokenmill serve` arguments")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = None
     if args.base_url is None:
-        from tests.serving import start_server
+        from benchmarks.server import start_server
 
         # the pool pre-touched, so a flat RSS means no leak rather than "the KV pool
         # happens to be fully touched by now" (--no-prefault to watch it fill instead)

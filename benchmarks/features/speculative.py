@@ -12,19 +12,19 @@ tok/s (after the first token) off and on, their ratio, acceptance rate, mean
 accepted length, and the distance to the W3 floor (weight bytes read per
 step / memory bandwidth).
 
-    .venv/bin/python benchmarks/speculative.py --speculative ngram
-    .venv/bin/python benchmarks/speculative.py --speculative layerskip --draft-layers 8
+    python -m benchmarks run speculative --speculative ngram
+    python -m benchmarks run speculative --speculative layerskip --draft-layers 8
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import machine
+from benchmarks import results
+from benchmarks.common import machine
+from benchmarks.results import Figure
 
 PASSAGE = (
     "The city council met on Tuesday to discuss the new budget. After a long debate, "
@@ -118,6 +118,7 @@ def run_workload(llm, spec, prompts: list[str], args) -> dict:
     ratios = [b / a for a, b in zip(off, on)]
     return {
         "off_tok_s": statistics.median(off), "on_tok_s": statistics.median(on),
+        "off_runs": off, "on_runs": on,
         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_accepted_length": 1 + accepted / steps if steps else 0.0,
@@ -125,7 +126,7 @@ def run_workload(llm, spec, prompts: list[str], args) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--speculative", default="ngram", choices=["ngram", "draft", "layerskip"])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -139,9 +140,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")
     ap.add_argument("--bandwidth-gb-s", type=float, default=None,
                     help="memory read bandwidth for the floor (default: tokenmill's CPU measurement)")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 avoids OpenMP spin-waits when other jobs share the cores)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 
@@ -176,8 +179,16 @@ def main() -> None:
               f"{'accept':>8}{'mean len':>9}{'on/floor':>9}")
     print(header)
     workloads = {"grounded": ("(a) grounded", GROUNDED), "chat": ("(b) chat", CHAT)}
+    figures: list[Figure] = []
+    cfg = {"model": "smollm2-135m", "speculative": args.speculative,
+           "k": args.num_speculative_tokens, "max_tokens": args.max_tokens}
     for name, prompts in (workloads[w] for w in args.workloads.split(",")):
         r = run_workload(llm, spec, prompts, args)
+        for mode in ("off", "on"):
+            figures.append(Figure(f"speculation {mode}, {name}", "tokenmill",
+                                  f"decode {name}", "tok/s", r[f"{mode}_runs"], True,
+                                  {**cfg, "speculation": mode == "on",
+                                   "acceptance_rate": round(r["acceptance_rate"], 3)}))
         # distance to the floor: how many floor-times one emitted token takes
         on_over_floor = (1e3 / r["on_tok_s"]) / floor_ms if r["on_tok_s"] else float("nan")
         print(f"{name:<16}{r['off_tok_s']:>10.1f}{r['on_tok_s']:>10.1f}{r['ratio']:>7.2f}"
@@ -185,6 +196,9 @@ def main() -> None:
               f"{r['mean_accepted_length']:>9.2f}{on_over_floor:>8.2f}x")
     print("ratio = median over prompts of (decode tok/s on) / (off); on/floor = time per "
           "emitted token / W3 floor (< 1 beats the batch-1 floor: several tokens per weight read)")
+    if not args.no_result:
+        results.write(results.build("speculative", "Speculative decoding at batch 1", figures,
+                                    variant=args.speculative))
 
 
 if __name__ == "__main__":

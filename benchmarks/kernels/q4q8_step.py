@@ -9,7 +9,7 @@ multiply-adds per second at each row count; `--bits 8` for gguf-a8; `--gemm16` r
 many-rows path instead (tm_q4q8_gemm16: on AVX2 the records widened to int16 a few
 groups at a time, the same bits), what prompts and 12+-row decode steps take there.
 
-    .venv/bin/python benchmarks/q4q8_step.py [--rows 1,8,16,32,64] [--repeats 5] [--gemm16]
+    python -m benchmarks run q4q8-step [--rows 1,8,16,32,64] [--repeats 5] [--gemm16]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def records(k: int, n: int, fmt: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([codes, half.view(torch.uint8)], -1).contiguous().view(-1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,16,32,64")
     ap.add_argument("--repeats", type=int, default=5)
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gemm16", action="store_true", help="tm_q4q8_gemm16 (16-bit only)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.gemm16 and args.bits != 16:
         raise SystemExit("--gemm16 runs 16-bit activations only")
     torch.set_num_threads(args.threads)

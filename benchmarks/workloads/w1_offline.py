@@ -11,25 +11,27 @@ dtype. tokenmill's run is also held against this CPU's floor (`tokenmill explain
 on the engine's own counts: the whole run's forward time and the mean decode
 step against theirs). A peer that cannot be set up is skipped with the reason.
 
-    .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16
-    .venv/bin/python benchmarks/offline_throughput.py --peers vllm      # one peer
-    .venv/bin/python benchmarks/offline_throughput.py --skip-peers      # tokenmill only
+    python -m benchmarks run w1 --dtype bfloat16
+    python -m benchmarks run w1 --peers vllm      # one peer
+    python -m benchmarks run w1 --skip-peers      # tokenmill only
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
+import statistics
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import Stopwatch, load_transformers, machine
-from floors import explain, floor_lines
-from peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
+from benchmarks import results
+from benchmarks.common import Stopwatch, load_transformers, machine, median_spread
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import add_peer_args, ensure_vllm, run_vllm_offline, selected_peers, skip
+from benchmarks.results import Figure
 
 PEERS = ("vllm", "transformers")
+TITLE = "W1 offline throughput"
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -113,7 +115,7 @@ def run_hf_static_batches(model, reqs, batch_size: int) -> float:
     return n_out / sw.elapsed_s
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -129,19 +131,30 @@ def main() -> None:
                     help="tokens a step (default: the LLM class's, 2048)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="tokenmill's KV cache format (auto, int8, fp8: as the flag)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="tokenmill runs of the whole workload (the peers run once)")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     add_peer_args(ap, PEERS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     print(f"W1 offline throughput · {machine()} · dtype {args.dtype} · tokenmill KV cache "
           f"{args.kv_cache_dtype}")
     reqs = workload(args.num_requests, 0, 49152)
-    vllm = None
+    vllm, why = None, None
     if "vllm" in peers:  # set up first: a failure should not come after the long runs
         vllm, why = ensure_vllm()
         if vllm is None:
             skip("vLLM", why)
-    tm = run_tokenmill(reqs, args)
-    print(f"tokenmill ({args.num_requests} requests): {tm:.1f} output tok/s")
+    cfg = {"model": "smollm2-135m", "requests": args.num_requests, "dtype": args.dtype}
+    tms = [run_tokenmill(reqs, args) for _ in range(args.repeats)]
+    tm = statistics.median(tms)
+    print(f"tokenmill ({args.num_requests} requests): {median_spread(tms)} output tok/s")
+    figures = [Figure("tokenmill", "tokenmill", "output throughput", "tok/s", tms, True,
+                      {**cfg, "quantization": args.quantization or "default",
+                       "kv_cache_dtype": args.kv_cache_dtype,
+                       "max_num_seqs": args.max_num_seqs})]
+    notes: list[str] = []
     lines = []
     if vllm is not None:
         if args.dtype != "bfloat16":
@@ -150,6 +163,8 @@ def main() -> None:
         print(f"vLLM CPU offline, both cores ({args.num_requests} requests): "
               f"{v['tok_s']:.1f} output tok/s ({v['output_tokens']} tokens in "
               f"{v['elapsed_s']:.1f} s; start-up {v['startup_s']:.0f} s)")
+        figures.append(Figure("vLLM CPU offline, both cores", "vllm-cpu", "output throughput",
+                              "tok/s", [v["tok_s"]], True, {**cfg, "dtype": "bfloat16"}))
         lines.append(f"ratio vs vLLM CPU (both cores): {tm / v['tok_s']:.2f}x (target >= 2x: "
                      f"{'met' if tm >= 2 * v['tok_s'] else 'missed'})")
     if "transformers" in peers:
@@ -160,11 +175,21 @@ def main() -> None:
         static = run_hf_static_batches(model, reqs[:args.static_batch_requests], 16)
         print(f"transformers static batch 16 ({args.static_batch_requests} requests): "
               f"{static:.1f} output tok/s")
+        figures.append(Figure("transformers one-at-a-time", "transformers", "output throughput",
+                              "tok/s", [one], True,
+                              {**cfg, "requests": args.one_at_a_time_requests}))
+        figures.append(Figure("transformers static batch 16", "transformers",
+                              "output throughput", "tok/s", [static], True,
+                              {**cfg, "requests": args.static_batch_requests}))
         lines.append(f"ratio vs transformers one-at-a-time: {tm / one:.1f}x (target >= 20x: "
                      f"{'met' if tm >= 20 * one else 'missed'})")
         lines.append(f"ratio vs transformers static batch 16: {tm / static:.1f}x")
     for line in lines:
         print(line)
+    if vllm is None and "vllm" in peers:
+        notes.append(f"vLLM skipped: {why}")
+    if not args.no_result:
+        results.write(results.build("w1", TITLE, figures, notes=notes))
 
 
 if __name__ == "__main__":

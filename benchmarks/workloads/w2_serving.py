@@ -15,12 +15,16 @@ benchmarks/peers/build_llama_cpp.sh). Prints TTFT p50/p99, TPOT mean and
 output tok/s per level and server, the ratios, the targets at concurrency 16,
 and each run against this CPU's floor (`tokenmill explain` on its result: the
 decode step against its floor, with the prompts that join its steps, and the
-verdict). A peer that cannot be set up is skipped with the reason.
+verdict). A peer that cannot be set up is skipped with the reason. With --model FILE,
+tokenmill serve and llama-server both run FILE (vLLM, which has a checkpoint of the
+embedded model only, is skipped with that reason). The result:
+benchmarks/results/<date>-<machine class>-w2[-<model>].json.
 
-    .venv/bin/python benchmarks/serving.py
-    .venv/bin/python benchmarks/serving.py --peers vllm --vllm-threads both
-    .venv/bin/python benchmarks/serving.py --skip-peers        # tokenmill only
-    .venv/bin/python benchmarks/serving.py -- --max-num-seqs 32  # extra serve flags
+    python -m benchmarks run w2
+    python -m benchmarks run w2 --peers vllm --vllm-threads both
+    python -m benchmarks run w2 --peers llama --model F.gguf  # serve F vs llama-server -np 16 on F
+    python -m benchmarks run w2 --skip-peers        # tokenmill only
+    python -m benchmarks run w2 -- --max-num-seqs 32  # extra serve flags
 """
 
 from __future__ import annotations
@@ -35,12 +39,10 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import embedded_gguf, machine
-from floors import explain, floor_lines
-from peers import (
+from benchmarks import results as results_mod
+from benchmarks.common import DEFAULT_MODEL, machine, model_gguf
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import (
     add_peer_args,
     ensure_servers,
     selected_peers,
@@ -48,29 +50,39 @@ from peers import (
     start_llama_server,
     start_vllm_server,
 )
-from serving import start_server
+from benchmarks.results import Figure
+from benchmarks.server import start_server
 
-W2_PROMPTS = HERE.parent.parent / "shared" / "data" / "w2_prompts_128.json"
+HERE = Path(__file__).resolve().parent
+W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
 PEERS = ("vllm", "llama")
+TITLE = "W2 online serving"
 
 
 def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: int,
-              out_path: Path) -> list[dict]:
+              out_path: Path, tokenizer: str) -> list[dict]:
     """One result per level (the bench JSON's `runs`)."""
     cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url,
            "--dataset", "jsonl", "--dataset-path", str(W2_PROMPTS),
            "--output-len", str(output_len), "--num-requests", str(num_requests),
            "--sweep", "concurrency=" + ",".join(map(str, levels)),
-           "--tokenizer", "smollm2-135m", "--output", str(out_path), "--no-progress"]
+           "--tokenizer", tokenizer, "--output", str(out_path), "--no-progress"]
     print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out_path.read_text())["runs"]
 
 
+def served_model(base_url: str) -> str:
+    """The name the server lists first at /v1/models (each server names a file its way)."""
+    r = httpx.get(f"{base_url}/v1/models", timeout=60)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
 def warm_up(base_url: str) -> None:
     """One request outside the measured prompts, so that each level's prompts stay fresh."""
     r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
-        "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8})
+        "model": served_model(base_url), "prompt": "Hello", "max_tokens": 8})
     r.raise_for_status()
 
 
@@ -82,7 +94,8 @@ def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
         out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{slug}.json"
         if args.output:
             out_path = Path(args.output).with_suffix(f".{slug}.json")
-        runs = run_bench(server.base_url, levels, args.num_requests, args.output_len, out_path)
+        runs = run_bench(server.base_url, levels, args.num_requests, args.output_len, out_path,
+                         args.tokenizer)
     finally:
         server.stop()
     print(f"  {name}: bench JSON {out_path}", flush=True)
@@ -146,8 +159,11 @@ def print_targets(results: dict[str, list[dict]], levels: list[int]) -> None:
               f"{'met' if ratio_ >= 4 else 'missed'}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="GGUF file (or alias) that tokenmill serve and llama-server both run "
+                    "(vLLM has a checkpoint of the embedded model only)")
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
     ap.add_argument("--num-requests", type=int, default=64, help="requests per level")
     ap.add_argument("--output-len", type=int, default=128)
@@ -157,19 +173,29 @@ def main() -> None:
                     help="vLLM runs: 'both' cores and/or its 'default' (default: both,default)")
     ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
     add_peer_args(ap, PEERS)
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     peers = selected_peers(args, PEERS)
     levels = [int(x) for x in args.concurrency.split(",")]
     vllm_threads = [t.strip() for t in args.vllm_threads.split(",") if t.strip()]
     if bad := [t for t in vllm_threads if t not in ("both", "default")]:
         raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
-    print(f"W2 online serving · {machine()}")
+    gguf = model_gguf(args.model)
+    args.tokenizer = str(gguf)
+    default_model = args.model == DEFAULT_MODEL
+    notes: list[str] = []
+    if not default_model and "vllm" in peers:
+        peers.discard("vllm")
+        notes.append(f"vLLM skipped: its checkpoint (setup_vllm_cpu.sh) is the embedded "
+                     f"model's, not {gguf.name}'s")
+        print(f"[peers] {notes[-1]}")
+    print(f"W2 online serving · {gguf.name} · {machine()}")
     vllm, llama = ensure_servers(peers)
     runs: dict[str, list[dict]] = {}
-    runs["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
-                                                               *args.serve_args),
+    runs["tokenmill"] = bench_server("tokenmill", start_server(args.model, *args.serve_args),
                                      args, levels)
     for threads in vllm_threads if vllm is not None else []:
         name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
@@ -181,8 +207,7 @@ def main() -> None:
         runs[name] = bench_server(name, server, args, levels)
     if llama is not None:
         name = f"llama-server -np {args.llama_np}"
-        server = start_llama_server(llama, embedded_gguf(), np=args.llama_np,
-                                    ctx=args.llama_ctx)
+        server = start_llama_server(llama, gguf, np=args.llama_np, ctx=args.llama_ctx)
         runs[name] = bench_server(name, server, args, levels)
     results = {name: [r["summary"] for r in rs] for name, rs in runs.items()}
     print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
@@ -190,6 +215,32 @@ def main() -> None:
     print_table(results, levels)
     print_targets(results, levels)
     print_floors(runs, levels)
+    if not args.no_result:
+        figures = figures_of(results, levels, {"model": gguf.name,
+                                               "requests": args.num_requests,
+                                               "output_len": args.output_len})
+        results_mod.write(results_mod.build("w2", TITLE, figures, notes=notes,
+                                            variant=None if default_model else gguf.stem))
+
+
+def figures_of(summaries: dict[str, list[dict]], levels: list[int], cfg: dict
+               ) -> list[Figure]:
+    """Each server's output tok/s, TTFT p50 and TPOT mean at each level; the level is in
+    the metric's name, so that ratios pair the same concurrency."""
+    figures = []
+    for name, per_level in summaries.items():
+        engine = ("tokenmill" if name == "tokenmill" else "vllm-cpu"
+                  if name.startswith("vLLM") else "llama.cpp")
+        for c, s in zip(levels, per_level):
+            config = {**cfg, "concurrency": c, "failed": s["num_failed"]}
+            figures += [
+                Figure(name, engine, f"output throughput c={c}", "tok/s",
+                       [s["output_throughput_tok_s"]], True, config),
+                Figure(name, engine, f"TTFT p50 c={c}", "ms", [s["ttft_ms"]["p50"]], False,
+                       config),
+                Figure(name, engine, f"TPOT mean c={c}", "ms", [s["tpot_ms"]["mean"]], False,
+                       config)]
+    return figures
 
 
 if __name__ == "__main__":

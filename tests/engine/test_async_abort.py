@@ -10,8 +10,8 @@ import threading
 from types import SimpleNamespace
 
 from tokenmill import SamplingParams
-from tokenmill.engine.core.llm_engine import EngineStats
 from tokenmill.engine.core.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.frontend.async_engine import AsyncEngine
 
 

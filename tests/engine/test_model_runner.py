@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.core.llm_engine import process_rss_bytes
+from tokenmill.engine.core.builder import process_rss_bytes
 from tokenmill.engine.core.scheduler import ScheduledSeq
 from tokenmill.engine.runner.model_runner import ModelRunner
 from tokenmill.kvcache import pool as kv_pool

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tokenmill.engine.core.llm_engine import EngineStats
+from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.frontend.async_engine import AsyncEngine
 
 

@@ -1,7 +1,8 @@
-"""`tokenmill serve | generate | chat | bench | roofline | explain | export-tokenizer`.
+"""`tokenmill serve | generate | chat | bench | roofline | explain | export-tokenizer | worker`.
 
-Each feature module registers its own subcommand; this file only composes them,
-importing each lazily so `tokenmill roofline` never pays for torch or FastAPI.
+Each module of this package registers one command family (`register(subparsers)`);
+this file only composes them, importing each lazily so `tokenmill roofline` never
+pays for torch or FastAPI.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ COMMANDS = {
     "roofline": "tokenmill.cli.roofline",
     "explain": "tokenmill.cli.roofline",
     "export-tokenizer": "tokenmill.cli.export_tokenizer",
-    "worker": "tokenmill.engine.executor.worker",
+    "worker": "tokenmill.cli.worker",
 }
 
 
@@ -37,8 +38,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for module_name in dict.fromkeys(COMMANDS[c] for c in wanted):
         try:
             module = importlib.import_module(module_name)
-        except ImportError:  # a feature not built yet
-            continue
+        except ImportError as e:  # an error naming it, not a subcommand that vanished
+            raise SystemExit(f"tokenmill: error: a dependency is missing: {e} "
+                             f"(needed by {module_name})") from e
         module.register(sub)
     return parser
 

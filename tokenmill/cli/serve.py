@@ -103,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    from tokenmill.engine.core.llm_engine import check_startup_choices
+    from tokenmill.engine.core.builder import check_startup_choices
 
     try:  # BackendUnavailable: exit 2
         check_startup_choices(engine_config_from_args(args))

@@ -39,8 +39,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.engine.core.phase_timer import PhaseTimer
-from tokenmill.engine.core.prompt_logprobs import PromptRows, prompt_rows, record_prompt_logprobs
-from tokenmill.engine.core.sampler import SampledBatch, SamplingPlan, _has_penalty
+from tokenmill.engine.core.prompt_logprobs import (
+    PromptRows,
+    prompt_rows,
+    record_prompt_logprobs,
+)
+from tokenmill.engine.core.sampler import SampledBatch, SamplingPlan
+from tokenmill.engine.core.sampling_ops import has_penalty
 from tokenmill.engine.core.scheduler import SchedulerOutput
 from tokenmill.engine.runner.model_runner import StagedBatch
 from tokenmill.sequence import PLACEHOLDER_TOKEN_ID, Sequence
@@ -72,11 +77,12 @@ def needs_host_tokens(seq: Sequence) -> bool:
     """Sampling this sequence's next token reads its previous tokens on the host."""
     p = seq.sampling_params
     return bool(p.structured_outputs is not None or p.bad_words_token_ids or p.bad_words
-                or _has_penalty(p))
+                or has_penalty(p))
 
 
 class OverlapStepper:
-    """`LLMEngine.step()` under --async-scheduling."""
+    """`LLMEngine.step()` under --async-scheduling: the engine's public phases
+    (admit, schedule, resolve, end_step) around a staged run of its own."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -90,12 +96,12 @@ class OverlapStepper:
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         timer = PhaseTimer(eng.stats.time_s)
-        outputs = eng._admit_compiled() if eng._compiling else []
+        outputs = eng.admit()
         nxt, self._next = self._next, None
         try:
             if nxt is None:  # nothing staged ahead: schedule now, on this thread
                 with timer("schedule"):
-                    batch = eng.scheduler.schedule()
+                    batch = eng.schedule()
                 if batch.scheduled:
                     with timer("prepare"):
                         placeholders = self._ran.placeholder_rows if self._ran else None
@@ -104,7 +110,6 @@ class OverlapStepper:
                 with timer("postprocess"):
                     outputs += self._resolve_ran()
             else:
-                eng._count(nxt.batch)
                 sampling = [item.seq for item in nxt.batch.scheduled if item.sample]
                 extra = prompt_rows(nxt.batch.scheduled, eng.prompt_logprobs)
                 if extra.rows or any(needs_host_tokens(s) for s in sampling):
@@ -118,10 +123,7 @@ class OverlapStepper:
                 eng.runner.pool.zero_blocks(self._next.staged.fresh)
             self._next = self._ran = None
             raise
-        if eng.kv_events is not None:
-            eng.kv_events.publish()
-        if eng.config.debug_kv_integrity:
-            eng.check_kv_integrity()
+        eng.end_step()
         return outputs
 
     # ---- the two kinds of step ------------------------------------------------------
@@ -185,7 +187,7 @@ class OverlapStepper:
                     placeholder_rows[seq.seq_id] = row
             eng.scheduler.finish_step(batch)
         with timer("schedule"):
-            following = eng.scheduler.schedule()
+            following = eng.schedule()
         if not following.scheduled:
             return outputs, None, placeholder_rows
         with timer("prepare"):
@@ -212,11 +214,7 @@ class OverlapStepper:
         emitted = []
         for seq, token_id, logprobs in zip(ran.seqs, out.token_ids, out.logprobs):
             if seq.seq_id in ran.placeholder_rows and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                seq.token_ids.pop()  # _append puts the real token in its place
+                seq.token_ids.pop()  # resolve puts the real token in its place
             if not seq.is_finished:
                 emitted.append((seq, [token_id], [logprobs]))
-        touched = eng._append(emitted)
-        finished = [seq for seq, _, _ in emitted if seq.is_finished]
-        if finished:
-            eng.scheduler.retire(finished)
-        return eng._outputs(touched)
+        return eng.resolve(emitted)  # the scheduler is past this step: retires what finished

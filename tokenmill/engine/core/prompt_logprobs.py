@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.core.outputs import Logprob
-from tokenmill.engine.core.sampler import _gather_logprobs
+from tokenmill.engine.core.sampling_ops import gather_logprobs
 from tokenmill.sequence import Sequence
 
 
@@ -59,7 +59,7 @@ def record_prompt_logprobs(logits: torch.Tensor, rows: PromptRows, recorded: dic
         ks.extend([seq.sampling_params.prompt_logprobs] * count)
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
     token_ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-    entries: list[dict[int, Logprob] | None] = _gather_logprobs(logprobs, token_ids, ks)
+    entries: list[dict[int, Logprob] | None] = gather_logprobs(logprobs, token_ids, ks)
     i = 0
     for seq, _start, count in rows.spans:
         recorded[seq.seq_id].extend(entries[i:i + count])

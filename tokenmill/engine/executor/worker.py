@@ -1,4 +1,5 @@
-"""A tensor-parallel worker: `tokenmill worker` / `python -m tokenmill.engine.executor.worker`.
+"""A tensor-parallel worker: `tokenmill worker` (tokenmill/cli/worker.py) /
+`python -m tokenmill.engine.executor.worker`.
 
 On node 0 the engine starts its local workers itself (one process per rank,
 `--rank` given). On every other node the user runs this command once with the
@@ -7,7 +8,7 @@ as the engine and that node's `--node-rank`; it runs the node's first rank and
 starts the others. Everything else (model, dtype, cache sizes) comes from rank
 0's EngineConfig, broadcast at start-up, so the nodes cannot disagree on it.
 
-A worker builds its shard exactly as rank 0 does (engine/rank_model.py), then
+A worker builds its shard exactly as rank 0 does (engine/runner/rank_model.py), then
 loops: receive a step from rank 0, run it on its shard (taking part in the
 all-reduces and the logits gather), until rank 0 says stop or goes away.
 """
@@ -39,13 +40,6 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "when there is one; it must match the engine's)")
     ap.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"])
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run this node's tensor-parallel ranks for an engine "
-                       "on node 0 (multi-node tensor parallelism)")
-    add_worker_args(p)
-    p.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -100,7 +94,7 @@ def run_rank(launch, rank: int, device_kind: str = "auto") -> int:
         destroy_parallel,
         init_parallel,
     )
-    from tokenmill.engine.core.llm_engine import check_startup_choices
+    from tokenmill.engine.core.builder import check_startup_choices
     from tokenmill.engine.executor.worker_group import cpu_threads_per_rank, rank_device
     from tokenmill.engine.runner.rank_model import build_rank_model
     from tokenmill.loaders import resolve_model

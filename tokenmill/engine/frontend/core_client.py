@@ -33,7 +33,8 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.engine.core.llm_engine import EngineStats, RequestError
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.core.validation import RequestError
 from tokenmill.engine.frontend import core_messages as m
 from tokenmill.engine.frontend.admission import Admission
 from tokenmill.engine.frontend.output_processor import OutputProcessor, RequestState

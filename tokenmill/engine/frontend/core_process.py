@@ -35,9 +35,10 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.errors import TensorParallelError
-from tokenmill.engine.core.llm_engine import LLMEngine, RequestError
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.server_info import server_info
+from tokenmill.engine.core.validation import RequestError
 from tokenmill.engine.frontend import core_messages as m
 
 logger = logging.getLogger("tokenmill.engine.core")

@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterable
 
 from tokenmill.engine.core.detokenizer import Detokenizer
-from tokenmill.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.engine.core.stop_checker import StopChecker, emittable_text
+from tokenmill.engine.core.output_builder import build_request_output
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.core.stop_checker import StopChecker
 from tokenmill.engine.frontend.core_messages import RequestDelta
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -88,21 +89,8 @@ class OutputProcessor:
 
     @staticmethod
     def output(state: RequestState) -> RequestOutput:
-        finished = state.finished
-        outs = [CompletionOutput(
-            index=seq.index, text=emittable_text(seq), token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs else None,
-            logprobs=list(seq.output_logprobs) if state.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for seq in state.seqs]
-        return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids, outputs=outs, finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=RequestMetrics(
-                arrival_time=state.arrival_time,
-                first_scheduled_time=state.first_scheduled_time,
-                first_token_time=min((s.first_token_time for s in state.seqs
-                                      if s.first_token_time), default=None),
-                finished_time=time.monotonic() if finished else None),
+        return build_request_output(
+            state.request_id, state.prompt, state.prompt_token_ids, state.seqs, state.params,
+            finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+            arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
             prompt_logprobs=state.prompt_logprobs)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.core.sampler import Sampler, _gather_logprobs, _has_penalty
+from tokenmill.engine.core.sampler import Sampler
+from tokenmill.engine.core.sampling_ops import gather_logprobs, has_penalty
 from tokenmill.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.speculative.proposer import Proposer
 from tokenmill.engine.speculative.stats import BackOff, SpecStats, StepCost
@@ -106,7 +107,7 @@ class Speculator:
         """How many drafts this sequence may get this step (0: none)."""
         seq = item.seq
         p = seq.sampling_params
-        if _has_penalty(p) or seq.num_output_tokens < p.min_tokens:
+        if has_penalty(p) or seq.num_output_tokens < p.min_tokens:
             return 0  # the target's distribution would depend on the accepted drafts
         if p.has_logit_constraints:
             return 0  # drafts are verified against the unconstrained target: decode plainly
@@ -180,7 +181,7 @@ class Speculator:
         if params.logprobs is not None:
             n = len(tokens)
             raw = torch.log_softmax(rows[:n].float(), dim=-1)  # (n, V)
-            logprobs = _gather_logprobs(raw, torch.tensor(tokens, device=raw.device),
+            logprobs = gather_logprobs(raw, torch.tensor(tokens, device=raw.device),
                                         [params.logprobs] * n)
         return seq, tokens, logprobs
 

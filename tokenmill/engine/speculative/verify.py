@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.core.sampler import _apply_top_k, _apply_top_p, _inverse_cdf_draw, _seed_for
+from tokenmill.engine.core.sampling_ops import (
+    apply_top_k,
+    apply_top_p,
+    inverse_cdf_draw,
+    seed_for,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
 
@@ -36,9 +41,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         too_unlikely = probs < params.min_p * probs.max(dim=-1, keepdim=True).values
         scaled.masked_fill_(too_unlikely, float("-inf"))
     if params.top_k > 0:
-        _apply_top_k(scaled, [params.top_k] * rows)
+        apply_top_k(scaled, [params.top_k] * rows)
     if params.top_p < 1.0:
-        _apply_top_p(scaled, list(range(rows)), [params.top_p] * rows)
+        apply_top_p(scaled, list(range(rows)), [params.top_p] * rows)
     return torch.softmax(scaled, dim=-1)
 
 
@@ -75,8 +80,8 @@ def verify_sampled(logits: torch.Tensor, drafts: list[int], seq: Sequence) -> li
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
-    # _inverse_cdf_draw scales by the row's total: `probs` need not be normalized
-    return int(_inverse_cdf_draw(probs[None], torch.tensor([u]))[0])
+    # inverse_cdf_draw scales by the row's total: `probs` need not be normalized
+    return int(inverse_cdf_draw(probs[None], torch.tensor([u]))[0])
 
 
 def _uniforms(seq: Sequence, n: int) -> list[float]:
@@ -86,5 +91,5 @@ def _uniforms(seq: Sequence, n: int) -> list[float]:
     if seed is None:
         return torch.rand(n).tolist()
     if seq.sampler_state is None:
-        seq.sampler_state = torch.Generator().manual_seed(_seed_for(seed, seq.index))
+        seq.sampler_state = torch.Generator().manual_seed(seed_for(seed, seq.index))
     return torch.rand(n, generator=seq.sampler_state).tolist()

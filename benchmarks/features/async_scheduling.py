@@ -27,8 +27,8 @@ from benchmarks.common import machine
 from benchmarks.floors import decode_floor_ms, roofline_dtype
 from benchmarks.results import Figure
 from tokenmill.config import CacheConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.overlap import OverlapStepper
+from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.core.overlap import OverlapStepper
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 def run(kv_dtype: str, concurrency: int, args) -> dict:
     from tokenmill.config import CacheConfig, EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.common import machine
-    from tokenmill.engine.args import parse_bytes
+    from tokenmill.cli.engine_args import parse_bytes
 
     args.kv_cache_memory = parse_bytes(args.kv_cache_memory)
     print(f"machine: {machine()}")

@@ -67,7 +67,7 @@ def _role(proc: psutil.Process) -> str:
     """front end / engine core / a worker, from the command line."""
     with contextlib.suppress(psutil.Error):
         cmd = " ".join(proc.cmdline())
-        for needle, role in (("core_process", "engine core"), ("distributed.worker", "worker"),
+        for needle, role in (("core_process", "engine core"), ("executor.worker", "worker"),
                              ("serve", "front end")):
             if needle in cmd:
                 return role

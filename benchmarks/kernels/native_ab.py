@@ -158,8 +158,8 @@ def kernel_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) ->
 
 
 def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
-    from tokenmill.engine.args import add_engine_args, engine_config_from_args
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
+    from tokenmill.engine.core.llm_engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
     swap("decode_step", new)

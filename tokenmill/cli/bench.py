@@ -21,6 +21,11 @@ examples:
   # W2 of PERFORMANCE.md: fixed prompts file, one run per concurrency
   tokenmill bench --base-url URL --dataset jsonl --dataset-path w2_prompts_128.json \\
       --output-len 128 --num-requests 64 --sweep concurrency=1,4,16,32
+  # the Pareto front of tok/s per user vs per device, one result file per point
+  tokenmill bench sweep --base-url URL --concurrency 1,4,16,32 --slo tpot_ms=100 \\
+      --output sweep.json --html sweep.html
+  # 5 runs on each of two servers, A B B A: 95% intervals and B/A with its interval
+  tokenmill bench --base-url URL_A --versus URL_B --repeats 5 --concurrency 16
   # the highest rate at which 90% of requests meet the SLOs
   tokenmill bench --base-url URL --max-rate-under-slo --slo ttft_ms=1000 tpot_ms=100
   # chat-app traffic: 16 conversations of 4 turns, each turn re-sending the history

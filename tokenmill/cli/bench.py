@@ -21,6 +21,11 @@ examples:
   # W2 of PERFORMANCE.md: fixed prompts file, one run per concurrency
   tokenmill bench --base-url URL --dataset jsonl --dataset-path w2_prompts_128.json \\
       --output-len 128 --num-requests 64 --sweep concurrency=1,4,16,32
+  # the Pareto front of tok/s per user vs per device, one result file per point
+  tokenmill bench sweep --base-url URL --concurrency 1,4,16,32 --slo tpot_ms=100 \\
+      --output sweep.json --html sweep.html
+  # 5 runs on each of two servers, A B B A: 95% intervals and B/A with its interval
+  tokenmill bench --base-url URL_A --versus URL_B --repeats 5 --concurrency 16
   # the highest rate at which 90% of requests meet the SLOs
   tokenmill bench --base-url URL --max-rate-under-slo --slo ttft_ms=1000 tpot_ms=100
   # chat-app traffic: 16 conversations of 4 turns, each turn re-sending the history
@@ -34,6 +39,8 @@ examples:
   tokenmill bench --compare a.json b.json --html a_vs_b.html
   # a fast GPU server: 4 generator processes so one event loop is not the limit
   tokenmill bench --base-url URL --concurrency 256 --workers 4 --num-requests 2048
+  # replay a Mooncake trace at twice its speed; the report shows the prefix-cache hits
+  tokenmill bench --base-url URL --dataset trace --trace-path trace.jsonl --time-scale 0.5
   # the in-process engine, same workload and report, no HTTP
   tokenmill bench --offline smollm2-135m --input-len 32:512 --output-len 64:256
 """
@@ -49,6 +56,10 @@ def register(subparsers) -> None:
         "report and side-by-side comparisons.\n\n" + METRIC_DEFINITIONS + "\n\n"
         + SERVER_CLIENT_DEFINITIONS + "\n\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", nargs="?", choices=["sweep"],
+                   help="sweep: one run per value of a --concurrency or --request-rate list "
+                   "(e.g. --concurrency 1,4,8), one result file per point, the Pareto front "
+                   "of tok/s per user vs per device in the JSON, plots and HTML")
     t = p.add_argument_group("target")
     t.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000")
     t.add_argument("--model", help="model name sent in requests (default: the first model "
@@ -64,11 +75,20 @@ def register(subparsers) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="random",
-                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic"],
+                   choices=["random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic",
+                            "trace"],
                    help="multiturn and agentic (and sharegpt with --turns > 1) send "
                    "conversations: each turn's prompt is every earlier message plus the "
                    "server's reply; --num-requests then counts conversations")
     w.add_argument("--dataset-path", help="sharegpt JSON, or jsonl/JSON list of prompts")
+    w.add_argument("--trace-path", help="trace dataset: a Mooncake-format JSONL trace "
+                   "(timestamp ms, input_length, output_length, hash_ids); requests are sent "
+                   "at its timestamps and shared hash ids become shared prompt prefixes")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace dataset: multiply the trace's timestamps (0.5 replays twice "
+                   "as fast; default 1)")
+    w.add_argument("--trace-block-size", type=int, default=512,
+                   help="trace dataset: prompt tokens per hash id (Mooncake: 512)")
     w.add_argument("--input-len", default="128",
                    help="prompt tokens (random), suffix tokens (prefix) or tokens of each user "
                    "message (multiturn, agentic): N, LO:HI uniform, or normal:MEAN,STD "
@@ -96,10 +116,12 @@ def register(subparsers) -> None:
                    help="JSON object merged into every request body")
 
     ld = p.add_argument_group("load")
-    ld.add_argument("--concurrency", type=int, default=None,
-                    help="at most N requests in flight (default: unlimited)")
-    ld.add_argument("--request-rate", type=float, default=math.inf,
-                    help="requests/s with gamma-distributed gaps (default inf: all at once)")
+    ld.add_argument("--concurrency", type=_number_list(int), default=None,
+                    help="at most N requests in flight (default: unlimited); "
+                    "`bench sweep`: a list, 1,4,8")
+    ld.add_argument("--request-rate", type=_number_list(float), default=math.inf,
+                    help="requests/s with gamma-distributed gaps (default inf: all at once); "
+                    "`bench sweep`: a list, 1,2,4")
     ld.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 steadier; "
                     "CV² of the gaps = 1/burstiness")
@@ -116,6 +138,13 @@ def register(subparsers) -> None:
                     "--concurrency), all timestamp on one clock, results are merged")
     ld.add_argument("--sweep", metavar="KIND=V1,V2,...",
                     help="one run per value: rate=1,2,4 or concurrency=1,4,16,32")
+    ld.add_argument("--repeats", type=int, default=1,
+                    help="run the configuration N times: each metric's mean with a 95%% "
+                    "interval (JSON: repeats.metrics.*.ci95); with --versus the servers "
+                    "alternate A B B A and B/A gets its interval too")
+    ld.add_argument("--versus", metavar="URL",
+                    help="with --repeats: a second server (B) to compare --base-url (A) with, "
+                    "same workload, runs interleaved")
     ld.add_argument("--max-rate-under-slo", action="store_true",
                     help="bisect for the highest request rate meeting --slo-attainment")
     ld.add_argument("--slo-attainment", type=float, default=90.0,
@@ -127,6 +156,11 @@ def register(subparsers) -> None:
                    help="SLOs for goodput: ttft_ms=… tpot_ms=… e2e_ms=…")
     m.add_argument("--cost-per-hour", type=float, default=None, help="$ per hour per GPU")
     m.add_argument("--num-gpus", type=int, default=1)
+    m.add_argument("--no-power", dest="power", action="store_false",
+                   help="do not read this host's power (NVML on NVIDIA GPUs, RAPL on CPUs) "
+                   "during each run")
+    m.add_argument("--price-per-kwh", type=float, default=None,
+                   help="$ per kWh: the measured energy's cost per 1M output tokens")
     m.add_argument("--hardware", help="recorded in the result for `tokenmill explain` "
                    "(e.g. h100, cpu; --offline: detected)")
     m.add_argument("--served-dtype", dest="dtype_label", default=None,
@@ -198,6 +232,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.max_rate_under_slo and args.sweep:
         raise ValueError("choose --sweep or --max-rate-under-slo, not both")
     sweep = _parse_sweep(args.sweep) if args.sweep else None
+    sweep = _sweep_action(args, sweep)
+    _check_trace_args(args, sweep)
     spec = WorkloadSpec(
         dataset=args.dataset, dataset_path=args.dataset_path,
         input_len=LengthSpec.parse(args.input_len),
@@ -205,7 +241,8 @@ def _main(args: argparse.Namespace, console, err) -> int:
         output_len_from_dataset=args.output_len is None,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         sharegpt_max_input_len=args.sharegpt_max_input_len,
-        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns)
+        sharegpt_max_total_len=args.sharegpt_max_total_len, turns=args.turns,
+        trace_block_size=args.trace_block_size, time_scale=args.time_scale)
     if args.turns is not None and args.turns < 1:
         raise ValueError("--turns must be at least 1")
     if (args.turns or 1) > 1 and args.dataset not in ("sharegpt", "multiturn", "agentic"):
@@ -216,6 +253,10 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.dataset_path and not os.path.exists(args.dataset_path):
         raise FileNotFoundError(f"--dataset-path {args.dataset_path} does not exist")
     num_requests = args.num_requests or (None if args.duration else 64)
+    if args.dataset == "trace" and not args.num_requests:
+        from tokenmill.bench.trace import load_trace
+
+        num_requests = len(load_trace(args.dataset_path)) - args.warmup  # the whole trace
 
     target, config = _make_target(args, err)
     tokenizer = target.tokenizer
@@ -230,10 +271,12 @@ def _main(args: argparse.Namespace, console, err) -> int:
         request_cap=args.num_requests if args.duration else None, seed=args.seed, slo=slo,
         cost_per_hour=args.cost_per_hour, num_gpus=args.num_gpus,
         progress=ProgressFactory(console, enabled=not args.no_progress),
-        scraper=_make_scraper(args))
+        scraper=_make_scraper(args), power=args.power, price_per_kwh=args.price_per_kwh)
     base = runner.LoadSpec(concurrency=args.concurrency, request_rate=args.request_rate,
                            burstiness=args.burstiness, duration_s=args.duration)
-    if sweep:
+    if args.repeats > 1 or args.versus:
+        result = _run_repeats(args, plan, base, sweep, err)
+    elif sweep:
         result = runner.run_sweep(plan, base, *sweep)
     elif args.max_rate_under_slo:
         start = args.request_rate if math.isfinite(args.request_rate) else 1.0
@@ -251,9 +294,22 @@ def _main(args: argparse.Namespace, console, err) -> int:
     print_summary(console, result)
     if "runs" in result:
         print_runs(console, result)
+    if "repeats" in result:
+        from tokenmill.bench.repeats import print_repeats
+
+        print_repeats(console, result, (args.base_url or "A", args.versus or "B"))
     if args.output:
         write_json(result, args.output)
         console.print(f"results: {args.output}")
+        if args.action == "sweep":
+            from tokenmill.bench.sweep_files import write_points
+
+            for path in write_points(result, args.output):
+                console.print(f"  point: {path}")
+    if result.get("pareto"):
+        from tokenmill.bench.pareto import describe_knee
+
+        console.print(describe_knee(result["pareto"]))
     if args.html:
         from tokenmill.bench.html_report import render_report, write_html
 
@@ -285,6 +341,62 @@ def _compare(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def _run_repeats(args: argparse.Namespace, plan, base, sweep, err) -> dict[str, Any]:
+    """--repeats N [--versus URL]: the runs, the A result on top, B's under `versus`."""
+    from dataclasses import replace
+
+    from tokenmill.bench import runner
+    from tokenmill.bench.repeats import run_repeats
+
+    if args.repeats < 2:
+        raise ValueError("--versus needs --repeats N (N >= 2): one run each is an anecdote")
+    if sweep or args.max_rate_under_slo or args.duration:
+        raise ValueError("--repeats runs one configuration: not with --sweep, "
+                         "--max-rate-under-slo or --duration")
+    plans = [plan]
+    if args.versus:
+        if args.offline:
+            raise ValueError("--versus compares two servers: use --base-url, not --offline")
+        b_args = argparse.Namespace(**{**vars(args), "base_url": args.versus,
+                                       "model": None})  # B: the first model it lists
+        target, config = _make_target(b_args, err)
+        plans.append(replace(plan, target=target,
+                             config={**config, "workload": plan.config["workload"]},
+                             scraper=_make_scraper(b_args)))
+    rep = run_repeats(lambda server, k: runner.run_once(plans[server], base, run_index=k),
+                      args.repeats, num_servers=len(plans))
+    runs_a = rep.pop("runs_by_server")
+    result = runner.combine(plan, runs_a[0], rep)
+    if args.versus:
+        result["repeats"]["versus"]["base_url"] = args.versus
+        result["versus_runs"] = runs_a[1]
+        if plans[1].scraper is not None:
+            plans[1].scraper.close()
+    return result
+
+
+def _check_trace_args(args: argparse.Namespace, sweep) -> None:
+    """The trace flags belong to the trace dataset, whose timestamps are the arrivals."""
+    if args.dataset != "trace":
+        for flag, default in (("trace_path", None), ("time_scale", 1.0),
+                              ("trace_block_size", 512)):
+            if getattr(args, flag) != default:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --dataset trace")
+        return
+    if not args.trace_path and not args.dataset_path:
+        raise ValueError("--dataset trace needs --trace-path FILE.jsonl (Mooncake format)")
+    if args.trace_path and args.dataset_path:
+        raise ValueError("give --trace-path or --dataset-path, not both")
+    args.dataset_path = args.trace_path or args.dataset_path
+    if math.isfinite(args.request_rate) or (sweep and sweep[0] == "rate") \
+            or args.max_rate_under_slo:
+        raise ValueError("--dataset trace sends at the trace's timestamps: use --time-scale "
+                         "instead of --request-rate (or a rate sweep/search)")
+    if args.offline:
+        raise ValueError("--dataset trace needs a server (--base-url): the offline target "
+                         "does not honour arrival times")
+
+
 def _exit_code(result: dict[str, Any], err) -> int:
     """Non-zero when the server died or could not be reached, or nothing completed."""
     runs = result.get("runs") or [result]
@@ -305,6 +417,50 @@ def _exit_code(result: dict[str, Any], err) -> int:
         err.print("[red]error:[/] no request completed; see the failures above")
         return 1
     return 0
+
+
+def _number_list(kind):
+    """`16` → [16]; `1,4,8` → [1, 4, 8] (a list is for `bench sweep`)."""
+
+    def parse(text: str) -> list:
+        try:
+            vals = [kind(v) for v in str(text).split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}")
+        return vals
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _sweep_action(args: argparse.Namespace, sweep):
+    """`bench sweep --concurrency 1,4,8` → ("concurrency", [1, 4, 8]); the lists become
+    single values again for everything else."""
+    conc = args.concurrency or [None]
+    rate = args.request_rate if isinstance(args.request_rate, list) else [args.request_rate]
+    if args.action != "sweep":
+        for flag, vals in (("--concurrency", conc), ("--request-rate", rate)):
+            if len(vals) > 1:
+                raise ValueError(f"{flag} takes one value; a list of them is a sweep: "
+                                 f"`tokenmill bench sweep {flag} {','.join(map(str, vals))}`")
+        args.concurrency, args.request_rate = conc[0], rate[0]
+        return sweep
+    if sweep or args.max_rate_under_slo:
+        raise ValueError("`bench sweep` takes its values from --concurrency or "
+                         "--request-rate lists: not with --sweep or --max-rate-under-slo")
+    if len(conc) > 1 and len(rate) > 1:
+        raise ValueError("`bench sweep`: give a list to --concurrency or to --request-rate, "
+                         "not both")
+    if len(rate) > 1 or (conc == [None] and math.isfinite(rate[0])):
+        args.concurrency, args.request_rate = conc[0], math.inf
+        return "rate", [float(r) for r in rate]
+    if conc == [None]:
+        raise ValueError("`bench sweep` needs a list: --concurrency 1,4,8 or "
+                         "--request-rate 1,2,4")
+    args.concurrency, args.request_rate = None, rate[0]
+    return "concurrency", conc
 
 
 def _parse_sweep(text: str) -> tuple[str, list[float]]:

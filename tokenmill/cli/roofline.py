@@ -192,6 +192,13 @@ def run_explain(args: argparse.Namespace) -> int:
 
     try:
         result = _read_result(args.result)
+    except UsageError as e:
+        return _fail("explain", str(e))
+    if result.get("pareto") and not args.json:  # a sweep: where its front bends
+        from tokenmill.bench.pareto import describe_knee
+
+        print(describe_knee(result["pareto"]))
+    try:
         explanation = explain(result, args)
     except UsageError as e:
         return _fail("explain", str(e))
@@ -200,7 +207,13 @@ def run_explain(args: argparse.Namespace) -> int:
 
         plot_roofline(args.plot, explanation.roofline, measured=explanation.measured_points())
     if args.json:
-        print(json.dumps(explanation.to_dict(), indent=2))
+        out = explanation.to_dict()
+        if result.get("pareto"):
+            from tokenmill.bench.pareto import describe_knee
+
+            out["sweep_knee"] = {"point": result["pareto"]["knee"],
+                                 "text": describe_knee(result["pareto"])}
+        print(json.dumps(out, indent=2))
     else:
         print_explanation(explanation)
         if args.plot:

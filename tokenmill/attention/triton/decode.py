@@ -17,8 +17,8 @@ import triton.language as tl
 from tokenmill.attention.triton.plan import (
     DECODE_BLOCK_H,
     DECODE_BLOCK_N,
-    REDUCE_CHUNK,
     NO_WINDOW,
+    REDUCE_CHUNK,
     TritonPlan,
     launch_options,
 )

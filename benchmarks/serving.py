@@ -38,7 +38,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import embedded_gguf, machine
+from common import BENCH_MODEL, embedded_gguf, machine
 from floors import explain, floor_lines
 from peers import (
     add_peer_args,
@@ -61,7 +61,7 @@ def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: i
            "--dataset", "jsonl", "--dataset-path", str(W2_PROMPTS),
            "--output-len", str(output_len), "--num-requests", str(num_requests),
            "--sweep", "concurrency=" + ",".join(map(str, levels)),
-           "--tokenizer", "smollm2-135m", "--output", str(out_path), "--no-progress"]
+           "--tokenizer", BENCH_MODEL, "--output", str(out_path), "--no-progress"]
     print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out_path.read_text())["runs"]
@@ -70,7 +70,7 @@ def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: i
 def warm_up(base_url: str) -> None:
     """One request outside the measured prompts, so that each level's prompts stay fresh."""
     r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
-        "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8})
+        "model": BENCH_MODEL, "prompt": "Hello", "max_tokens": 8})
     r.raise_for_status()
 
 
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"W2 online serving · {machine()}")
     vllm, llama = ensure_servers(peers)
     runs: dict[str, list[dict]] = {}
-    runs["tokenmill"] = bench_server("tokenmill", start_server("smollm2-135m",
+    runs["tokenmill"] = bench_server("tokenmill", start_server(BENCH_MODEL,
                                                                *args.serve_args),
                                      args, levels)
     for threads in vllm_threads if vllm is not None else []:

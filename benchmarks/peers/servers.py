@@ -134,5 +134,6 @@ def start_llama_server(llama, gguf: Path, np: int = 16, ctx: int = 16384, thread
     """`llama-server -t 2 -np NP -c CTX --no-webui` on the embedded GGUF; each of
     the NP slots gets CTX/NP tokens of context. Its prompt cache is on by default."""
     cmd = [str(llama.server), "-m", str(gguf), "-t", str(threads), "-np", str(np),
-           "-c", str(ctx), "--no-webui", "-a", "smollm2-135m"]
+           "-c", str(ctx), "--no-webui", "-a",
+           os.environ.get("TOKENMILL_BENCH_MODEL", "smollm2-135m")]  # common.BENCH_MODEL
     return _start(f"llama-server (-np {np} -c {ctx})", cmd, dict(os.environ), ready_timeout_s)

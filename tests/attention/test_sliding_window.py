@@ -101,3 +101,38 @@ def test_triton_kernels_mask_the_window(kernel_device, heads, kv_heads, head_dim
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(out.float().cpu(), dense_reference(batch, scale, WINDOW),
                                atol=tol, rtol=0)
+
+
+def test_an_8bit_kv_cache_masks_the_window():
+    """--kv-cache-dtype int8: the blocks the step reads dequantized, then the mask."""
+    from tokenmill.attention import get_backend
+    from tokenmill.attention.kv_quant import kv_format
+    from tokenmill.attention.quantized import QuantizedKVBackend, QuantizedPool
+
+    batch = make_batch(SEQS, 4, 1, 256, 16, torch.float32, seed=5)
+    fmt = kv_format("int8")
+    backend = QuantizedKVBackend(get_backend("cpu", torch.device("cpu"), torch.bfloat16), fmt)
+    num_blocks = batch.k_cache.shape[0]
+    shape = backend.kv_cache_shape(num_blocks, 16, 1, 256)
+    k_pool = QuantizedPool.allocate(fmt, shape, torch.device("cpu"), torch.zeros)
+    v_pool = QuantizedPool.allocate(fmt, shape, torch.device("cpu"), torch.zeros)
+    # the cached prefixes first (every slot the reference reads), then this step's tokens
+    flat_k = batch.k_cache.view(-1, 1, 256)
+    written = ~flat_k[:, 0, 0].isnan()
+    slots = written.nonzero().flatten()
+    from tokenmill.attention.metadata import AttentionMetadata
+
+    prefix_meta = AttentionMetadata(slots, batch.meta.query_start_loc, batch.meta.seq_lens,
+                                    batch.meta.block_tables, 16, 1, 1, [], [])
+    backend.store_kv(flat_k[slots].bfloat16(), batch.v_cache.view(-1, 1, 256)[slots].bfloat16(),
+                     k_pool, v_pool, prefix_meta)
+    scale = 256 ** -0.5
+    q, k, v = batch.q.bfloat16(), batch.k.bfloat16(), batch.v.bfloat16()
+    backend.store_kv(k, v, k_pool, v_pool, batch.meta)
+    batch.meta.plan = backend.plan(batch.meta)
+    out = backend.forward(q, k, v, k_pool, v_pool, batch.meta, scale, sliding_window=WINDOW)
+    flat_k[batch.meta.slot_mapping] = batch.k.view(-1, 1, 256)
+    batch.v_cache.view(-1, 1, 256)[batch.meta.slot_mapping] = batch.v.view(-1, 1, 256)
+    expected = dense_reference(batch, scale, WINDOW)
+    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=0)
+    assert (dense_reference(batch, scale, 10**9) - expected).abs().max() > 0.3

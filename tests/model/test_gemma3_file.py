@@ -75,3 +75,11 @@ def test_prompt_logits_match_transformers(llm, reference):
         # the reference's top token is ours at every position
         assert torch.equal(logits.argmax(-1), top_ids[:, 0])
     assert worst < MAX_LOGIT_ERROR, f"max abs logit error {worst}"
+
+
+def test_the_file_without_a_template_gets_gemmas(llm):
+    text = llm.render_chat([{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(Exception, match="image inputs are refused"):
+        llm.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])

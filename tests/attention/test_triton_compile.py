@@ -1,6 +1,6 @@
 """Every triton kernel variant a CUDA step can launch compiles for sm_80 and sm_90 with
 no GPU, fits the target's shared memory, and lowers every dot to tensor-core
-instructions: the attention backend's (bf16/fp16, head_dim 64 and 128; GQA group,
+instructions: the attention backend's (bf16/fp16, head_dim 64, 128 and 256; GQA group,
 block size and split count are runtime arguments, split-K on and off are two
 variants), the layer ops' (triton_layer_ops) and the fp8 decode GEMM's (sm_90 only:
 e4m3 needs sm_89+).

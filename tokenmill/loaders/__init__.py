@@ -134,8 +134,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     loaded: dict[str, set[Any]] = {}
+    # a model whose checkpoints nest it (Gemma 3's multimodal one) renames or skips tensors
+    rename = getattr(model, "checkpoint_name", None)
     for item in weights:
         name, tensor = (item.hf_name, item) if isinstance(item, GGUFTensor) else item
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         module_name, _, param_kind = name.rpartition(".")

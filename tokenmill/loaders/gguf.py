@@ -37,6 +37,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter permutes
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -59,15 +60,27 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 keeps four norms per layer: its ffn_norm is the pre-MLP norm
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; transformers (and
+# tokenmill's Hugging Face path) hold w, so the loader subtracts the 1 again
+_NORM_PLUS_ONE_ARCHS = {"gemma3"}
 _UNQUANTIZED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, as llama.cpp stores it
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        module = _BLOCK_NAMES.get(m.group(2))
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch or "", {})}
+        module = names.get(m.group(2))
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}" if module else None
     base, _, suffix = gguf_name.rpartition(".")
     module = _GLOBAL_NAMES.get(base)
@@ -82,6 +95,8 @@ class GGUFTensor:
     shape: tuple[int, ...]  # Hugging Face order, e.g. (out_features, in_features)
     # rows of `raw` in Hugging Face order (q/k of llama-arch files); None: as stored
     row_order: np.ndarray | None = None
+    # added to every dequantized value (Gemma's norms: -1, see _NORM_PLUS_ONE_ARCHS)
+    value_offset: float = 0.0
 
     @property
     def is_quantized(self) -> bool:
@@ -97,6 +112,8 @@ class GGUFTensor:
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
         arr = gguf_dequantize(self._rows(), self.qtype).reshape(self.shape)
+        if self.value_offset:
+            arr = arr + np.float32(self.value_offset)
         return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
 
     load = dequantize  # the loader's name for "this tensor, in float"
@@ -235,6 +252,8 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch == "gemma3":
+        _gemma3_fields(cfg, get)
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
@@ -256,6 +275,24 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _gemma3_fields(cfg: dict[str, Any], get: Any) -> None:
+    """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the
+    local layers' RoPE base 10k, queries scaled by (hidden / heads) ** -0.5 on the
+    62-layer 27B and by head_dim ** -0.5 on the others (llama-model.cpp)."""
+    window = get("attention.sliding_window")
+    if window is None:
+        raise ModelLoadError("gemma3 GGUF file lacks gemma3.attention.sliding_window")
+    layers = cfg["num_hidden_layers"]
+    cfg.update(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window),
+        sliding_window_pattern=6,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=(cfg["hidden_size"] // cfg["num_attention_heads"]
+                               if layers == 62 else cfg["head_dim"]),
+    )
+
+
 def _unpermute_index(num_rows: int, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf's LlamaModel.permute, as the stored row of each
     Hugging Face row: HF row i is stored row order[i]."""
@@ -271,10 +308,11 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
     cfg = gguf_config_dict(path)
     arch = cfg["model_type"]
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    norm_offset = -1.0 if arch in _NORM_PLUS_ONE_ARCHS else 0.0
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # already in the config as rope_scaling
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has no place in a "
                                  f"{cfg['architectures'][0]}")
@@ -283,7 +321,9 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
         order = None
         if arch in _PERMUTED_QK_ARCHS and module in heads:
             order = _unpermute_index(shape[0], heads[module])
-        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order)
+        offset = norm_offset if name.endswith("norm.weight") else 0.0
+        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order,
+                         offset)
 
 
 @dataclass

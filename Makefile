@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: install serve test test-fast lint clean
+.PHONY: install serve test test-fast lint clean asan
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,3 +34,15 @@ lint: install
 
 clean:
 	rm -rf $(VENV)
+
+# The native kernels under AddressSanitizer (issue 64): built -fsanitize=address into
+# their own cache, driven by the kernel tests with libasan preloaded (leaks off:
+# CPython's own allocations are not ours). Slow: minutes; not part of `make test`.
+ASAN_TESTS ?= tests/model/test_native_kernels.py tests/model/test_q4q8_kernel.py \
+	tests/model/test_paged_attention.py tests/model/test_bf16_gemv.py \
+	tests/model/test_int8_gemm.py tests/unit/test_token_bitmask.py
+asan: install
+	TOKENMILL_SANITIZE=address TOKENMILL_CACHE_DIR=$(CURDIR)/.asan-cache \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:verify_asan_link_order=0 \
+	LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+	$(PY) -m pytest -q -x -p no:cacheprovider $(ASAN_TESTS) $(ARGS)

@@ -297,11 +297,19 @@ def check_model_metadata(layout: GGUFLayout, path: Path) -> None:
                              f"divide {arch}.attention.head_count {heads}")
     tensors = {t.name: t for t in layout.tensors}
     blocks = values["block_count"] or 0
+    seen = set()
     for t in layout.tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
         if m and int(m.group(1)) >= blocks:
             raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} is past "
                                  f"{arch}.block_count {blocks}")
+        if m:
+            seen.add(int(m.group(1)))
+    if len(seen) != blocks:  # the model is built from block_count before any tensor is read
+        missing = min(set(range(blocks)) - seen)
+        raise ModelLoadError(f"GGUF file {path}: {arch}.block_count is {blocks} but no tensor "
+                             f"of layer {missing} (blk.{missing}.*) is in the file")
+    _check_shapes(layout, path, arch, values)
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise ModelLoadError(f"GGUF file {path}: tensor 'token_embd.weight' is missing")
@@ -312,6 +320,47 @@ def check_model_metadata(layout: GGUFLayout, path: Path) -> None:
     if isinstance(vocab, int) and vocab != embd.dims[1]:
         raise ModelLoadError(f"GGUF file {path}: tensor 'token_embd.weight' has {embd.dims[1]} "
                              f"rows but the vocabulary has {vocab} tokens")
+
+
+# GGML order (row length first) of the tensors every llama-style decoder has, from the
+# metadata: the model is allocated from the metadata, so a width or head count that
+# the tensors do not bear out must fail here, not as a many-GB allocation
+_SHAPES = {
+    "attn_q": ("width", "q"), "attn_k": ("width", "kv"), "attn_v": ("width", "v"),
+    "attn_output": ("q", "width"), "ffn_gate": ("width", "ffn"), "ffn_up": ("width", "ffn"),
+    "ffn_down": ("ffn", "width"), "attn_norm": ("width",), "ffn_norm": ("width",),
+}
+
+
+def _check_shapes(layout: GGUFLayout, path: Path, arch: str, values: dict[str, Any]) -> None:
+    width, heads, kv = (values["embedding_length"], values["attention.head_count"],
+                        values["attention.head_count_kv"] or values["attention.head_count"])
+    if not (width and heads and kv):
+        return  # per-layer counts: the weight loader's shape checks still apply
+    head_dim = values["attention.key_length"] or width // heads
+    v_dim = _positive_int(layout, path, f"{arch}.attention.value_length", False) or head_dim
+    dims = {"width": width, "q": heads * head_dim, "kv": kv * head_dim, "v": kv * v_dim,
+            "ffn": values["feed_forward_length"]}
+    for t in layout.tensors:
+        m = re.fullmatch(r"blk\.\d+\.(\w+)\.weight", t.name)
+        shape = _SHAPES.get(m.group(1)) if m else None
+        if m is None and t.name in ("output.weight", "output_norm.weight"):
+            shape = ("width", "vocab") if t.name == "output.weight" else ("width",)
+        if shape is None:
+            continue
+        want = [dims.get(d) for d in shape]
+        if "vocab" in shape:
+            want[1] = t.dims[1]  # checked against the vocabulary with token_embd
+        if None not in want and list(t.dims) != want:
+            raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has shape {list(t.dims)}"
+                                 f", but the metadata ({arch}.embedding_length {width}, "
+                                 f"head_count {heads}, head_count_kv {kv}, head dim {head_dim}, "
+                                 f"feed_forward_length {dims['ffn']}) makes it {want}")
+    out = next((t for t in layout.tensors if t.name == "output.weight"), None)
+    embd = next((t for t in layout.tensors if t.name == "token_embd.weight"), None)
+    if out is not None and embd is not None and out.dims[1] != embd.dims[1]:
+        raise ModelLoadError(f"GGUF file {path}: tensor 'output.weight' has {out.dims[1]} rows, "
+                             f"'token_embd.weight' {embd.dims[1]}")
 
 
 def check_gguf(path: Path) -> GGUFLayout:

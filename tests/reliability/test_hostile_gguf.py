@@ -151,3 +151,10 @@ def test_random_header_edits_load_or_fail_cleanly(valid, tmp_path, edits, cut):
         load_model(path)
     except ModelLoadError as e:
         assert path.name in str(e)
+
+
+def test_a_huge_block_count_fails_at_once(valid, tmp_path):
+    """The fuzzer's slowest file: 13M layers claimed (the check once built a set of them)."""
+    at = key_value_offset(valid, "llama.block_count") + 4
+    _fails(_patched(tmp_path, valid, at, "<I", (1 << 31) - 1),
+           "block_count is 2147483647 but no tensor of layer 1")

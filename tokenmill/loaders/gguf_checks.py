@@ -306,7 +306,7 @@ def check_model_metadata(layout: GGUFLayout, path: Path) -> None:
         if m:
             seen.add(int(m.group(1)))
     if len(seen) != blocks:  # the model is built from block_count before any tensor is read
-        missing = min(set(range(blocks)) - seen)
+        missing = next(i for i in range(blocks) if i not in seen)  # blocks may be huge
         raise ModelLoadError(f"GGUF file {path}: {arch}.block_count is {blocks} but no tensor "
                              f"of layer {missing} (blk.{missing}.*) is in the file")
     _check_shapes(layout, path, arch, values)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.reliability.gguf_files import write_model_gguf  # noqa: E402
-from tokenmill.loaders import ModelLoadError, load_model  # noqa: E402
+from tests.reliability.gguf_files import write_model_gguf
+from tokenmill.loaders import ModelLoadError, load_model
 
 EXTREMES = [b"\xff" * 8, b"\x00" * 8, b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80",
             b"\x01\x00\x00\x00\x00\x00\x00\x00", b"\x00\x00\x00\x00\x00\x00\x00\x40",

@@ -24,7 +24,7 @@ def test_a_worker_that_dies_before_joining_fails_start_up_with_its_error(tmp_pat
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(
         "import sys\n"
-        "if 'tokenmill.distributed.worker' in ' '.join(sys.argv) or '--rank' in sys.argv:\n"
+        "if 'tokenmill.engine.executor.worker' in ' '.join(sys.argv) or '--rank' in sys.argv:\n"
         "    sys.stderr.write('simulated worker crash: CUDA driver not found\\n')\n"
         "    sys.stderr.flush()\n    import os\n    os._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", f"{hooks}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

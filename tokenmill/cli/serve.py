@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engine-hang-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat or output from the engine core after "
                    "which /health says 503 and in-flight requests fail")
+    g.add_argument("--keep-serving-after-engine-death", action="store_true",
+                   help="when the engine core dies, keep answering 503 instead of exiting "
+                   "non-zero (the default, as vLLM: a supervisor restarts the server)")
     g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="send usage.prompt_tokens_details.cached_tokens (default on, as "
@@ -155,6 +158,7 @@ def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any,
 def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
                              api_keys: list[str]) -> int:
     from tokenmill.engine.frontend.core_client import CoreClient, CoreStartError
+    from tokenmill.server.engine_watchdog import exit_on_engine_death
 
     try:
         # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
@@ -172,13 +176,15 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
         server = _uvicorn_server(args, client, serving_config, api_keys)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
+        engine_died = (lambda: False) if args.keep_serving_after_engine_death else \
+            exit_on_engine_death(server, client.dead_reason)
         try:
             server.run()
         except SystemExit:  # uvicorn's exit(3) when it cannot bind: ours is 1
             pass
     finally:
         client.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine_died() else 1
 
 
 def _serve_in_process(args: argparse.Namespace, serving_config: Any,
@@ -205,9 +211,13 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any,
     http = threading.Thread(target=serve_http, name="tokenmill-http")
     http.start()
     engine.run()
+    died = engine.health()[0] is False and not server.should_exit
+    if died and not args.keep_serving_after_engine_death:  # see engine_watchdog.py
+        logging.getLogger(__name__).error("the engine loop died: exiting")
+        server.should_exit = True
     while http.is_alive():  # the engine died: keep answering 503 until told to stop
         http.join(0.5)
-    return 0 if server.started else 1
+    return 1 if died else (0 if server.started else 1)
 
 
 def api_keys_of(flags: list[str] | None, environ: Any) -> list[str]:

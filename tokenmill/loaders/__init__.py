@@ -97,15 +97,27 @@ def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "aut
     elif source.kind == "gguf":
         from tokenmill.loaders.gguf import gguf_errors, iter_gguf_tensors
 
-        with gguf_errors(source.path, "load the weights of"):
+        with gguf_errors(source.path, "load the weights of"), _naming(source.path):
             load_weights(model, iter_gguf_tensors(source.path))
     else:
         from tokenmill.loaders.safetensors import iter_safetensors
 
-        load_weights(model, iter_safetensors(source.path))
+        with _naming(source.path):
+            load_weights(model, iter_safetensors(source.path))
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, config, torch_dtype, source)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """A load error names the file it came from (a user may hold several)."""
+    try:
+        yield
+    except ModelLoadError as e:
+        if str(path) in str(e):
+            raise
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

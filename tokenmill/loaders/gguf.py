@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import re
+import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileTy
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.loaders.errors import ModelLoadError
+from tokenmill.loaders.gguf_checks import check_gguf
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -157,7 +159,8 @@ def gguf_errors(path: Path, what: str) -> Iterator[None]:
     except FileNotFoundError:
         raise ModelLoadError(f"GGUF file {path} does not exist") from None
     except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError,
-            OverflowError, MemoryError, NotImplementedError, AttributeError) as e:
+            OverflowError, MemoryError, NotImplementedError, AttributeError,
+            ZeroDivisionError, struct.error) as e:
         raise ModelLoadError(f"cannot {what} GGUF file {path}: the file looks corrupt or "
                              f"truncated ({type(e).__name__}: {e})") from None
 
@@ -181,12 +184,8 @@ class _FastGGUFReader(GGUFReader):
 
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    reader = _FastGGUFReader(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "
-                                 f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
-    return reader
+    check_gguf(Path(path))  # untrusted bytes: every size, offset and count (gguf_checks.py)
+    return _FastGGUFReader(path)
 
 
 def open_gguf(path: str | Path) -> GGUFReader:

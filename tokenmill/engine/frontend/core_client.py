@@ -186,6 +186,11 @@ class CoreClient(Admission):
             if stream is not None:
                 stream.put(Aborted())
 
+    def dead_reason(self) -> str | None:
+        """Why the engine core process is gone; None while it lives (a hang is not death)."""
+        with self._lock:
+            return self._dead_reason
+
     def health(self) -> tuple[bool, str]:
         with self._lock:
             down = self._down_reason_locked()

@@ -5,12 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.moe import MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 

@@ -57,18 +57,19 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """x (T, H); w13 (E, 2I, H); w2 (E, H, I); weights, ids (T, k) -> (T, H) in x's dtype:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
-    top_k = ids.shape[1]
+    tokens_n, top_k = ids.shape
     order, counts = sort_by_expert(ids, w13.shape[0])
     token_of = order // top_k  # (T * k,) the token of each sorted pair
-    pair_weight = weights.flatten()[order].to(x.dtype).unsqueeze(1)  # (T * k, 1)
-    out = torch.zeros_like(x)
+    # each pair's output lands in its own row, then a token's k rows are summed: no
+    # scatter-add (slow and order-dependent on the CPU)
+    pairs = x.new_empty(tokens_n * top_k, x.shape[1])  # (T * k, H), row t * k + slot
     start = 0
     for expert, n in enumerate(counts.tolist()):  # one host sync per layer, not per expert
         if n == 0:
             continue  # not routed this step: its weights are not read
-        tokens = token_of[start:start + n]
-        h = silu_and_mul(_linear(x[tokens], w13[expert]))  # (n, I)
-        y = _linear(h, w2[expert]) * pair_weight[start:start + n]  # (n, H)
-        out.index_add_(0, tokens, y)
+        rows = order[start:start + n]
+        h = silu_and_mul(_linear(x[token_of[start:start + n]], w13[expert]))  # (n, I)
+        pairs[rows] = _linear(h, w2[expert])  # (n, H)
         start += n
-    return out
+    weighted = pairs.view(tokens_n, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1)  # (T, H)

@@ -4,6 +4,7 @@ and prefix-cache hits (the routed experts must not depend on how a step is cut).
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -82,11 +83,13 @@ def run_engine_greedy(model: str, prompts: list[list[int]]) -> tuple[list[list[i
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("shape", ["qwen3moe-8x2", "mixtral-8x2"])
-def test_engine_greedy_matches_transformers(moe_checkpoint, shape):
-    path, hf_model = moe_checkpoint(shape)
+def test_engine_greedy_matches_transformers(moe_checkpoint, caplog):
+    """Qwen3-MoE here; Mixtral takes the same path from a K-quant GGUF (test_moe_gguf.py)."""
+    path, hf_model = moe_checkpoint("qwen3moe-8x2")
     write_tokenizer(path)
     prompts = _engine_prompts()
-    got, _ = run_engine_greedy(str(path), prompts)
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.fused_decode"):
+        got, _ = run_engine_greedy(str(path), prompts)
+    assert caplog.text.count("MoE model: decode runs the module path") == 1
     expected = [_hf_greedy(hf_model, p) for p in prompts]
     assert got == expected

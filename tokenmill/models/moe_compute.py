@@ -57,6 +57,10 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """x (T, H); w13 (E, 2I, H); w2 (E, H, I); weights, ids (T, k) -> (T, H) in x's dtype:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    if x.device.type == "cuda":  # one Triton launch per projection, no host sync
+        from tokenmill.kernels.triton_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids)
     tokens_n, top_k = ids.shape
     order, counts = sort_by_expert(ids, w13.shape[0])
     token_of = order // top_k  # (T * k,) the token of each sorted pair

@@ -77,7 +77,10 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     on ids' device, sized for the worst case so that nothing is read back to the host."""
     flat = ids.flatten()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max back to the host, which
+    # a CUDA graph capture forbids
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

@@ -89,7 +89,25 @@ def test_engine_greedy_matches_transformers(moe_checkpoint, caplog):
     write_tokenizer(path)
     prompts = _engine_prompts()
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.fused_decode"):
-        got, _ = run_engine_greedy(str(path), prompts)
+        got, llm = run_engine_greedy(str(path), prompts)
+    assert llm.engine.get_stats().moe_expert_bytes > 0  # explain's measured side
     assert caplog.text.count("MoE model: decode runs the module path") == 1
     expected = [_hf_greedy(hf_model, p) for p in prompts]
     assert got == expected
+
+
+def test_only_routed_experts_are_read_and_counted():
+    """A decode token reads its k experts; experts nobody chose are never touched (NaN
+    weights there would poison the output) and the traffic counts k experts' bytes."""
+    from tokenmill.models.moe_compute import ExpertTraffic, grouped_experts, route
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, generator=g)
+    w13, w2 = torch.randn(8, 24, 16, generator=g), torch.randn(8, 16, 12, generator=g)
+    weights, ids = route(torch.randn(1, 8, generator=g), 2, True)
+    unused = [e for e in range(8) if e not in ids[0].tolist()]
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    traffic = ExpertTraffic()
+    out = grouped_experts(x, w13, w2, weights, ids, traffic)
+    assert torch.isfinite(out).all()
+    assert traffic.expert_reads == 2 and traffic.bytes_read == 2 * (w13[0].nbytes + w2[0].nbytes)

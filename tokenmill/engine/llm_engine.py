@@ -69,6 +69,8 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
+    # MoE: routed-expert weight bytes read (rank 0, CPU path; models/moe.py)
+    moe_expert_bytes: int = 0
     # --async-scheduling: steps during which the next one was scheduled (the rest
     # ran synchronously: see engine/overlap.py for when)
     num_async_steps: int = 0
@@ -565,6 +567,10 @@ class LLMEngine:
         st.prefix_cache_queries = bm.prefix_cache_queries
         st.prefix_cache_hits = bm.prefix_cache_hits
         st.num_preemptions = self.scheduler.num_preemptions
+        if getattr(self.runner.model, "is_moe", False):
+            from tokenmill.models.moe import expert_bytes_read
+
+            st.moe_expert_bytes = expert_bytes_read(self.runner.model)
         if self.speculator is not None:
             spec = self.speculator.stats
             st.spec_proposed_tokens = spec.num_proposed_tokens

@@ -37,7 +37,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.models.layers import Linear, default_weight_loader
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.moe_compute import grouped_experts, route
+from tokenmill.models.moe_compute import ExpertTraffic, grouped_experts, route
 
 # checkpoint projection name -> (stack, part)
 _PROJECTIONS = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"),
@@ -113,6 +113,7 @@ class Experts(nn.Module):
         super().__init__()
         start, inter = get_tp().shard(intermediate, "moe_intermediate_size")
         self.num_experts, self.intermediate = num_experts, inter
+        self.traffic = ExpertTraffic()  # this rank's reads (CPU path)
         self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden,
                                        {"gate": (0, inter), "up": (inter, inter)}, 0, start, inter)
         self.w2 = StackedExpertWeight(num_experts, hidden, inter, {"down": (0, hidden)},
@@ -121,7 +122,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), routing weights and expert ids (T, k) -> (T, hidden), this rank's
         partial sum under tensor parallelism."""
-        return grouped_experts(x, self.w13.weight, self.w2.weight, weights, ids)
+        return grouped_experts(x, self.w13.weight, self.w2.weight, weights, ids, self.traffic)
 
 
 class SparseMoeBlock(nn.Module):
@@ -168,3 +169,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         if m:
             return f"{m['layer']}.mlp.gate.weight", None
         return None
+
+
+def expert_bytes_read(model: nn.Module) -> int:
+    """Routed-expert weight bytes this rank's MoE layers have read so far (CPU path;
+    0 for a dense model): the measured side of the active-expert floor."""
+    return sum(m.traffic.bytes_read for m in model.modules() if isinstance(m, Experts))

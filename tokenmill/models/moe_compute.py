@@ -19,6 +19,8 @@ GGUF's experts are dequantized to the model's dtype at load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -53,8 +55,24 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int
     return order, torch.bincount(flat, minlength=num_experts)
 
 
+@dataclass
+class ExpertTraffic:
+    """What the routed experts of one layer read, counted on the CPU path (the GPU path
+    would need a host sync per layer to count): tokens routed and expert weight bytes."""
+
+    tokens: int = 0
+    expert_reads: int = 0  # active experts summed over calls
+    bytes_read: int = 0
+
+    def record(self, tokens: int, active: int, bytes_per_expert: int) -> None:
+        self.tokens += tokens
+        self.expert_reads += active
+        self.bytes_read += active * bytes_per_expert
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                    weights: torch.Tensor, ids: torch.Tensor,
+                    traffic: ExpertTraffic | None = None) -> torch.Tensor:
     """x (T, H); w13 (E, 2I, H); w2 (E, H, I); weights, ids (T, k) -> (T, H) in x's dtype:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
     if x.device.type == "cuda":  # one Triton launch per projection, no host sync
@@ -68,7 +86,11 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # scatter-add (slow and order-dependent on the CPU)
     pairs = x.new_empty(tokens_n * top_k, x.shape[1])  # (T * k, H), row t * k + slot
     start = 0
-    for expert, n in enumerate(counts.tolist()):  # one host sync per layer, not per expert
+    counts_list = counts.tolist()  # one host sync per layer, not per expert
+    if traffic is not None:
+        traffic.record(tokens_n, sum(n > 0 for n in counts_list),
+                       w13[0].nbytes + w2[0].nbytes)
+    for expert, n in enumerate(counts_list):
         if n == 0:
             continue  # not routed this step: its weights are not read
         rows = order[start:start + n]

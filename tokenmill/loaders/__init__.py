@@ -148,6 +148,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
     loaded: dict[str, set[Any]] = {}
     # a model whose checkpoints nest it (Gemma 3's multimodal one) renames or skips tensors
     rename = getattr(model, "checkpoint_name", None)
+    remap = getattr(model, "checkpoint_param", None)  # an MoE's stacked experts (models/moe.py)
     for item in weights:
         name, tensor = (item.hf_name, item) if isinstance(item, GGUFTensor) else item
         if rename is not None:
@@ -156,10 +157,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
                 continue
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        module_name, _, param_kind = name.rpartition(".")
+        mapped = remap(name) if remap else None  # an MoE's experts and router (models/moe.py)
+        module_name, _, param_kind = (mapped[0] if mapped else name).rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
-        shard_id = None
-        if leaf in packed:
+        shard_id = mapped[1] if mapped else None
+        if leaf in packed and not mapped:
             fused, shard_id = packed[leaf]
             module_name = f"{parent}.{fused}"
         param = params.get(f"{module_name}.{param_kind}")
@@ -175,8 +177,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
         del value
-        loaded.setdefault(f"{module_name}.{param_kind}", set()).add(shard_id)
-        if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight":
+        cover = getattr(module, "shard_cover", None)  # a stacked tensor fills many shards
+        loaded.setdefault(f"{module_name}.{param_kind}", set()).update(
+            cover(shard_id) if cover else {shard_id})
+        # stacked (3-d) expert blocks are not kept: the experts run dequantized for now
+        if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight" \
+                and len(tensor.shape) == 2:
             row_offset = module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows") else 0
             shards = module.__dict__.setdefault("gguf_quantized", [])
             shards.append(QuantizedWeight(tensor.qtype, tensor.raw_blocks(), tensor.shape,

@@ -33,6 +33,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.loaders.errors import ModelLoadError
 from tokenmill.loaders.gguf_checks import check_gguf
+from tokenmill.loaders.gguf_moe import MOE_BLOCK_NAMES, moe_config
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -40,6 +41,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",  # `llama` with expert_count is Mixtral (gguf_moe.py)
 }
 # architectures whose q/k rows llama.cpp's converter permutes
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -61,6 +63,7 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    **MOE_BLOCK_NAMES,
 }
 # Gemma 3 keeps four norms per layer: its ffn_norm is the pre-MLP norm
 _ARCH_BLOCK_NAMES = {
@@ -135,7 +138,11 @@ class GGUFTensor:
             shape[0] = length
             return GGUFTensor(self.hf_name, self.qtype, self.raw[start:start + length],
                               tuple(shape))
-        if dim != 1 or len(shape) != 2:
+        if len(shape) == 3 and dim == 1:  # stacked experts: these rows of every expert
+            shape[1] = length
+            return GGUFTensor(self.hf_name, self.qtype, self.raw[:, start:start + length],
+                              tuple(shape))
+        if dim != len(shape) - 1 or len(shape) not in (2, 3):
             raise ValueError(f"{self.hf_name}: cannot slice dim {dim} of a {len(shape)}-d tensor")
         block, block_bytes = (1, 1) if not self.is_quantized else GGML_QUANT_SIZES[self.qtype]
         if start % block or length % block:
@@ -145,8 +152,8 @@ class GGUFTensor:
                              "boundaries")
         # a typed array (F32 / F16) is cut in elements, a block type in bytes
         a, b = start // block * block_bytes, (start + length) // block * block_bytes
-        raw = self.raw[:, a:b]
-        return GGUFTensor(self.hf_name, self.qtype, raw, (shape[0], length), self.row_order)
+        raw = self.raw[..., a:b]
+        return GGUFTensor(self.hf_name, self.qtype, raw, (*shape[:-1], length), self.row_order)
 
 
 @contextlib.contextmanager
@@ -236,7 +243,7 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", get("expert_feed_forward_length"))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
@@ -253,6 +260,8 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
         cfg["attention_bias"] = True
     if arch == "gemma3":
         _gemma3_fields(cfg, get)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    cfg.update(moe_config(get, arch, shapes, hidden, cfg["num_hidden_layers"], path))
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",

@@ -27,6 +27,8 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
+    # MoE: routed-expert weight bytes read (rank 0, CPU path; models/moe.py)
+    moe_expert_bytes: int = 0
     # --async-scheduling: steps during which the next one was scheduled (the rest
     # ran synchronously: see engine/core/overlap.py for when)
     num_async_steps: int = 0
@@ -69,7 +71,8 @@ class EngineStats:
             else:
                 self.num_prefill_tokens += item.num_new_tokens
 
-    def refresh(self, scheduler: Any, block_manager: Any, speculator: Any) -> EngineStats:
+    def refresh(self, scheduler: Any, block_manager: Any, speculator: Any,
+                model: Any = None) -> EngineStats:
         """The gauges read afresh from the scheduler, the block manager and the
         speculator (the counters are kept as the steps run)."""
         bm = block_manager
@@ -83,6 +86,10 @@ class EngineStats:
         self.prefix_cache_queries = bm.prefix_cache_queries
         self.prefix_cache_hits = bm.prefix_cache_hits
         self.num_preemptions = scheduler.num_preemptions
+        if getattr(model, "is_moe", False):
+            from tokenmill.models.moe import expert_bytes_read
+
+            self.moe_expert_bytes = expert_bytes_read(model)
         if speculator is not None:
             spec = speculator.stats
             self.spec_proposed_tokens = spec.num_proposed_tokens

@@ -44,6 +44,8 @@ def check_shapes(config: ModelConfig, world_size: int) -> None:
     problems = [(config.num_attention_heads, "num_attention_heads"),
                 (config.intermediate_size, "intermediate_size"),
                 (config.vocab_size, "vocab_size")]
+    if config.num_experts:  # MoE: every expert's intermediate dimension is split (models/moe.py)
+        problems.append((config.moe_intermediate_size, "moe_intermediate_size"))
     for size, what in problems:
         if size % n:
             raise ValueError(f"--tensor-parallel-size {n} does not divide the model's {what} "

@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic"],
                    help="the format the model writes its tool calls in (vLLM's names)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split the model's <think>...</think> reasoning into "
+                   "reasoning_content (chat) and a reasoning item (/v1/responses)")
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="responses kept for GET /v1/responses/{id} and previous_response_id "
+                   "(least recently used evicted first; 0 stores none)")
     g.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore unknown request fields with a warning instead of a 400")
     g.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
@@ -237,7 +243,8 @@ def _serving_config(args: argparse.Namespace) -> Any:
         generation_defaults=load_generation_defaults(args.generation_config, source),
         chat_template=load_chat_template(args.chat_template),
         chat_template_content_format=args.chat_template_content_format,
-        log_prompts=args.log_prompts)
+        log_prompts=args.log_prompts, reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size)
 
 
 def refuse_remote_code(source: Any) -> None:

@@ -34,6 +34,8 @@ from tokenmill.server.constraints import check_compiles, with_constraints
 from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
+from tokenmill.server.reasoning import get_reasoning_parser
+from tokenmill.server.responses.store import DEFAULT_MAX_RESPONSES, ResponseStore
 from tokenmill.server.streams import Part, merge
 from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
 from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
@@ -66,6 +68,9 @@ class ServingConfig:
     tool_call_parser: str | None = None
     allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
     log_prompts: bool = False  # --log-prompts: prompt text in the log (never otherwise)
+    # --reasoning-parser NAME: <think> spans become reasoning_content / reasoning items
+    reasoning_parser: str | None = None
+    responses_store_size: int = DEFAULT_MAX_RESPONSES  # --responses-store-size
 
 
 class Serving:
@@ -99,6 +104,9 @@ class Serving:
             self.tokenizer, self.vocab_size, getattr(llm, "eos_token_ids", ()))
         self.template_knows_tools = template_knows_tools(self.chat_template)
         self._token_text: dict[int, str] = {}
+        self.reasoning_parser = get_reasoning_parser(self.config.reasoning_parser) \
+            if self.config.reasoning_parser else None
+        self.responses = ResponseStore(self.config.responses_store_size)
 
     # ---- request validation and rendering ------------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Any
@@ -11,15 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
-from tokenmill.server.errors import APIError
 from tokenmill.server.json_body import OffLoopJSONRoute
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.serving import ServingDep
 from tokenmill.server.sse import event_stream
 from tokenmill.server.streams import Part
-from tokenmill.server.tool_calls import ToolPlan, plan_tools
+from tokenmill.server.tool_calls import ToolPlan, plan_tools, with_tools
 from tokenmill.tools import ToolCallStream
 
 router = APIRouter(route_class=OffLoopJSONRoute)
@@ -36,7 +33,7 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
     arrival = getattr(request.state, "arrival_time", None) or time.monotonic()
     serving.check_model(req.model)
     tools = plan_tools(req, serving.config.tool_call_parser)
-    params = _with_tools(serving.sampling_params(req), tools)
+    params = with_tools(serving.sampling_params(req), tools)
     prompt_ids = await serving.render_chat(req.messages, req, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parts = await serving.submit_all(request_id, [prompt_ids], params,
@@ -93,21 +90,6 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
     return JSONResponse(p.dump(p.ChatCompletionResponse(
         id=request_id, created=parts[0].progress.created, model=serving.model_name,
         choices=choices, usage=serving.usage([final]))))
-
-
-def _with_tools(params: SamplingParams, tools: ToolPlan | None) -> SamplingParams:
-    if tools is None:
-        return params
-    if tools.constraint is not None:
-        if params.structured_outputs is not None:
-            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output already; "
-                           f"drop {params.structured_outputs.param}",
-                           param=params.structured_outputs.param)
-        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
-            tools.constraint, param="tools"))
-    if tools.parser is not None and tools.parser.needs_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return params
 
 
 def _message(c: CompletionOutput, tools: ToolPlan | None

@@ -25,6 +25,7 @@ from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.heap_trim import HeapTrimmer
+from tokenmill.engine.iteration_tokens import IterationTokens
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.overlap import OverlapStepper
 from tokenmill.engine.phase_timer import STEP_PHASES, PhaseTimer
@@ -76,6 +77,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+    # tokens run per step, as a cumulative histogram (vLLM's iteration_tokens_total)
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
 
     @property
     def mean_decode_batch(self) -> float:
@@ -95,6 +98,7 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["time_s"] = dict(self.time_s)
+        d["iteration_tokens"] = self.iteration_tokens.as_dict()
         d["mean_decode_batch"] = self.mean_decode_batch
         d["spec_acceptance_rate"] = self.spec_acceptance_rate
         d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
@@ -439,6 +443,7 @@ class LLMEngine:
     def _count(self, batch) -> None:
         st = self.stats
         st.num_steps += 1
+        st.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         for item in batch.scheduled:  # before the step: computed counts are not advanced yet
             seq = item.seq
             if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:

@@ -27,6 +27,7 @@ from tokenmill.engine.request_stream import (
     RequestStream,
     StreamBehindError,
 )
+from tokenmill.engine.server_info import server_info
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as p
 from tokenmill.server.chat_template import NO_TEMPLATE, content_format, template_of
@@ -90,7 +91,8 @@ class Serving:
         self.max_model_len: int = llm.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
                                      self.config.metrics_prefix,
-                                     core_pid=getattr(engine, "core_pid", None))
+                                     core_pid=getattr(engine, "core_pid", None),
+                                     cache_config=cache_config_of(llm))
         self.chat_template = template_of(self.tokenizer, self.config.chat_template)
         self.content_format = content_format(self.config.chat_template_content_format,
                                              self.chat_template)
@@ -231,8 +233,8 @@ class Serving:
 
     # ---- the engine ----------------------------------------------------------------
 
-    def progress(self, n: int, object_name: str) -> Progress:
-        return Progress(n, self.metrics, object_name)
+    def progress(self, n: int, object_name: str, max_tokens: int | None = None) -> Progress:
+        return Progress(n, self.metrics, object_name, max_tokens)
 
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams,
@@ -269,7 +271,8 @@ class Serving:
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 stream = await self.submit(rid, ids, params, arrival_time)
-                parts.append(Part(stream, self.progress(params.n, object_name), prompt,
+                progress = self.progress(params.n, object_name, params.max_tokens)
+                parts.append(Part(stream, progress, prompt,
                                   i * params.n))
         except BaseException:
             for part in parts:
@@ -328,6 +331,20 @@ class Serving:
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            total_tokens=prompt_tokens + completion_tokens,
                            prompt_tokens_details=details)
+
+
+def cache_config_of(llm: Any) -> dict[str, Any] | None:
+    """The KV-cache settings for cache_config_info, with vLLM's label names."""
+    info = getattr(llm, "server_info", None)
+    if not isinstance(info, dict):
+        try:
+            info = server_info(llm)
+        except AttributeError:  # an engine without a config (a test double)
+            return None
+    return {"block_size": info.get("block_size"), "cache_dtype": info.get("kv_cache_dtype"),
+            "enable_prefix_caching": info.get("enable_prefix_caching"),
+            "num_gpu_blocks": info.get("num_kv_blocks"),
+            "kv_cache_memory_bytes": info.get("kv_cache_memory_bytes")}
 
 
 def get_serving(request: Request) -> Serving:

@@ -10,8 +10,6 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving import start_server
-
 MODEL = "smollm2-135m"
 S = {"type": "string", "maxLength": 16}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -193,23 +191,20 @@ def test_bad_input_leaves_nothing_running(server):
     raise AssertionError(text)
 
 
-def test_store_evicts_the_least_recently_used():
-    server = start_server(MODEL, "--responses-store-size", "2")
-    try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-        ids = [client.responses.create(model=MODEL, input=f"Count to {i}.", temperature=0,
-                                       max_output_tokens=3).id for i in range(3)]
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(ids[0])
-        assert client.responses.retrieve(ids[1]).id == ids[1]  # now the most recent
-        client.responses.create(model=MODEL, input="Count to 9.", max_output_tokens=3)
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(ids[2])
-        assert client.responses.retrieve(ids[1]).id == ids[1]
-        with pytest.raises(openai.BadRequestError):  # evicted: nothing to continue from
-            client.responses.create(model=MODEL, input="hi", previous_response_id=ids[0])
-    finally:
-        server.stop()
+def test_store_evicts_the_least_recently_used(reasoning_server):  # a store of two
+    client = openai.OpenAI(base_url=f"{reasoning_server.base_url}/v1", api_key="x",
+                           max_retries=0)
+    ids = [client.responses.create(model=MODEL, input=f"Count to {i}.", temperature=0,
+                                   max_output_tokens=3).id for i in range(3)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[1]).id == ids[1]  # now the most recent
+    client.responses.create(model=MODEL, input="Count to 9.", max_output_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[2])
+    assert client.responses.retrieve(ids[1]).id == ids[1]
+    with pytest.raises(openai.BadRequestError):  # evicted: nothing to continue from
+        client.responses.create(model=MODEL, input="hi", previous_response_id=ids[0])
 
 
 def test_openai_agents_sdk_runs_a_tool_using_turn(server):

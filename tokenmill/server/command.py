@@ -75,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--trust-remote-code", action="store_true",
                    help="accepted; a checkpoint that needs its own Python code is refused "
                    "either way (tokenmill runs only its built-in architectures)")
+    v.add_argument("--revision", default=None,
+                   help="a Hub model's branch, tag or commit (default: main)")
+    v.add_argument("--download-dir", default=None,
+                   help="where Hub models are cached (default: HF_HUB_CACHE / HF_HOME's)")
+    v.add_argument("--gguf-file", default=None,
+                   help="a GGUF repo on the Hub: the file to serve (or ORG/NAME:QUANT)")
     v.add_argument("--metrics-prefix", default="tokenmill", choices=["tokenmill", "vllm"],
                    help="'vllm': /metrics under vLLM's names and labels (vllm:...)")
     v.add_argument("--generation-config", default="auto",
@@ -106,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_stream_backlog is not None and args.max_stream_backlog < 1:
         raise SystemExit("--max-stream-backlog must be at least 1")
     try:
+        _fetch_hub_model(args)
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -214,6 +221,24 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any,
     while http.is_alive():  # the engine died: keep answering 503 until told to stop
         http.join(0.5)
     return 0 if server.started else 1
+
+
+def _fetch_hub_model(args: argparse.Namespace) -> None:
+    """A model named by its Hub id (not a path, not a built-in name): fetched
+    (cache first), then served from its local copy under the name ORG/NAME."""
+    from tokenmill.loaders.hub import fetch_model, looks_like_hub_id
+    from tokenmill.loaders.model_source import EMBEDDED_MODELS
+
+    hub_flags = [f for f in ("revision", "download_dir", "gguf_file") if getattr(args, f)]
+    if args.model.lower() in EMBEDDED_MODELS or not looks_like_hub_id(args.model):
+        if hub_flags:
+            raise ValueError(f"--{hub_flags[0].replace('_', '-')} is for a model named by its "
+                             f"Hugging Face Hub id (ORG/NAME); {args.model!r} is not one")
+        return
+    repo_id = args.model
+    args.model = str(fetch_model(repo_id, args.revision, args.download_dir, args.gguf_file))
+    if args.served_model_name is None:
+        args.served_model_name = [repo_id.partition(":")[0]]
 
 
 def api_keys_of(flags: list[str] | None, environ: Any) -> list[str]:

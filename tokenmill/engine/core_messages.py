@@ -13,8 +13,8 @@ from __future__ import annotations
 import msgspec
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.outputs import Logprob
+from tokenmill.engine.stats import EngineStats
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -39,6 +39,7 @@ from tokenmill.engine import core_messages as m
 from tokenmill.engine.llm_engine import LLMEngine, RequestError
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.server_info import server_info
+from tokenmill.startup_timer import mark
 
 logger = logging.getLogger("tokenmill.engine.core")
 
@@ -97,6 +98,7 @@ class EngineCore:
     def run(self) -> None:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
         self.outbox.send(m.encoder.encode(self.ready()))
+        mark("core: ready sent")
         while True:
             busy = self.engine.has_unfinished_requests()
             acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)
@@ -227,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    mark("core: interpreter, imports (torch)")
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
     engine = LLMEngine(config, detokenize=False)
+    mark("core: engine built")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,84 +25,24 @@ from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.distributed.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.detokenizer import Detokenizer
 from tokenmill.engine.heap_trim import HeapTrimmer
-from tokenmill.engine.iteration_tokens import IterationTokens
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.overlap import OverlapStepper
-from tokenmill.engine.phase_timer import STEP_PHASES, PhaseTimer
+from tokenmill.engine.phase_timer import PhaseTimer
 from tokenmill.engine.prompt_logprobs import prompt_rows, record_prompt_logprobs
 from tokenmill.engine.rank_model import build_rank_model
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.stats import EngineStats, RequestError
 from tokenmill.engine.stop_checker import StopChecker, emittable_text
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import load_tokenizer, resolve_model
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.startup_timer import mark
 from tokenmill.structured import GrammarCache, LogitsConstraints
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    # bytes of KV blocks ever used: what the lazily touched pool adds to RSS so far
-    kv_cache_committed_bytes: int = 0
-    kv_cache_bytes: int = 0  # the whole pool
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    generation_tokens: int = 0
-    num_steps: int = 0
-    num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
-    num_decode_tokens: int = 0
-    # --async-scheduling: steps during which the next one was scheduled (the rest
-    # ran synchronously: see engine/overlap.py for when)
-    num_async_steps: int = 0
-    spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
-    spec_accepted_tokens: int = 0
-    spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
-    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
-    # tokens run per step, as a cumulative histogram (vLLM's iteration_tokens_total)
-    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
-
-    @property
-    def mean_decode_batch(self) -> float:
-        return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return (self.spec_accepted_tokens / self.spec_proposed_tokens
-                if self.spec_proposed_tokens else 0.0)
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens emitted per speculating step (accepted drafts + 1)."""
-        return (1.0 + self.spec_accepted_tokens / self.spec_verified_steps
-                if self.spec_verified_steps else 0.0)
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["time_s"] = dict(self.time_s)
-        d["iteration_tokens"] = self.iteration_tokens.as_dict()
-        d["mean_decode_batch"] = self.mean_decode_batch
-        d["spec_acceptance_rate"] = self.spec_acceptance_rate
-        d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
-        return d
 
 
 @dataclass
@@ -166,6 +106,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.tokenizer = load_tokenizer(self.source)
+        mark("tokenizer loaded")
         self.max_model_len, self._context_note = rank.max_model_len, rank.context_note
         num_blocks, block_size = rank.num_blocks, config.cache.block_size
         self.runner = rank.runner

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from tokenmill.engine.args import add_engine_args, engine_config_from_args, parse_bytes
+from tokenmill.startup_timer import mark
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -101,6 +102,7 @@ _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mark("interpreter, CLI imports, flags parsed")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
     if args.engine_hang_timeout <= 0:
@@ -116,15 +118,31 @@ def run_serve(args: argparse.Namespace) -> int:
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    mark("model resolved, server flags checked")
+    if args.engine_in_process:
+        _check_startup_choices(args)
+        return _serve_in_process(args, serving_config, api_keys)
+    return _serve_with_core_process(args, serving_config, api_keys)
+
+
+def _check_startup_choices(args: argparse.Namespace) -> None:
     from tokenmill.engine.llm_engine import check_startup_choices
 
     try:  # BackendUnavailable: exit 2
         check_startup_choices(engine_config_from_args(args))
     except ValueError as e:  # e.g. a --tensor-parallel-size the model does not split
         raise SystemExit(f"tokenmill serve: error: {e}") from None
-    if args.engine_in_process:
-        return _serve_in_process(args, serving_config, api_keys)
-    return _serve_with_core_process(args, serving_config, api_keys)
+    mark("engine imports, start-up choices checked")
+
+
+def _prepare_front_end(args: argparse.Namespace) -> None:
+    """The front end's own start-up, done while the engine core loads: the same
+    checks the core makes (a usage error exits 2 here, the core is killed), and
+    the HTTP stack's imports (FastAPI, the routes)."""
+    _check_startup_choices(args)
+    import tokenmill.server.api  # noqa: F401 - imported now, used once the core is ready
+
+    mark("HTTP stack imported")
 
 
 def _backlog(args: argparse.Namespace) -> dict:
@@ -173,7 +191,7 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
         # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
         client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
                             hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level,
-                            **_backlog(args))
+                            while_loading=lambda: _prepare_front_end(args), **_backlog(args))
     except CoreStartError as e:
         logging.getLogger(__name__).error("%s", e)
         return 1
@@ -183,6 +201,7 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
         # done, uvicorn re-raises the signal to the handler it found installed:
         # that is this one, so we go on to exit 0 instead of dying of SIGTERM.
         server = _uvicorn_server(args, client, serving_config, api_keys)
+        mark("HTTP app built (FastAPI, routes)")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
         try:
@@ -254,7 +273,7 @@ def _serving_config(args: argparse.Namespace) -> Any:
     from tokenmill.loaders.model_source import resolve_model
     from tokenmill.server.chat_template import load_chat_template
     from tokenmill.server.generation_config import load_generation_defaults
-    from tokenmill.server.serving import ServingConfig
+    from tokenmill.server.serving_config import ServingConfig
 
     source = resolve_model(args.model)
     refuse_remote_code(source)

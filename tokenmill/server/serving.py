@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -36,7 +35,8 @@ from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
 from tokenmill.server.reasoning import get_reasoning_parser
-from tokenmill.server.responses.store import DEFAULT_MAX_RESPONSES, ResponseStore
+from tokenmill.server.responses.store import ResponseStore
+from tokenmill.server.serving_config import ServingConfig
 from tokenmill.server.streams import Part, merge
 from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
 from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
@@ -49,29 +49,6 @@ MAX_PROMPTS = 2048  # per completion request, as OpenAI
 # apply_chat_template arguments the server sets itself
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "chat_template", "tokenize", "return_dict",
                              "add_generation_prompt", "continue_final_message", "tools"}
-
-
-@dataclass
-class ServingConfig:
-    """What `tokenmill serve` flags change in the responses."""
-
-    # usage.prompt_tokens_details.cached_tokens; on by default (vLLM: off unless
-    # --enable-prompt-tokens-details) because OpenAI always sends it
-    enable_prompt_tokens_details: bool = True
-    tokenizer_workers: int = 2  # threads that tokenize, render and detokenize
-    metrics_prefix: str = "tokenmill"  # or "vllm": vLLM's metric names and labels
-    # --generation-config: sampling defaults for the fields a request leaves unset
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None  # --chat-template: replaces the model's own
-    # --chat-template-content-format: how message content reaches the template
-    chat_template_content_format: str = "auto"  # auto | string | openai
-    # --enable-auto-tool-choice --tool-call-parser NAME: parse tool_choice "auto" output
-    tool_call_parser: str | None = None
-    allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
-    log_prompts: bool = False  # --log-prompts: prompt text in the log (never otherwise)
-    # --reasoning-parser NAME: <think> spans become reasoning_content / reasoning items
-    reasoning_parser: str | None = None
-    responses_store_size: int = DEFAULT_MAX_RESPONSES  # --responses-store-size
 
 
 class Serving:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.server import protocol as p
-
-DEFAULT_MAX_RESPONSES = 1024
+from tokenmill.server.serving_config import DEFAULT_MAX_RESPONSES
 
 
 @dataclass

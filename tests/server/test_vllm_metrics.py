@@ -4,9 +4,9 @@ prometheus_grafana/grafana.json) and llm-d's schedulers query, exported under
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.engine.iteration_tokens import IterationTokens
-from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.core.iteration_tokens import IterationTokens
+from tokenmill.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.core.stats import EngineStats
 from tokenmill.server.metrics import ServerMetrics
 
 # (name as the dashboard queries it, Prometheus type)

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import (
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.frontend.request_stream import (
     EngineDiedError,
     EngineStepError,
     EngineUnavailableError,

@@ -1,5 +1,6 @@
 """Where a model comes from: the embedded default name, a .gguf file, or a
-Hugging Face checkpoint directory. Nothing is downloaded."""
+Hugging Face checkpoint directory. Nothing is downloaded here: a Hub id is
+fetched by `loaders/hub.py` (`tokenmill serve ORG/NAME`) into a local path first."""
 
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def resolve_model(name_or_path: str | Path, need_weights: bool = True) -> ModelS
         raise ModelSourceError(f"model path {text!r} does not exist")
     raise ModelSourceError(
         f"{text!r} is neither a known model name ({', '.join(EMBEDDED_MODELS)}) nor an existing "
-        "path to a .gguf file or a Hugging Face checkpoint directory; tokenmill does not "
-        "download from the Hugging Face Hub, download the checkpoint first")
+        "path to a .gguf file or a Hugging Face checkpoint directory; `tokenmill serve "
+        "ORG/NAME` fetches a model by its Hugging Face Hub id")
 
 
 def hf_config_dict(source: ModelSource) -> dict[str, Any]:

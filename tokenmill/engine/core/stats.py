@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.core.iteration_tokens import IterationTokens
 from tokenmill.engine.core.phase_timer import STEP_PHASES
 
 
@@ -36,6 +37,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+    # tokens run per step, as a cumulative histogram (vLLM's iteration_tokens_total)
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
 
     @property
     def mean_decode_batch(self) -> float:
@@ -55,6 +58,7 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["time_s"] = dict(self.time_s)
+        d["iteration_tokens"] = self.iteration_tokens.as_dict()
         d["mean_decode_batch"] = self.mean_decode_batch
         d["spec_acceptance_rate"] = self.spec_acceptance_rate
         d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
@@ -64,6 +68,7 @@ class EngineStats:
         """A scheduled step's prefill and decode tokens, counted before it runs
         (the sequences' computed counts are not advanced yet)."""
         self.num_steps += 1
+        self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         for item in batch.scheduled:
             seq = item.seq
             if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:

@@ -42,7 +42,7 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -628,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         check.progress()
         check.guarded("correctness", lambda: check.correctness(Path(tmp)))
         check.guarded("speed", lambda: check.speed(Path(tmp)))
+        from benchmarks.gpu_check_moe import moe_rows  # issue 59
+
+        check.guarded("moe", lambda: moe_rows(check, Path(tmp), sys.modules[__name__]))
     name = device_name(device)
     print_table(name, check.rows)
     if args.json:

@@ -34,13 +34,16 @@ def test_smoke_fills_every_row():
                      "batch 64 decode", "graphs vs eager", "prefill 32 tokens", "prefill 128",
                      "fp8 batch 1 decode", "fp8 vs float32 at batch 1", "fp8 batch 64 decode",
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
-                     "async vs sync scheduling at batch 64"):
+                     "async vs sync scheduling at batch 64",
+                     "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
+                     "MoE batch 64 decode"):
         assert any(c.startswith(expected) for c in checks), expected
     by_check = {r["check"]: r for r in rows}
     assert float(by_check["logits vs transformers (fp32, 24 tokens)"]["value"]) < 1e-3
     assert by_check["engine greedy tokens vs transformers"]["value"] == "48/48"
     assert by_check["async scheduling greedy tokens vs transformers"]["value"] == "36/36"
     assert float(by_check["triton vs torch attention (mixed batch)"]["value"]) < 1e-4
+    assert float(by_check["fused MoE kernel vs grouped experts"]["value"]) < 1e-5
     table = proc.stdout.strip().splitlines()[:-1]
     assert len([line for line in table if line.startswith(("machine", "correctness", "speed"))]) \
         == len(rows)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.kernels.spec import KernelSpec
 
 # (compute capability, shared memory per block in bytes: 163 KB, 227 KB)
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
@@ -63,7 +63,7 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
     layer ops' and fp8 GEMM's that a CUDA step launches (head_dim 0: not per head)."""
     from tokenmill.attention.triton import decode, prefill, store_kv
     from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
-    from tokenmill.kernels import triton_fp8_gemm, triton_layer_ops
+    from tokenmill.kernels import triton_fp8_gemm, triton_layer_ops, triton_moe
 
     jobs = []
     for dtype in CUDA_DTYPES.values():
@@ -77,6 +77,7 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
                  triton_layer_ops.compile_specs(dtype, CUDA_HEAD_DIMS[0])
                  if spec.name != "rotary"]
         jobs += [(dtype, 0, spec) for spec in triton_fp8_gemm.compile_specs(dtype)]
+        jobs += [(dtype, 0, spec) for spec in triton_moe.compile_specs(dtype)]
     return jobs
 
 

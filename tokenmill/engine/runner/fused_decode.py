@@ -1,0 +1,311 @@
+"""A decode step as one native call (tokenmill/kernels/decode_step.c).
+
+At batch 1 the module path spends about as long in Python glue and OpenMP
+fork/joins (~8 native calls per layer) as in arithmetic, and at batch 16 they are
+still a third of the step. `FusedDecode` names every weight, norm and KV pool of a
+loaded Llama-family model to the kernel once, and then runs a whole decode step (all
+layers, the final norm, the LM head) in one call and one parallel region, with the
+module path's own arithmetic: the same greedy tokens and the same logits to fp32
+rounding. One sequence takes tm_decode_step; 2 up to `max_rows` sequences of one new
+token each take tm_decode_batch (all rows through each group of weights at once). The
+one difference: from VNNI_DENSE_MIN_ROWS (20) rows, where the module path's linears
+switch to their dense bf16 weights, the fused step stays on the quantized-activation
+kernel (see MAX_ROWS), each row computed as it is at any smaller batch. Where those
+linears are gemm16 (AVX2 without native bf16: the same kernel on both paths), the
+fused step takes every decode step, whatever its rows (WIDE_MAX_ROWS).
+
+A bf16 model (`--quantization none`, the default for float checkpoints) takes it too,
+up to bf16_gemv.c's 48 rows: its linears are the module path's bf16 GEMV, called from
+inside the step on the plain bf16 weights (the LM head's logits rounded to bf16 and
+widened, as `head(x).float()`); past them the modules' F.linear takes over, and so
+does the module path.
+
+It covers what it can prove identical, and `FusedDecode.build` returns None (the
+model runner keeps the module path) for anything else; a step with a prompt chunk or
+speculative verification (a row of more than one token), more than `max_rows`
+rows, runs the module path. Rows sharing a prefix (a cached system prompt) read it once
+for all of them, inside the call, with the cpu backend's cascade arithmetic. Covered:
+`--quantization gguf-a16` / `gguf-a8` (every linear on the quantized-activation
+kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache or an 8-bit
+one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_q8 and
+tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend,
+no tensor parallelism, Llama layers without q/k norm (and without biases but a bf16
+model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+for benchmarks/decode_latency.py); `enabled` does the same for one engine at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tokenmill.attention import cpu as cpu_attention
+from tokenmill.attention.cpu import CpuBackend
+from tokenmill.attention.kv_quant import KVFormat
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.quantized import QuantizedKVBackend, QuantizedPool
+from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.kernels import bf16_gemv
+from tokenmill.kernels import decode_step as native
+from tokenmill.models.layers import Linear, RMSNorm
+from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.quant.fused_mlp import FusedSiluMLP
+from tokenmill.quant.linear import Int4Linear
+from tokenmill.quant.widened import WidenedWeight
+
+logger = logging.getLogger(__name__)
+ENV = "TOKENMILL_FUSED_DECODE"
+# The most rows a fused decode step takes. Past VNNI_DENSE_MIN_ROWS (20) the module
+# path runs the linears on packed bf16 weights, which beat the kernel there one call
+# at a time; a whole step in one call on the kernel beats them up to here. In-process
+# decode of n requests x (128 prompt + 128 new tokens), quiet, 2 threads, output tok/s
+# fused on the kernel vs the modules' packed bf16: 1,024 vs 892 at 32 rows, 1,033 vs 706
+# at 64, 900 vs 781 at 96, 935 vs 981 at 128 (BENCHMARKS.md, "Batched decode in one
+# call"). Those rows get the kernel's quantized activations, whose accuracy the gate
+# measures per row (independent of the batch: benchmarks/accuracy.py's decode mode);
+# prompt chunks keep the module path and its dense weights.
+MAX_ROWS = 111
+# When the module path's large-batch linears are gemm16 too (WidenedWeight: AVX2
+# without native bf16), both paths run the same kernel and the fused step only saves
+# the glue and the fork/joins, at any batch: it takes every decode step. In-process,
+# n requests x 64 cached prompt tokens, 32 new tokens, fused with no limit vs 111, 2
+# threads on the busy Zen 3 host, A/B alternating: 1.01-1.21x (median 278 vs 248
+# tok/s) at 128 rows, 1.02-1.19x at 200.
+WIDE_MAX_ROWS = 1 << 30
+# From this many rows a fused step runs the linears as gemm16 does when their large-batch
+# path is it (`--batched-linears int16`, AVX2): the kernel's bits, faster than its
+# per-row passes (q4q8_gemv.c). Whole fused steps on the 2-core AVX2 EPYC, per-row ÷
+# gemm16 time (A/B alternating in one process): 1.00 at 8 rows, 1.12 at 16, 1.29 at 24
+# and 48, 1.38 at 64; 12 lies between the tie and the first win.
+WIDE_MIN_ROWS = 12
+FMT_BF16 = 2  # decode_step.c: a plain (N, K) bf16 weight, with the record's bits 0
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+def _lowbit(linear: object, bits: int | None) -> bool:
+    """The module runs the quantized-activation kernel at batch 1, with no bias."""
+    return (type(linear) is Int4Linear and linear.activations != "bf16"
+            and linear.bias is None and (bits is None or linear.vnni_bits == bits)
+            and (linear.dense_min_rows is None or linear.dense_min_rows > 1))
+
+
+def _bf16(t: torch.Tensor, *shape: int) -> bool:
+    return t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape
+
+
+def _plain_bf16(linear: object, bias: bool = True) -> bool:
+    """The module is a bf16 linear (with a bf16 bias, if `bias` allows one) that runs
+    bf16_gemv at a decode step's rows."""
+    return (isinstance(linear, Linear) and type(linear).forward is Linear.forward
+            and linear.weight.device.type == "cpu"
+            and _bf16(linear.weight, linear.out_features, linear.in_features)
+            and (linear.bias is None or (bias and _bf16(linear.bias, linear.out_features))))
+
+
+def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def unsupported_reason(model: torch.nn.Module, backend: object,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why `model` with this backend and pool cannot take the fused step; None if it can."""
+    if not enabled_by_env():
+        return f"{ENV}=0"
+    if type(model) is not LlamaForCausalLM:
+        return f"not a Llama-family model ({type(model).__name__})"
+    if get_tp().world_size != 1:
+        return "tensor parallelism"
+    fmt: KVFormat | None = None  # --kv-cache-dtype int8 / fp8: the wrapped backend's pools
+    if type(backend) is QuantizedKVBackend:
+        fmt, backend = backend.fmt, backend.inner
+    if type(backend) is not CpuBackend:
+        return f"attention backend {getattr(backend, 'name', type(backend).__name__)}, not cpu"
+    cfg = model.config
+    if cfg.qk_norm:
+        return "q/k norm (Qwen3)"
+    inner = model.model
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    bits = None
+    first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
+    heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+    # every layer's linears on the quantized-activation kernel, or every one plain bf16
+    plain = type(first.mlp) is LlamaMLP
+    inter = first.mlp.down_proj.in_features if type(first.mlp) in (FusedSiluMLP, LlamaMLP) \
+        else 0
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            return f"layer {i} is not a plain Llama layer"
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if plain:
+            if type(layer.mlp) is not LlamaMLP or not all(_plain_bf16(lin) for lin in linears):
+                return (f"layer {i}: a linear neither on the quantized-activation kernel "
+                        "(--quantization gguf-a16 / gguf-a8) nor bf16")
+        else:
+            if type(layer.mlp) is not FusedSiluMLP:
+                return (f"layer {i}: its MLP does not run silu * up in the down projection "
+                        "(--quantization gguf-a16 / gguf-a8)")
+            bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
+            if not all(_lowbit(lin, bits) for lin in linears):
+                return (f"layer {i}: a linear not on the quantized-activation kernel "
+                        "(--quantization gguf-a16 / gguf-a8), or with a bias")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm) is not RMSNorm or not _bf16(norm.weight, hidden) \
+                    or norm.eps != cfg.rms_norm_eps:
+                return f"layer {i}: a norm that is not bf16 RMSNorm"
+        k, v = kv_caches[i]
+        if fmt is not None:  # --kv-cache-dtype int8 / fp8: bytes and their scales
+            if not all(isinstance(p, QuantizedPool) and p.fmt == fmt and _cpu_contiguous(
+                    p.data, p.scale) and p.scale.dtype == torch.float32 for p in (k, v)):
+                return "an 8-bit KV cache not laid out as the kernel reads it"
+        elif k.dtype != torch.bfloat16 or not _cpu_contiguous(k, v):
+            return "a KV cache that is not bf16 on the CPU"
+        shapes = [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden),
+                  (hidden, 2 * inter), (inter, hidden)]
+        if (attn.attn.scale != d ** -0.5 or attn.head_dim != d or attn.rotary is not inner.rotary_emb
+                or [(lin.in_features, lin.out_features) for lin in linears] != shapes):
+            return f"layer {i}: attention or MLP shapes unlike a Llama layer's"
+    rotary = inner.rotary_emb
+    if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
+            or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
+        return "rotary tables or head_dim the kernel does not take"
+    if not _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden) \
+            or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):
+        return "embedding or final norm not bf16"
+    if not native.available():
+        return "the native kernel (tokenmill/kernels/decode_step.c) could not be built"
+    if plain and bf16_gemv.max_rows() < 1:
+        return "the bf16 GEMV (tokenmill/kernels/bf16_gemv.c) could not be built"
+    return None
+
+
+class FusedDecode:
+    """The model's weights, norms and KV pools named to decode_step.c, and the step."""
+
+    def __init__(self, model: LlamaForCausalLM,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cfg, inner = model.config, model.model
+        self.enabled = True
+        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
+        layers = (native.LayerRecord * len(inner.layers))()
+        # a bf16 model (every linear plain bf16: unsupported_reason) or the kernel's
+        self.plain = type(inner.layers[0].mlp) is LlamaMLP
+        wide = not self.plain  # every linear's large-batch path is gemm16 (widened.py)
+        for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            rec.input_norm = layer.input_layernorm.weight.data_ptr()
+            rec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                if self.plain:
+                    setattr(rec, name, lin.weight.data_ptr())
+                    setattr(rec, f"{name}_fmt", FMT_BF16)
+                    setattr(rec, f"{name}_bias", None if lin.bias is None else lin.bias.data_ptr())
+                    continue
+                setattr(rec, name, lin.vnni_packed.data_ptr())
+                setattr(rec, f"{name}_fmt", lin.vnni_format)
+                wide = wide and isinstance(lin.dense, WidenedWeight)
+            if isinstance(k, QuantizedPool):  # 8-bit: the bytes, and their scales
+                rec.k_cache, rec.v_cache = k.data.data_ptr(), v.data.data_ptr()
+                rec.k_scale, rec.v_scale = k.scale.data_ptr(), v.scale.data_ptr()
+            else:
+                rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
+        first = inner.layers[0].self_attn
+        head = model.lm_head
+        bits = 0 if self.plain else first.qkv_proj.vnni_bits
+        # the LM head runs inside the call when it is on the same kernel (the embedded
+        # model's Q8_0 head is, and a bf16 model's plain one); otherwise the runner calls
+        # compute_logits after it
+        self.lm_head_fused = ((_plain_bf16(head, bias=False) if self.plain
+                               else _lowbit(head, bits))
+                              and head.out_features == cfg.vocab_size
+                              and head.in_features == cfg.hidden_size
+                              and type(model).compute_logits is LlamaForCausalLM.compute_logits)
+        pool = kv_caches[0][0]
+        # an 8-bit cache's format, as the module path's store and decode read it
+        self.kv_fmt = pool.fmt if isinstance(pool, QuantizedPool) else None
+        _, num_blocks, block_size, _ = (pool.data if self.kv_fmt else pool).shape
+        rotary = inner.rotary_emb
+        self.record = native.ModelRecord(
+            num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
+            kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
+            inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
+            bits=bits, num_blocks=num_blocks, block_size=block_size,
+            max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
+            embed=inner.embed_tokens.weight.data_ptr(), cos=rotary.cos_cache.data_ptr(),
+            sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
+            lm_head=(None if not self.lm_head_fused else head.weight.data_ptr() if self.plain
+                     else head.vnni_packed.data_ptr()),
+            lm_head_fmt=(0 if not self.lm_head_fused else FMT_BF16 if self.plain
+                         else head.vnni_format), layers=layers,
+            kv_fmt=-1 if self.kv_fmt is None else self.kv_fmt.native_code)
+        # a bf16 model's modules run bf16_gemv up to its rows, F.linear past them
+        self.max_rows = min(MAX_ROWS, bf16_gemv.max_rows()) if self.plain else MAX_ROWS
+        if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
+            self.record.wide_min_rows = WIDE_MIN_ROWS
+            self.max_rows = WIDE_MAX_ROWS
+        self._layers = layers  # the record points into it
+        self._model = model  # and into these tensors: keep them alive
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, backend: object,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
+        reason = unsupported_reason(model, backend, kv_caches)
+        if reason is not None:
+            if getattr(model, "is_moe", False):  # models/moe.py: say it once, at info
+                logger.info("MoE model: decode runs the module path (routed experts grouped "
+                            "by expert); the fused native decode step has no MoE layer")
+            else:
+                logger.debug("batch-1 decode runs the module path: %s", reason)
+            return None
+        assert isinstance(model, LlamaForCausalLM)
+        return cls(model, kv_caches)
+
+    def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
+        """A decode step of one token per sequence, at most `max_rows` of them, that
+        samples every row (the model runner asks before it plans the step: this one
+        needs no attention plan)."""
+        n = len(query_lens)
+        return (self.enabled and 1 <= n <= self.max_rows and logit_rows == list(range(n))
+                and all(q == 1 for q in query_lens))
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+            ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(logits (B, vocab) fp32 or None, final hidden states (B, hidden) bf16) for the
+        step's B rows; None when the kernel refuses an input (nothing written: the
+        module path then runs and reports it)."""
+        tables = meta.block_tables
+        n = ids.numel()
+        if (tables.dtype != torch.int32 or not tables.is_contiguous() or tables.dim() != 2
+                or tables.shape[0] != n
+                or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
+            return None
+        shared = 0
+        if n > 1 and self.kv_fmt is None:
+            # a shared prefix (a cached system prompt): read once for all rows, as the
+            # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s);
+            # with an 8-bit cache every row reads its own blocks, as tm_paged_decode_q8 does
+            shared = cpu_attention.shared_blocks(tables.tolist(), meta.seq_lens_list,
+                                                 meta.block_size)
+            shared = shared if cpu_attention.takes_cascade(shared, n) else 0
+        hidden = torch.empty((n, self.hidden), dtype=torch.bfloat16)
+        logits = torch.empty((n, self.vocab), dtype=torch.float32) if self.lm_head_fused \
+            else None
+        if n == 1:
+            rc = native.step(self.record, int(ids.item()), int(pos.item()),
+                             int(meta.slot_mapping.item()), tables,
+                             meta.seq_lens_list[0], hidden, logits)
+        else:
+            def i64(t: torch.Tensor) -> torch.Tensor:
+                return t.to(torch.int64).contiguous()
+            rc = native.step_batch(self.record, i64(ids), i64(pos), i64(meta.slot_mapping),
+                                   tables, torch.tensor(meta.seq_lens_list, dtype=torch.int64),
+                                   hidden, logits, shared)
+        if rc == -2:
+            raise MemoryError("fused decode step: no scratch memory")
+        return None if rc else (logits, hidden)

@@ -1,0 +1,59 @@
+"""Load the model the engine runs: pick the compute dtype and weight format.
+
+Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
+fastest correct path for the machine: a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively in
+bf16 where the CPU has native bf16 (AVX512-BF16 or AMX) or SIMD integer dot products
+for the int16-activation kernel (AVX512-VNNI or AVX2: `gguf-a16`, activations
+quantized on the fly from bf16); else torch's int4 kernel on bf16 activations,
+`gguf`. Large batches take dense weights where a matmul wins (quant/model.py);
+elsewhere float weights. An explicit `dtype="float32"` keeps the exact dequantized
+fp32 reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.cpuinfo import has_native_bf16
+from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
+from tokenmill.quant import quantize_model, resolve_method, vnni
+from tokenmill.quant.model import resolve_batched_linears
+from tokenmill.startup_timer import mark
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has_native_bf16() -> bool:
+    return has_native_bf16()
+
+
+def compute_dtype(requested: str, source: ModelSource, device: torch.device) -> torch.dtype:
+    if requested == "auto" and source.kind == "gguf" and (
+            device.type == "cuda" or cpu_has_native_bf16() or vnni.fast()):
+        return torch.bfloat16
+    return resolve_dtype(requested, source, device)
+
+
+def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
+                      device: torch.device, load_format: str = "auto",
+                      batched_linears: str = "auto") -> tuple[LoadedModel, str]:
+    """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
+    loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
+                        load_format=load_format)
+    mark("weights read")
+    method = resolve_method(quantization, loaded.model, dtype)
+    large = resolve_batched_linears(batched_linears, method, loaded.dtype,
+                                    cpu_has_native_bf16())
+    summary = quantize_model(loaded.model, method, batched_linears=large)
+    mark(f"linears packed as {method} (kernel cache checked)")
+    logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
+                "large batches", method, loaded.dtype, len(summary.quantized),
+                summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20, large)
+    if summary.kept_float:  # what --quantization did not reach, and why
+        shown = "; ".join(f"{name}: {why}" for name, why in list(summary.kept_float.items())[:3])
+        logger.warning("weights: %d linears kept in %s, not %s (%s%s)", len(summary.kept_float),
+                       loaded.dtype, method, shown, "; ..." if len(summary.kept_float) > 3
+                       else "")
+    return loaded, method

@@ -4,7 +4,6 @@ rule that decides whether a path may be the default."""
 from __future__ import annotations
 
 import numpy as np
-
 from accuracy_gate.bootstrap import chunk_bootstrap
 from accuracy_gate.kld import PositionFigures
 

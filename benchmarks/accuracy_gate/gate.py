@@ -20,7 +20,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-
 from accuracy_gate import figures, llama_runs
 from accuracy_gate.chunks import Chunking
 from accuracy_gate.f32_gguf import f32_path, write_f32

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from accuracy_gate.chunks import Chunking
 from accuracy_gate.kld import decode_llama_rows, llama_row_width
 

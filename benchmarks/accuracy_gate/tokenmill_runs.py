@@ -11,7 +11,7 @@ prefill (default; as llama-perplexity evaluates a chunk): each chunk is one prom
   16 puts the low-bit linears on their per-row kernels, below VNNI_DENSE_MIN_ROWS).
 decode: the chunk's tokens up to the first scored position are the prompt, then
   every scored position is a teacher-forced decode step (as
-  tokenmill/engine/teacher_forced.py), all chunks one batch: the serving decode
+  tokenmill/engine/core/teacher_forced.py), all chunks one batch: the serving decode
   path, ~20x slower on 2 cores.
 """
 
@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-
 from accuracy_gate.chunks import Chunking
 from accuracy_gate.kld import PositionFigures
 
@@ -34,8 +33,8 @@ Sink = Callable[[np.ndarray, torch.Tensor], None]
 
 
 def build_engine(model: str, flags: str):
-    from tokenmill.engine.args import add_engine_args, engine_config_from_args
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
+    from tokenmill.engine.core.llm_engine import LLMEngine
 
     parser = argparse.ArgumentParser(prog="engine flags")
     add_engine_args(parser)
@@ -57,7 +56,7 @@ class _CapturingSampler:
         self.chunks, self.chunking, self.sink = chunks, chunking, sink
 
     def __call__(self, logits: torch.Tensor, seqs):
-        from tokenmill.engine.sampler import SamplerOutput
+        from tokenmill.engine.core.sampler import SamplerOutput
 
         logp = torch.log_softmax(logits.float(), dim=-1)
         rows, tokens = [], []
@@ -81,7 +80,7 @@ def _capture_prompt_logprobs(chunks: dict[str, tuple[int, list[int]]], chunking:
                              sink: Sink):
     """Hands the prompt rows' log-probs at scored positions to the sink, then lets
     the engine record its prompt_logprobs as usual."""
-    from tokenmill.engine import llm_engine
+    from tokenmill.engine.core import llm_engine
 
     original = llm_engine.record_prompt_logprobs
     per = chunking.scored_per_chunk

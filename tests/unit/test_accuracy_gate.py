@@ -188,7 +188,7 @@ def test_prefill_capture_keeps_only_the_scored_positions_of_each_chunk(monkeypat
     import torch
     from accuracy_gate import tokenmill_runs
 
-    from tokenmill.engine import llm_engine
+    from tokenmill.engine.core import llm_engine
 
     seen_by_engine = []
     monkeypatch.setattr(llm_engine, "record_prompt_logprobs",

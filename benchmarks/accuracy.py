@@ -15,7 +15,8 @@ the chunks; with TOKENMILL_PROMPT_TILED=0, the row-by-row and cascade kernels). 
 the baseline, their ratio, and the share of the first --positions positions where the
 path's argmax equals the fp32 reference's (and the baseline's).
 
-    .venv/bin/python benchmarks/accuracy.py                      # KV int8 vs bf16 cache
+    .venv/bin/python benchmarks/accuracy.py                      # the default path
+    .venv/bin/python benchmarks/accuracy.py --path "--kv-cache-dtype int8"
     .venv/bin/python benchmarks/accuracy.py --path "--kv-cache-dtype fp8"
     .venv/bin/python benchmarks/accuracy.py --path "--quantization int8" \\
         --baseline "--quantization none" --contexts 512          # a weight path (issue 21)
@@ -77,8 +78,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--text", default=str(TEXT))
-    ap.add_argument("--path", default="--kv-cache-dtype int8",
-                    help="engine flags of the path under test")
+    ap.add_argument("--path", default="",
+                    help="engine flags of the path under test (default: the default path)")
     ap.add_argument("--baseline", default="--kv-cache-dtype bfloat16",
                     help="engine flags of the bf16 baseline")
     ap.add_argument("--reference", default="--dtype float32",
@@ -95,6 +96,9 @@ def main() -> int:
                     help="score each position by a decode step (default) or from one "
                          "prefill of its window (the prompt-attention kernels)")
     ap.add_argument("--output", help="write the figures as JSON")
+    ap.add_argument("--kld-chunks", type=int, default=4,
+                    help="chunks of 512 tokens for the KL-divergence table (issue 57; "
+                    "0: none; the full gate is benchmarks/kld_gate.py)")
     args = ap.parse_args()
     if args.mode == "prefill" and args.score_last:
         ap.error("--score-last applies to --mode decode only (a prefill scores every "
@@ -145,6 +149,9 @@ def main() -> int:
     if args.output:
         Path(args.output).write_text(json.dumps({"machine": machine(), "results": results},
                                                 indent=2))
+    if args.kld_chunks:
+        from accuracy_gate.quick import kld_table
+        print(kld_table(args.model, args.path, args.kld_chunks))
     for row in results:
         mode = " (prefill)" if args.mode == "prefill" else ""
         print(f"accuracy: {args.path or 'default flags'}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "

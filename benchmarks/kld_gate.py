@@ -1,0 +1,98 @@
+"""The accuracy gate on KL divergence (issue 57), one command per file:
+
+    .venv/bin/python benchmarks/kld_gate.py                          # the embedded Q4_1
+    .venv/bin/python benchmarks/kld_gate.py --model ~/.cache/tokenmill-peers/models/smollm2-135m-Q4_K_M.gguf
+    .venv/bin/python benchmarks/kld_gate.py --model FILE --paths "default,int8 KV" --max-chunks 8
+
+For FILE: llama.cpp's `llama-perplexity` on FILE against FILE-f32.gguf (every tensor
+dequantized to F32), and every tokenmill path against tokenmill's `--dtype float32`
+on FILE, at exactly llama-perplexity's scored positions of llama.cpp's own tokens
+(n_ctx 512, the second half of each chunk). Per path: mean KLD and its p99, same-top %,
+perplexity ratio to the reference, each with a 95% bootstrap interval over chunks,
+and the rule's verdict: a path may be the default when its mean KLD's interval does
+not lie above llama.cpp's on the same file and its perplexity is within 1% of the
+reference. Prints a markdown table; --output writes JSON (date, commit, machine,
+command, the table). Builds llama.cpp on first use (benchmarks/peers/build_llama_cpp.sh);
+--no-llama runs tokenmill's side alone (no verdicts then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from accuracy_gate.gate import PATHS, TEXTS, GateConfig, render, run
+
+
+def parse_paths(spec: str | None) -> dict[str, str]:
+    """--paths: labels of PATHS, comma-separated, or label=flags entries separated by ';'."""
+    if not spec:
+        return dict(PATHS)
+    if "=" in spec:
+        out = {}
+        for item in spec.split(";"):
+            label, _, flags = item.partition("=")
+            out[label.strip()] = flags.strip()
+        return out
+    labels = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in labels if s not in PATHS]
+    if unknown:
+        raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    return {s: PATHS[s] for s in labels}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="smollm2-135m (the embedded Q4_1) or a .gguf file")
+    ap.add_argument("--text", action="append", default=None,
+                    help="text file(s), joined (default: the shipped public-domain texts)")
+    ap.add_argument("--paths", default=None,
+                    help=f"comma-separated labels of {', '.join(PATHS)} (default: all), "
+                    "or 'label=engine flags;label=flags'")
+    ap.add_argument("--max-chunks", type=int, default=None,
+                    help="score at most this many chunks (default: all the text gives)")
+    ap.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    ap.add_argument("--mode", choices=["prefill", "decode"], default="prefill",
+                    help="tokenmill scores each chunk by prefill (its second half one "
+                    "chunk reading the first half from the KV cache; default) or by a "
+                    "decode step per position (the serving decode path; ~20x slower)")
+    ap.add_argument("--no-llama", action="store_true", help="tokenmill's side only")
+    ap.add_argument("--output", help="write the results as JSON")
+    args = ap.parse_args(argv)
+
+    from common import machine
+
+    cfg = GateConfig(model=args.model, texts=tuple(Path(t) for t in args.text) if args.text
+                     else TEXTS, paths=parse_paths(args.paths), max_chunks=args.max_chunks,
+                     use_llama=not args.no_llama, resamples=args.resamples,
+                     mode=args.mode)
+    result = run(cfg)
+    print(render(result))
+    if args.output:
+        doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+               "machine": machine(), "command": " ".join(["benchmarks/kld_gate.py",
+                                                           *(argv or sys.argv[1:])]),
+               "gate": result}
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(doc, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,7 +80,7 @@ DENSE_MIN_ROWS = 8
 # "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
 VNNI_DENSE_MIN_ROWS = 20
 BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8")  # the large-batch weight (module docstring)
-DEFAULT_BATCHED_LINEARS = "mlp-int8"  # for --batched-linears auto, where it runs
+DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -258,12 +258,6 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
         native = has_native_bf16() if native_bf16 is None else native_bf16
         if method == "gguf-a16" and widened.available() and not native:
             return "int16"  # oneDNN's large-batch weight would be fp32 here (dense.py)
-        # mlp-int8 passed the KL-divergence gate (issue 57) on the embedded file where it
-        # runs (AVX512-VNNI, native bf16: the configuration gated): mean KLD 0.00196
-        # against llama.cpp's 0.00297 on the same file
-        if (DEFAULT_BATCHED_LINEARS == "mlp-int8" and method in ("gguf-a8", "gguf-a16")
-                and dtype == torch.bfloat16 and native and mlp_int8.available()):
-            return "mlp-int8"
         return ("w8a8" if DEFAULT_BATCHED_LINEARS == "w8a8" and runs_here
                 and w8a8_available() else "bf16")
     return requested

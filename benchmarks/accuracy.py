@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # run as a script too: benchmarks/ as a package
 TEXT = HERE.parent / "tests" / "data" / "opticks_book1.txt"
 
 
@@ -150,7 +150,7 @@ def main() -> int:
         Path(args.output).write_text(json.dumps({"machine": machine(), "results": results},
                                                 indent=2))
     if args.kld_chunks:
-        from accuracy_gate.quick import kld_table
+        from benchmarks.accuracy_gate.quick import kld_table
         print(kld_table(args.model, args.path, args.kld_chunks))
     for row in results:
         mode = " (prefill)" if args.mode == "prefill" else ""

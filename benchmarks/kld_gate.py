@@ -1,8 +1,8 @@
 """The accuracy gate on KL divergence (issue 57), one command per file:
 
-    .venv/bin/python benchmarks/kld_gate.py                          # the embedded Q4_1
-    .venv/bin/python benchmarks/kld_gate.py --model ~/.cache/tokenmill-peers/models/smollm2-135m-Q4_K_M.gguf
-    .venv/bin/python benchmarks/kld_gate.py --model FILE --paths "default,int8 KV" --max-chunks 8
+    .venv/bin/python -m benchmarks.kld_gate                          # the embedded Q4_1
+    .venv/bin/python -m benchmarks.kld_gate --model ~/.cache/tokenmill-peers/models/smollm2-135m-Q4_K_M.gguf
+    .venv/bin/python -m benchmarks.kld_gate --model FILE --paths "default,int8 KV" --max-chunks 8
 
 For FILE: llama.cpp's `llama-perplexity` on FILE against FILE-f32.gguf (every tensor
 dequantized to F32), and every tokenmill path against tokenmill's `--dtype float32`
@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from accuracy_gate.gate import PATHS, TEXTS, GateConfig, render, run
+from benchmarks.accuracy_gate.gate import PATHS, TEXTS, GateConfig, render, run
 
 
 def parse_paths(spec: str | None) -> dict[str, str]:
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", help="write the results as JSON")
     args = ap.parse_args(argv)
 
-    from common import machine
+    from benchmarks.common import machine
 
     cfg = GateConfig(model=args.model, texts=tuple(Path(t) for t in args.text) if args.text
                      else TEXTS, paths=parse_paths(args.paths), max_chunks=args.max_chunks,
@@ -91,7 +90,40 @@ def main(argv: list[str] | None = None) -> int:
                "gate": result}
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(doc, indent=2, default=str))
+    record(doc)
     return 0
+
+
+def record(doc: dict) -> Path:
+    """The gate's table as a benchmark result (benchmarks/results.py): per path its mean
+    KLD, KLD p99 and same-top share with their 95% intervals in `config.ci95`, llama.cpp's
+    row as the peer; the rule's verdicts in the notes."""
+    from benchmarks import results
+
+    gate = doc["gate"]
+    figures, notes = [], []
+    for row in gate["rows"]:
+        engine = "llama.cpp" if row.get("anchor") else "tokenmill"
+        for key, metric, unit, higher in (("kld_mean", "mean KLD", "nats", False),
+                                          ("kld_p99", "KLD p99", "nats", False),
+                                          ("same_top_pct", "same top", "%", True)):
+            fig = row.get(key)
+            if not fig:
+                continue
+            figures.append(results.Figure(
+                label=row["path"], engine=engine, metric=metric, unit=unit,
+                runs=[fig["value"]], higher_is_better=higher,
+                config={"model": Path(str(gate.get("file", gate["model"]))).name,
+                        "positions": row.get("positions"), "ci95": [fig["low"], fig["high"]],
+                        "flags": row.get("flags", "")}))
+        if "passes" in row:
+            notes.append(f"{row['path']}: {'PASS' if row['passes'] else 'FAIL'} "
+                         f"({row.get('why', '')}; {row.get('positions')} positions)")
+    result = results.build("kld-gate", "KLD accuracy gate against llama-perplexity",
+                           figures, variant=Path(str(gate["model"])).stem, notes=notes,
+                           command=doc["command"])
+    result.update(date=doc["date"], commit=str(doc["commit"])[:7])
+    return results.write(result)
 
 
 if __name__ == "__main__":

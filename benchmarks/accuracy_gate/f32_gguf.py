@@ -4,15 +4,12 @@ file's own weights, the counterpart of tokenmill's `--dtype float32` on FILE."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-
-from peers.gguf_io import architecture, copy_fields, write_streamed
+from benchmarks.peers.gguf_io import architecture, copy_fields, write_streamed
 
 
 def f32_path(model: Path, out_dir: Path) -> Path:

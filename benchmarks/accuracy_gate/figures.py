@@ -4,8 +4,9 @@ rule that decides whether a path may be the default."""
 from __future__ import annotations
 
 import numpy as np
-from accuracy_gate.bootstrap import chunk_bootstrap
-from accuracy_gate.kld import PositionFigures
+
+from benchmarks.accuracy_gate.bootstrap import chunk_bootstrap
+from benchmarks.accuracy_gate.kld import PositionFigures
 
 PPL_TOLERANCE = 0.01  # perplexity within 1% of the reference
 

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from accuracy_gate import figures, llama_runs
-from accuracy_gate.chunks import Chunking
-from accuracy_gate.f32_gguf import f32_path, write_f32
-from accuracy_gate.kld import PositionFigures, decode_llama_rows
-from accuracy_gate.tokenmill_runs import Comparison, ReferenceStore, score
+
+from benchmarks.accuracy_gate import figures, llama_runs
+from benchmarks.accuracy_gate.chunks import Chunking
+from benchmarks.accuracy_gate.f32_gguf import f32_path, write_f32
+from benchmarks.accuracy_gate.kld import PositionFigures, decode_llama_rows
+from benchmarks.accuracy_gate.tokenmill_runs import Comparison, ReferenceStore, score
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 # Public domain: Newton's Opticks (1730), and Pride and Prejudice (1813) chapters 1-8
@@ -68,13 +69,13 @@ def log(msg: str) -> None:
 
 def gguf_file(model: str) -> Path:
     if model == "smollm2-135m":
-        from peers.model_files import embedded_gguf
+        from benchmarks.peers.model_files import embedded_gguf
         return embedded_gguf()
     return Path(model)
 
 
 def work_dir() -> Path:
-    from peers.model_files import peers_dir
+    from benchmarks.peers.model_files import peers_dir
     path = peers_dir() / "gate"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -105,7 +106,7 @@ def bos_policy(path: Path) -> tuple[bool, int | None]:
 
 def llama_side(cfg: GateConfig, model_file: Path, text: Path, digest: str):
     """llama.cpp's two log-prob files and its own report; None if it cannot run."""
-    from peers.model_files import llama_tool
+    from benchmarks.peers.model_files import llama_tool
     try:
         binary = llama_tool("LLAMA_PERPLEXITY")
     except Exception as exc:  # noqa: BLE001 - the gate still runs tokenmill's side

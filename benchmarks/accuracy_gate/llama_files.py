@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from accuracy_gate.chunks import Chunking
-from accuracy_gate.kld import decode_llama_rows, llama_row_width
+
+from benchmarks.accuracy_gate.chunks import Chunking
+from benchmarks.accuracy_gate.kld import decode_llama_rows, llama_row_width
 
 MAGIC = b"_logits_"
 

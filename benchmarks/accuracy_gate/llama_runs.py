@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accuracy_gate import llama_files
+from benchmarks.accuracy_gate import llama_files
 
 
 def _run(cmd: list[str]) -> str:

@@ -6,11 +6,11 @@ benchmarks/kld_gate.py."""
 
 from __future__ import annotations
 
-from accuracy_gate.gate import GateConfig, render, run
+from benchmarks.accuracy_gate.gate import GateConfig, render, run
 
 
 def kld_table(model: str, path_flags: str, chunks: int) -> str:
-    from peers.model_files import llama_built
+    from benchmarks.peers.model_files import llama_built
 
     paths = {"default": ""}
     if path_flags.strip():

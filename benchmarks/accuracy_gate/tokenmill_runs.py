@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from accuracy_gate.chunks import Chunking
-from accuracy_gate.kld import PositionFigures
+
+from benchmarks.accuracy_gate.chunks import Chunking
+from benchmarks.accuracy_gate.kld import PositionFigures
 
 # (row of the scored position in chunk-major order, log-probs of the step (N, V) fp32)
 Sink = Callable[[np.ndarray, torch.Tensor], None]

@@ -1,7 +1,7 @@
 """A ~1B Llama-architecture GGUF with random weights at real shapes, and its
 llama-quantize files, for the memory and bandwidth benchmarks (issue 56 item 3).
 
-    python benchmarks/peers/make_random_llama.py [--types Q4_K_M,Q6_K,Q8_0]
+    python -m benchmarks.peers.make_random_llama [--types Q4_K_M,Q6_K,Q8_0]
 
 writes into ${TOKENMILL_PEERS_DIR:-~/.cache/tokenmill-peers}/models/:
   llama-1b-random-F16.gguf  hidden 2048, 16 layers, FFN 8192, 32 heads / 8 KV
@@ -26,10 +26,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, as its scripts do
-
-from peers.gguf_io import copy_fields, write_streamed
-from peers.model_files import describe, embedded_gguf, models_dir, quantize
+from benchmarks.peers.gguf_io import copy_fields, write_streamed
+from benchmarks.peers.model_files import describe, embedded_gguf, models_dir, quantize
 
 TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
 SEED = 56

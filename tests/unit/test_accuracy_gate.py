@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 import types
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from accuracy_gate import figures, llama_files, llama_runs
-from accuracy_gate.bootstrap import chunk_bootstrap
-from accuracy_gate.chunks import Chunking
-from accuracy_gate.f32_gguf import write_f32
-from accuracy_gate.kld import PositionFigures, decode_llama_rows, kld_rows, llama_row_width
+from benchmarks.accuracy_gate import figures, llama_files, llama_runs
+from benchmarks.accuracy_gate.bootstrap import chunk_bootstrap
+from benchmarks.accuracy_gate.chunks import Chunking
+from benchmarks.accuracy_gate.f32_gguf import write_f32
+from benchmarks.accuracy_gate.kld import (
+    PositionFigures,
+    decode_llama_rows,
+    kld_rows,
+    llama_row_width,
+)
 
 
 def test_kld_matches_a_hand_computation():
@@ -186,8 +188,8 @@ def test_prefill_capture_keeps_only_the_scored_positions_of_each_chunk(monkeypat
     """The prompt rows of a step (two chunks, spans as prompt_rows gives them) go to
     the sink at their chunk-major row; the engine still records its prompt logprobs."""
     import torch
-    from accuracy_gate import tokenmill_runs
 
+    from benchmarks.accuracy_gate import tokenmill_runs
     from tokenmill.engine.core import llm_engine
 
     seen_by_engine = []

@@ -271,3 +271,42 @@ def test_a_type_without_a_kernel_is_dequantized_and_named_in_the_log(tmp_path, c
     assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert "Q2_K has no native kernel" in caplog.text
     assert "model.layers.0.mlp.down_proj" in caplog.text
+
+
+def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding_in_blocks(
+        tmp_path):
+    """--batched-linears auto resolves to none past FLOAT_COPY_LIMIT_BYTES (here the
+    tiny file with the limit lowered): no packed bf16 copy, the embedding in its blocks,
+    and the logits those of the model that keeps both in float."""
+    from tests.model import test_gguf_types as t
+    from tokenmill.engine.weights import load_engine_model
+    from tokenmill.loaders import resolve_model
+    from tokenmill.quant import model as quant_model
+    from tokenmill.quant.embedding import GGUFEmbedding
+
+    assert quant_model.resolve_batched_linears("auto", "gguf-a16", torch.bfloat16, True,
+                                               2 << 30) == "none"
+    assert quant_model.resolve_batched_linears("bf16", "gguf-a16", torch.bfloat16, True,
+                                               2 << 30) == "bf16"  # the explicit opt-in
+    path = tmp_path / "mixed.gguf"
+    _write_mixed(path, lambda name, j: Q.Q4_K if name == "token_embd.weight"
+                 else MIXED[j % len(MIXED)])
+    ids = torch.randint(0, t.VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for limit in (1 << 40, 0):
+        quant_model.FLOAT_COPY_LIMIT_BYTES, saved = limit, quant_model.FLOAT_COPY_LIMIT_BYTES
+        try:
+            loaded, _ = load_engine_model(resolve_model(str(path)), "auto", None,
+                                          torch.device("cpu"))
+        finally:
+            quant_model.FLOAT_COPY_LIMIT_BYTES = saved
+        with torch.no_grad():
+            logits.append(loaded.model.compute_logits(loaded.model(ids, torch.arange(9))))
+    report = loaded.model.weight_forms
+    assert report["float_copy_bytes"] == 0 and "none kept" in report["float_copy"]
+    embed = loaded.model.model.embed_tokens
+    assert isinstance(embed, GGUFEmbedding) and report["embedding"].startswith("Q4_K blocks")
+    assert report["other_float_bytes"] < 4 * t.HIDDEN * (2 * t.LAYERS + 1)  # norms only
+    table = torch.from_numpy(gguf.quants.dequantize(embed.blocks.numpy(), Q.Q4_K)).bfloat16()
+    assert torch.equal(embed(ids), table.reshape(t.VOCAB, t.HIDDEN)[ids])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)

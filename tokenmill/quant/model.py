@@ -57,6 +57,7 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.dense import DenseWeight
+from tokenmill.quant.embedding import embedding_from_blocks
 from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.gguf_records import RECORD_TYPES
@@ -97,6 +98,7 @@ class QuantizationSummary:
     kept_float: dict[str, str] = field(default_factory=dict)  # module name -> why
     lowbit_bytes: int = 0
     dense_bytes: int = 0  # float weights kept only for the large-batch path
+    embedding: str = "float"  # the token embedding's form (embedding.py)
 
 
 def quantize_model(model: nn.Module, method: str,
@@ -144,6 +146,11 @@ def quantize_model(model: nn.Module, method: str,
         if batched_linears == "mlp-int8":  # the MLP's records at 8 bits (mlp_int8.py)
             _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
                                  lambda name, m: name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
+    if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)
+        if embedding_from_blocks(model, shards):
+            summary.embedding = f"{shards[0].qtype.name} blocks, rows dequantized on lookup"
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from tokenmill.quant.embedding import GGUFEmbedding
 from tokenmill.quant.linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,15 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
     the quantized linears would take (what --batched-linears bf16 keeps)."""
     classes: dict[str, Counter[str]] = defaultdict(Counter)
     lowbit_ptrs: set[int] = set()
+    embedding_bytes = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             form = getattr(module, "weight_form", None) or type(module).__name__
             types = getattr(module, "gguf_types", None)
             classes[name.rpartition(".")[2]][f"{types} as {form}" if types else form] += 1
             lowbit_ptrs.update(b.data_ptr() for b in module.buffers())
+        elif isinstance(module, GGUFEmbedding):
+            embedding_bytes = module.blocks.nbytes
     seen: set[int] = set()
     other = 0
     for p in model.parameters():  # embedding, norms, float linears (a tied head once)
@@ -53,6 +57,8 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         "float_copy_bytes": summary.dense_bytes,
         "float_copy": why,
         "kept_float": dict(summary.kept_float),
+        "embedding": getattr(summary, "embedding", "float"),
+        "embedding_bytes": embedding_bytes,
         "other_float_bytes": other,
     }
 
@@ -62,9 +68,12 @@ def log_report(report: dict[str, Any]) -> None:
     forms = "; ".join(f"{cls}: " + ", ".join(f"{form} x{n}" for form, n in sorted(v.items()))
                       for cls, v in report["linears"].items())
     logger.info("weights (%s): %s; records %.1f MiB, float copies %.1f MiB (%s), other "
-                "float parameters %.1f MiB", report["method"], forms or "no low-bit linears",
-                report["lowbit_bytes"] / _MIB, report["float_copy_bytes"] / _MIB,
-                report["float_copy"], report["other_float_bytes"] / _MIB)
+                "float parameters %.1f MiB; embedding %s", report["method"],
+                forms or "no low-bit linears", report["lowbit_bytes"] / _MIB,
+                report["float_copy_bytes"] / _MIB, report["float_copy"],
+                report["other_float_bytes"] / _MIB, report["embedding"]
+                + (f" ({report['embedding_bytes'] / _MIB:.1f} MiB)" if report["embedding_bytes"]
+                   else ""))
     by_reason: dict[str, list[str]] = defaultdict(list)
     for name, why in report["kept_float"].items():
         by_reason[why].append(name)

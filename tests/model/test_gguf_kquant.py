@@ -310,3 +310,18 @@ def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding
     table = torch.from_numpy(gguf.quants.dequantize(embed.blocks.numpy(), Q.Q4_K)).bfloat16()
     assert torch.equal(embed(ids), table.reshape(t.VOCAB, t.HIDDEN)[ids])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_that_cannot_hold_the_shape_are_a_load_error_naming_the_tensor():
+    from tokenmill.loaders.errors import ModelLoadError
+    from tokenmill.loaders.gguf import GGUFTensor
+
+    good = _blocks(Q.Q4_K, 4, 512)
+    assert GGUFTensor("w.weight", Q.Q4_K, good, (4, 512)).raw_blocks().shape == (4, 288)
+    for raw, shape in ((good[:, :200], (4, 512)), (good, (4, 500)), (good, (5, 512))):
+        with pytest.raises(ModelLoadError, match="model.layers.3.mlp.down_proj.weight"):
+            GGUFTensor("model.layers.3.mlp.down_proj.weight", Q.Q4_K, raw, shape).raw_blocks()
+    shard, _ = _shard(Q.Q6_K, 16, 256)
+    shard.shape = (16, 512)  # the records' sizes are checked again before any kernel
+    with pytest.raises(ValueError, match="Q6_K blocks"):
+        gguf_records.repack_shards([shard])

@@ -102,8 +102,20 @@ class GGUFTensor:
     load = dequantize  # the loader's name for "this tensor, in float"
 
     def raw_blocks(self) -> torch.Tensor:
-        """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch."""
-        return torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+        """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch;
+        ModelLoadError naming the tensor where their size disagrees with shape x type (the
+        native kernels trust these sizes)."""
+        blocks = torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+        if len(self.shape) < 2:
+            return blocks
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        rows, cols = int(self.shape[0]), int(np.prod(self.shape[1:], dtype=np.int64))
+        if cols % block or blocks.numel() != rows * (cols // block) * block_bytes:
+            raise ModelLoadError(
+                f"GGUF tensor {self.hf_name}: {blocks.numel()} bytes of {self.qtype.name} "
+                f"blocks ({block} weights in {block_bytes} bytes each) cannot hold its shape "
+                f"{tuple(self.shape)}")
+        return blocks.reshape(rows, -1)
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
         """The slice [start, start + length) along dim 0 (rows) or dim 1 (columns, which

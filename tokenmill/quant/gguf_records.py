@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
 
@@ -50,6 +51,11 @@ def repack_shards(shards: Sequence[Any]) -> tuple[torch.Tensor, int, str] | None
     is not built. `form` says how the records stand for the file's blocks (FORMS)."""
     if not q4q8_gemv.available() or any(QType(s.qtype) not in RECORD_TYPES for s in shards):
         return None
+    for s in shards:  # the kernels trust these sizes: check them once more here
+        block, block_bytes = GGML_QUANT_SIZES[QType(s.qtype)]
+        if s.shape[1] % block or s.blocks.numel() != s.shape[0] * s.shape[1] // block * block_bytes:
+            raise ValueError(f"{QType(s.qtype).name} blocks of {s.blocks.numel()} bytes do not "
+                             f"hold a ({s.shape[0]}, {s.shape[1]}) weight")
     types = {QType(s.qtype) for s in shards}
     if len(types) == 1 and next(iter(types)) in EXACT_TYPES:
         rows = sum(s.shape[0] for s in shards)

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
+from tokenmill.loaders.gguf import release_gguf_readers
 from tokenmill.quant import quantize_model, resolve_method, vnni
 from tokenmill.quant.model import float_copy_bytes, resolve_batched_linears
 from tokenmill.quant.weight_report import log_report, weight_report
@@ -47,6 +48,8 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
     large = resolve_batched_linears(batched_linears, method, loaded.dtype,
                                     cpu_has_native_bf16(), float_copy)
     summary = quantize_model(loaded.model, method, batched_linears=large)
+    if source.kind == "gguf":  # every weight is copied out: unmap the file's tensor pages
+        release_gguf_readers()
     # what the weights occupy and in which form: logged, and on /server_info
     loaded.model.weight_forms = weight_report(loaded.model, summary, large, float_copy)
     log_report(loaded.model.weight_forms)

@@ -184,6 +184,13 @@ def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return reader
 
 
+def release_gguf_readers() -> None:
+    """Forget the cached readers, so that their memory maps close once the weights are
+    copied out: the tensor pages read at load otherwise stay in the process's RSS (a
+    1B model's file, counted again beside its records). Metadata reads reopen the file."""
+    _open_reader.cache_clear()
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """A GGUFReader (cached per file version), or ModelLoadError naming the problem."""
     path = Path(path)

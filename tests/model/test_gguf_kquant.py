@@ -325,3 +325,22 @@ def test_blocks_that_cannot_hold_the_shape_are_a_load_error_naming_the_tensor():
     shard.shape = (16, 512)  # the records' sizes are checked again before any kernel
     with pytest.raises(ValueError, match="Q6_K blocks"):
         gguf_records.repack_shards([shard])
+
+
+def test_server_info_carries_the_weight_forms():
+    import json
+    from types import SimpleNamespace
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.server_info import server_info
+
+    forms = {"method": "gguf-a16", "linears": {"down_proj": {"Q6_K as q8 requantized": 2}},
+             "lowbit_bytes": 10, "float_copy_bytes": 0, "float_copy": "none kept",
+             "kept_float": {}, "embedding": "float", "embedding_bytes": 0,
+             "other_float_bytes": 4}
+    llm = SimpleNamespace(config=EngineConfig(), model_name="m", max_model_len=64,
+                          runner=SimpleNamespace(model=SimpleNamespace(weight_forms=forms),
+                                                 device="cpu"))
+    info = server_info(llm)
+    assert info["weights"] == forms
+    json.dumps(info)

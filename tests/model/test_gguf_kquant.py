@@ -256,21 +256,26 @@ def test_a_mixed_type_file_runs_each_tensor_natively_and_matches_transformers(tm
     assert (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
 
 
-def test_a_type_without_a_kernel_is_dequantized_and_named_in_the_log(tmp_path, caplog):
+def test_a_type_without_a_kernel_is_dequantized_and_named_in_the_log(tmp_path, caplog,
+                                                                    monkeypatch):
     """IQ2_XXS blocks are not random-safe to write here; Q2_K stands for a type with no
     record form: its linears stay float and the log names the type and the tensors."""
     path = tmp_path / "q2k.gguf"
-    RANDOM_BLOCKS[Q.Q2_K] = (256, 84, {80: 0.15 / (15 * 3), 82: 0.15 / (15 * 3)})
-    try:
-        _write_mixed(path, lambda name, j: Q.Q2_K if "ffn_down" in name else Q.Q8_0)
-    finally:
-        del RANDOM_BLOCKS[Q.Q2_K]
+    monkeypatch.setitem(RANDOM_BLOCKS, Q.Q2_K, (256, 84, {80: 0.15 / 45, 82: 0.15 / 45}))
+    _write_mixed(path, lambda name, j: Q.Q2_K if "ffn_down" in name else Q.Q8_0)
     with caplog.at_level(logging.INFO, logger="tokenmill.quant.weight_report"):
         _, model, _ = _tokenmill_logits(path, torch.arange(4))
     kept = model.weight_forms["kept_float"]
     assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert "Q2_K has no native kernel" in caplog.text
     assert "model.layers.0.mlp.down_proj" in caplog.text
+    # a file of that type alone: no native path at all, and still named
+    _write_mixed(path, lambda name, j: Q.Q2_K)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenmill.quant.weight_report"):
+        _, model, method = _tokenmill_logits(path, torch.arange(4))
+    assert method == "none" and len(model.weight_forms["kept_float"]) == 4 * 2 + 1
+    assert "Q2_K has no native kernel" in caplog.text
 
 
 def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding_in_blocks(

@@ -146,6 +146,12 @@ def quantize_model(model: nn.Module, method: str,
         if batched_linears == "mlp-int8":  # the MLP's records at 8 bits (mlp_int8.py)
             _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
                                  lambda name, m: name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
+    if method == "none":  # a GGUF type with no kernel at all is still named (issue 56)
+        for name, module in model.named_modules():
+            shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
+            if (name.rpartition(".")[2] in TARGET_MODULES and shards
+                    and any(s.qtype not in RECORD_TYPES for s in shards)):
+                summary.kept_float[name] = _no_native_reason(module, True)
     if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)

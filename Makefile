@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: install serve test test-fast lint clean
+.PHONY: install serve test test-fast lint report clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check tokenmill tests benchmarks
+	$(PY) -m benchmarks report --check  # BENCHMARKS.md is generated from benchmarks/results/
+
+# BENCHMARKS.md from the committed results (python -m benchmarks run ... writes them)
+report: install
+	$(PY) -m benchmarks report
 
 clean:
 	rm -rf $(VENV)

@@ -5,7 +5,7 @@ The text is fixed and public domain (tests/data/opticks_book1.txt: Newton's Opti
 1730, the first ~6,600 tokens of Book I, from Project Gutenberg). It is cut into
 windows of `context + 1` tokens; every position of a window after its first is scored
 teacher-forced by a decode step reading the whole KV cache written so far
-(tokenmill/engine/teacher_forced.py), so a quantized KV cache is read at up to
+(tokenmill/engine/core/teacher_forced.py), so a quantized KV cache is read at up to
 `context` tokens (with --score-last N only each window's last N positions are scored, the
 rest is its prompt: a long context for N decode steps). With --mode prefill every
 position is scored from one prefill of its window instead (vLLM's prompt_logprobs), so
@@ -43,8 +43,8 @@ TEXT = HERE.parent / "tests" / "data" / "opticks_book1.txt"
 
 
 def build_engine(model: str, flags: str):
-    from tokenmill.engine.args import add_engine_args, engine_config_from_args
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
+    from tokenmill.engine.core.llm_engine import LLMEngine
 
     parser = argparse.ArgumentParser(prog="engine flags")
     add_engine_args(parser)
@@ -59,7 +59,7 @@ def windows_of(ids: list[int], context: int, limit: int | None) -> list[list[int
 
 def score(model: str, flags: str, windows: list[list[int]], score_last: int | None,
           mode: str = "decode"):
-    from tokenmill.engine.teacher_forced import score_prompts, score_windows
+    from tokenmill.engine.core.teacher_forced import score_prompts, score_windows
 
     engine = build_engine(model, flags)
     t0 = time.perf_counter()
@@ -102,7 +102,7 @@ def main() -> int:
 
     from common import machine
 
-    from tokenmill.engine.llm_engine import LLMEngine  # noqa: F401  (import cost up front)
+    from tokenmill.engine.core.llm_engine import LLMEngine  # noqa: F401  (import cost up front)
     from tokenmill.loaders.model_source import resolve_model
     from tokenmill.loaders.tokenizer import load_tokenizer
 

@@ -42,7 +42,7 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 

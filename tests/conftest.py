@@ -16,7 +16,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _track_engines():
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
 
     init = LLMEngine.__init__
 

@@ -1,8 +1,8 @@
 """tokenmill: an LLM inference engine with the measurement loop built in."""
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

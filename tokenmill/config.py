@@ -210,7 +210,7 @@ class EngineConfig:
     async_scheduling: bool = False
     # check the block manager and prefix cache after every step (slow; for debugging)
     debug_kv_integrity: bool = False
-    # speculative decoding (tokenmill/speculative, docs/speculative.md)
+    # speculative decoding (tokenmill/engine/speculative, docs/speculative.md)
     speculative: str | None = None  # None | ngram | draft | layerskip
     num_speculative_tokens: int = 4  # k: draft tokens per step
     ngram_min: int = 2

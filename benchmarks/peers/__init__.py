@@ -8,7 +8,7 @@ and `ensure_llama_cpp()` run the setup scripts (idempotent: seconds once done)
 and return the paths, or None and the reason, so that a benchmark skips a peer
 it cannot set up with a clear message instead of failing.
 
-    from peers import ensure_vllm, start_vllm_server
+    from benchmarks.peers import ensure_vllm, start_vllm_server
     vllm, why = ensure_vllm()
     if vllm is None: print(f"vLLM skipped: {why}")
     with start_vllm_server(vllm, threads="both") as server: ...
@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers.offline import run_llama_bench, run_vllm_offline
-from peers.servers import PeerServer, start_llama_server, start_vllm_server
+from .offline import run_llama_bench, run_vllm_offline
+from .servers import PeerServer, start_llama_server, start_vllm_server
 
 __all__ = ["LlamaCpp", "PeerServer", "Vllm", "add_peer_args", "ensure_llama_cpp",
            "ensure_vllm", "peers_dir", "run_llama_bench", "run_vllm_offline",

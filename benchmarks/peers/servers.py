@@ -131,8 +131,10 @@ def start_vllm_server(vllm, threads: str = "both", prefix_caching: bool | None =
 
 def start_llama_server(llama, gguf: Path, np: int = 16, ctx: int = 16384, threads: int = 2,
                        ready_timeout_s: float = LLAMA_READY_TIMEOUT_S) -> PeerServer:
-    """`llama-server -t 2 -np NP -c CTX --no-webui` on the embedded GGUF; each of
-    the NP slots gets CTX/NP tokens of context. Its prompt cache is on by default."""
+    """`llama-server -t 2 -np NP -c CTX --no-webui` on a GGUF file; each of the NP
+    slots gets CTX/NP tokens of context. Its prompt cache is on by default. The served
+    name is the embedded model's alias for the embedded file, else the file's stem."""
+    embedded = gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     cmd = [str(llama.server), "-m", str(gguf), "-t", str(threads), "-np", str(np),
-           "-c", str(ctx), "--no-webui", "-a", "smollm2-135m"]
+           "-c", str(ctx), "--no-webui", "-a", "smollm2-135m" if embedded else gguf.stem]
     return _start(f"llama-server (-np {np} -c {ctx})", cmd, dict(os.environ), ready_timeout_s)

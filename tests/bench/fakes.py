@@ -239,3 +239,50 @@ if __name__ == "__main__":  # python -m tests.bench.fakes PORT [SERVER_PROCESSES
     uvicorn.run("tests.bench.fakes:app_factory", factory=True, host="127.0.0.1",
                 port=int(sys.argv[1]), workers=int(sys.argv[2]) if len(sys.argv) > 2 else 1,
                 log_level="error")
+
+
+class FakeTarget:
+    """An in-process fake server for the load generator's statistics: run k of it serves
+    every request with TTFT and per-token gap set by a seeded draw for k (speed × a
+    ±`jitter` factor), so repeats differ the way real runs do yet every test run sees the
+    same numbers. Timestamps are computed, not slept."""
+
+    tokenizer = None
+
+    def __init__(self, ttft_s: float = 0.05, gap_s: float = 0.01, jitter: float = 0.1,
+                 seed: int = 0) -> None:
+        self.ttft_s, self.gap_s, self.jitter, self.seed = ttft_s, gap_s, jitter, seed
+        self.calls = 0
+
+    def warmup(self, requests, concurrency) -> None:
+        pass
+
+    def run(self, requests, load, rng, on_done, max_requests=None):
+        import numpy as np
+
+        from tokenmill.bench.client import RequestRecord
+        from tokenmill.bench.runner import RunOutcome
+
+        draw = np.random.default_rng([self.seed, self.calls])
+        self.calls += 1
+        factor = 1.0 + self.jitter * float(draw.uniform(-1.0, 1.0))
+        ttft, gap = self.ttft_s * factor, self.gap_s * factor
+        slots = [0.0] * (load.concurrency or len(requests))
+        records = []
+        for i, req in enumerate(requests):
+            k = min(range(len(slots)), key=slots.__getitem__)
+            start = slots[k]
+            r = RequestRecord(i, req.prompt_len, req.output_len, planned_time_s=start,
+                              send_time_s=start)
+            r.first_chunk_time_s = start + ttft
+            r.chunk_times_s = [start + ttft + j * gap for j in range(req.output_len)]
+            r.chunk_tokens = [1] * req.output_len
+            r.chunk_texts = [" w"] * req.output_len
+            r.usage_prompt_tokens, r.usage_completion_tokens = req.prompt_len, req.output_len
+            r.client_output_tokens = req.output_len
+            r.finish_reason = "length"
+            r.end_time_s = r.chunk_times_s[-1]
+            slots[k] = r.end_time_s
+            records.append(r)
+            on_done(r)
+        return RunOutcome(records, max(r.end_time_s for r in records))

@@ -49,8 +49,8 @@ def test_report_is_self_contained_with_every_section(results):
     res = json.loads((results / "a.json").read_text())
     for section in ("summary", "latency", "server", "client", "runs", "plots"):
         assert f'<section id="{section}">' in page, section
-    # five plots of a sweep plus the server's gauges, all embedded
-    assert page.count('src="data:image/png;base64,') == 6
+    # six plots of a sweep (the Pareto front one of them) plus the server's gauges
+    assert page.count('src="data:image/png;base64,') == 7
     assert not re.search(r'(src|href)="(https?:)?//', page)  # nothing fetched from outside
     p50 = res["summary"]["ttft_ms"]["p50"]
     assert re.search(rf'data-key="summary.ttft_ms.p50">{p50:,.2f}<', page)
@@ -117,6 +117,7 @@ def test_the_report_renders_in_headless_chromium(results, page, tmp_path):
     assert 'data-images-broken="0"' in dom.stdout
     res = json.loads((results / "a.json").read_text())
     if page == "a.html":
+        assert '<figure id="plot-pareto">' in dom.stdout  # the sweep's front, rendered
         for key in ("output_throughput_tok_s", "request_throughput"):
             cell = re.search(rf'data-key="summary.{key}">([^<]+)<', dom.stdout).group(1)
             assert float(cell.replace(",", "")) == pytest.approx(res["summary"][key], rel=1e-3)

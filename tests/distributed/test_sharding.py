@@ -6,7 +6,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.launch import LaunchConfig
-from tokenmill.distributed.worker_group import check_shapes, check_tensor_parallel
+from tokenmill.engine.executor.worker_group import check_shapes, check_tensor_parallel
 
 
 def _config(heads: int, kv: int, **kw) -> ModelConfig:

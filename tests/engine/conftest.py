@@ -23,7 +23,7 @@ def small_engine(kv_cache_mib: int = 16, kv_cache_dtype: str = "auto", **config)
     says) of kv_cache_dtype, 4 sequences (unless config says) and no prefix caching: for
     tests that compare kernels on a few short prompts."""
     from tokenmill.config import CacheConfig, EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**{"max_num_seqs": 4, **config}, cache=CacheConfig(
         enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_mib * 2**20,

@@ -10,9 +10,9 @@ import threading
 from types import SimpleNamespace
 
 from tokenmill import SamplingParams
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.core.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.frontend.async_engine import AsyncEngine
 
 
 class _CountingEngine:

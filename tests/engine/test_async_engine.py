@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineUnavailableError
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.frontend.async_engine import AsyncEngine, EngineUnavailableError
 
 
 class _BrokenEngine:

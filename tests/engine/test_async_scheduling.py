@@ -14,8 +14,8 @@ import pytest
 
 from tests.engine.conftest import assert_no_leak
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.args import add_engine_args, engine_config_from_args
-from tokenmill.engine.sequence import PLACEHOLDER_TOKEN_ID
+from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.sequence import PLACEHOLDER_TOKEN_ID
 
 ENGINE = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 16}
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.engine.conftest import assert_no_leak
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.cuda_graph import bucket_sizes
+from tokenmill.engine.runner.cuda_graph import bucket_sizes
 
 ENGINE = {"dtype": "float32", "attention_backend": "torch", "num_kv_blocks": 64,
           "max_num_seqs": 8, "max_model_len": 256}
@@ -112,7 +112,7 @@ def test_layerskip_drafts_over_the_padded_metadata(tiny_model, eager):
 def test_flags_reach_the_engine_config():
     import argparse
 
-    from tokenmill.engine.args import add_engine_args, engine_config_from_args
+    from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -9,8 +9,8 @@ import torch
 
 from tests.engine.conftest import small_engine
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.engine import fused_decode
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.runner import fused_decode
 from tokenmill.kernels import bf16_gemv, decode_step, q4q8_gemv
 from tokenmill.quant import widened
 from tokenmill.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import small_engine
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear, widened
 from tokenmill.quant.fused_mlp import FusedSiluMLP
@@ -75,7 +75,7 @@ def windows(engines):
 
 @pytest.fixture(scope="module")
 def reference(engines, windows):
-    from tokenmill.engine.teacher_forced import score_windows
+    from tokenmill.engine.core.teacher_forced import score_windows
 
     return score_windows(engines["fp32"], windows)
 
@@ -84,7 +84,7 @@ def reference(engines, windows):
 @pytest.mark.parametrize(("method", "top1"), [("gguf-a16", 0.95), ("gguf-a8", 0.93)])
 def test_teacher_forced_top1_agrees_with_the_fp32_reference(engines, windows, reference,
                                                             method, top1):
-    from tokenmill.engine.teacher_forced import score_windows
+    from tokenmill.engine.core.teacher_forced import score_windows
 
     ref = reference
     got = score_windows(engines[method], windows)

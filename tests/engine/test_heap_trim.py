@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import SamplingParams
-from tokenmill.engine import heap_trim
-from tokenmill.engine.heap_trim import ENV, HeapTrimmer
+from tokenmill.engine.runner import heap_trim
+from tokenmill.engine.runner.heap_trim import ENV, HeapTrimmer
 
 
 class _Clock:

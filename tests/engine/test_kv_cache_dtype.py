@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "opticks_book1.txt"
 BUDGET = 24 * 2**20
@@ -50,7 +50,7 @@ def test_fp8_budget_matches_int8():
 
 
 def test_server_info_names_the_kv_cache_dtype(engines):
-    from tokenmill.engine.server_info import server_info
+    from tokenmill.engine.core.server_info import server_info
 
     info = server_info(engines["int8"])
     assert info["kv_cache_dtype"] == "int8"
@@ -84,7 +84,7 @@ def test_the_llm_class_takes_the_kv_cache_dtype():
 
 @pytest.mark.slow
 def test_int8_teacher_forced_top1_agrees_with_the_bf16_cache(engines):
-    from tokenmill.engine.teacher_forced import score_windows
+    from tokenmill.engine.core.teacher_forced import score_windows
 
     ids = engines["bfloat16"].tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     windows = [ids[:129], ids[129:258]]  # 2 x 128 = 256 scored positions, each a decode step

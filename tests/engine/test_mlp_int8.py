@@ -97,7 +97,7 @@ def test_a_prefill_s_top1_agrees_with_the_fp32_reference(engines):
     """Every position of two 128-token windows scored from one prefill (vLLM's
     prompt_logprobs): the 8-bit MLP keeps greedy top-1 with the exact fp32 model at the
     bf16 path's level (the gate itself, benchmarks/accuracy.py, asks 97% over 1,000)."""
-    from tokenmill.engine.teacher_forced import score_prompts
+    from tokenmill.engine.core.teacher_forced import score_prompts
 
     fp32 = small_engine(dtype="float32")
     ids = fp32.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.llm_engine import process_rss_bytes
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.scheduler import ScheduledSeq
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.core.builder import process_rss_bytes
+from tokenmill.engine.core.scheduler import ScheduledSeq
+from tokenmill.engine.runner.model_runner import ModelRunner
 from tokenmill.kvcache import pool as kv_pool
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 
 
 def test_a_cpu_pool_reads_zeros_and_costs_memory_only_where_written():

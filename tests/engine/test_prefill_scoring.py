@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine.conftest import small_engine
 from tokenmill.attention import cpu
-from tokenmill.engine.teacher_forced import score_prompts, score_windows
+from tokenmill.engine.core.teacher_forced import score_prompts, score_windows
 from tokenmill.kernels import paged_decode
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "opticks_book1.txt"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.quant import QuantizedLinear
 from tokenmill.quant import int8_dynamic as w8a8
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not w8a8.available(),
 
 @pytest.mark.slow
 def test_w8a8_teacher_forced_top1_stays_close_to_bf16():
-    from tokenmill.engine.teacher_forced import score_windows
+    from tokenmill.engine.core.teacher_forced import score_windows
 
     engines = {name: LLMEngine(EngineConfig(max_num_seqs=8, batched_linears=name))
                for name in ("bf16", "w8a8")}

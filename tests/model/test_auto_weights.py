@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.model.conftest import make_hf_model, write_tiny_gguf
-from tokenmill.engine import weights
+from tokenmill.engine.runner import weights
 from tokenmill.loaders import resolve_model
 from tokenmill.quant import vnni
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear

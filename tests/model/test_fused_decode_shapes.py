@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.model.conftest import make_hf_model, save_hf, write_tiny_gguf
-from tokenmill.engine import weights
-from tokenmill.engine.model_runner import ModelRunner, StepInputs
+from tokenmill.engine.runner import weights
+from tokenmill.engine.runner.model_runner import ModelRunner, StepInputs
 from tokenmill.kernels import decode_step, q4q8_gemv
 from tokenmill.loaders import resolve_model
 

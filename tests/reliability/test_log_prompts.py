@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from tokenmill.engine.async_engine import QueueFullError
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.frontend.async_engine import QueueFullError
 from tokenmill.server.api import build_app
 from tokenmill.server.serving import ServingConfig
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.reliability.common import metric, wait_idle
 from tests.serving import start_server
-from tokenmill.server.command import api_keys_of
+from tokenmill.cli.serve import api_keys_of
 
 pytestmark = pytest.mark.slow
 

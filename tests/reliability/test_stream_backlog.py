@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import Aborted, RequestStream, StreamBehindError
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.frontend.request_stream import Aborted, RequestStream, StreamBehindError
 
 
 def _out(finished: bool = False) -> RequestOutput:

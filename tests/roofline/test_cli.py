@@ -278,7 +278,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
 
 
 def test_command_module_imports_light():
-    code = ("import sys, tokenmill.roofline.command; "
+    code = ("import sys, tokenmill.cli.roofline; "
             "bad = [m for m in ('torch', 'matplotlib', 'gguf') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.core.stats import EngineStats
 from tokenmill.server.api import build_app
 from tokenmill.server.chat_template import content_format, load_chat_template
 from tokenmill.server.serving import ServingConfig

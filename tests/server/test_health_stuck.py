@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.frontend.async_engine import AsyncEngine
 
 
 class _HangingEngine:

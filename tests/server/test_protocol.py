@@ -93,7 +93,7 @@ def test_sampling_params_errors_keep_their_param():
 
 
 def test_metrics_use_vllm_names_with_tokenmill_prefix():
-    from tokenmill.engine.llm_engine import EngineStats
+    from tokenmill.engine.core.stats import EngineStats
 
     stats = EngineStats(num_running=1, num_waiting=2, kv_cache_usage=0.25,
                         prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0,
@@ -120,7 +120,7 @@ def test_vllm_metrics_prefix_parses_with_vllm_names_and_labels():
     own text parser (a scraper's view, not a substring match)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tokenmill.engine.llm_engine import EngineStats
+    from tokenmill.engine.core.stats import EngineStats
 
     stats = EngineStats(num_running=3, num_waiting=5, kv_cache_usage=0.5)
     metrics = ServerMetrics(lambda: stats, "m", prefix="vllm")

@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill.bench.target_config import fetch_server_config, normalize, parse_vllm_config
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.engine.server_info import server_info
+from tokenmill.engine.core.server_info import server_info
 
 VLLM_REPR = ("model='/models/smol', speculative_config=None, tokenizer='/models/smol', "
              "dtype=torch.bfloat16, max_seq_len=4096, quantization=None, "

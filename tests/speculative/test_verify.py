@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.speculative.ngram import NgramProposer
+from tokenmill.engine.speculative.stats import BackOff, StepCost
+from tokenmill.engine.speculative.verify import target_probs, verify_greedy, verify_sampled
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.ngram import NgramProposer
-from tokenmill.speculative.stats import BackOff, StepCost
-from tokenmill.speculative.verify import target_probs, verify_greedy, verify_sampled
+from tokenmill.sequence import Sequence
 
 
 def chi_square_p_value(observed: list[float], expected: list[float]) -> float:

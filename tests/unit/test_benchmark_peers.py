@@ -5,13 +5,11 @@ No peer is installed or run here: the setup scripts fail early on purpose."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import peers
+from benchmarks import peers
 
 
 def test_failed_setup_gives_the_scripts_reason(tmp_path, monkeypatch):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache import prefix_cache
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 
 
 def make_seq(tokens, request_id="r"):

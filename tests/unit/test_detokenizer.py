@@ -3,10 +3,10 @@ from itertools import pairwise
 
 import pytest
 
-from tokenmill.engine.detokenizer import Detokenizer
-from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.stop_checker import StopChecker, emittable_text
+from tokenmill.engine.core.detokenizer import Detokenizer
+from tokenmill.engine.core.stop_checker import StopChecker, emittable_text
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 
 EOS = 2  # <|im_end|> in SmolLM2
 

@@ -3,8 +3,8 @@ offline, 128 for a server), 2048 tokens a step offline and 256 for a server, one
 source for the CLI and the LLM class."""
 
 from tokenmill.cli import build_parser
+from tokenmill.cli.engine_args import engine_config_from_args
 from tokenmill.config import EngineConfig
-from tokenmill.engine.args import engine_config_from_args
 
 
 def config_for(argv: list[str]) -> EngineConfig:

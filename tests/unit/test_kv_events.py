@@ -5,11 +5,11 @@ import pytest
 
 from tests.unit import vllm_kv_events as vllm
 from tokenmill.config import CacheConfig, KVEventsConfig
-from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.events import KVEventBatch, KVEventRecorder
 from tokenmill.kvcache.prefix_cache import ROOT_HASH
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 
 BS = 4
 U64 = (1 << 64) - 1

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.core.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams as Structured
+from tokenmill.sequence import Sequence
 from tokenmill.structured import GrammarCache, LogitsConstraints
 
 VOCAB = 49152

@@ -6,10 +6,10 @@ from itertools import pairwise
 
 import pytest
 
-from tokenmill.engine.core_messages import RequestDelta, SeqDelta
-from tokenmill.engine.core_process import _DeltaTracker
-from tokenmill.engine.output_processor import OutputProcessor, RequestState
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.core.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.frontend.core_messages import RequestDelta, SeqDelta
+from tokenmill.engine.frontend.core_process import _DeltaTracker
+from tokenmill.engine.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 2

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.core.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 
 EOS = 3
 

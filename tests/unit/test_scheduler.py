@@ -6,10 +6,10 @@ import random
 import pytest
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,

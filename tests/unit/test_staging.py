@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.staging import HostStaging
+from tokenmill.engine.runner.staging import HostStaging
 
 
 def test_buffers_alternate_and_a_cpu_upload_is_a_copy():

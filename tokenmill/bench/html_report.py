@@ -121,6 +121,14 @@ def _summary(s: dict[str, Any]) -> str:
                        f"</td></tr>")
         elif v is not None:
             out.append(f"<tr><th>{_e(label)}</th>{_cell(v, key)}</tr>")
+    if s.get("power"):
+        from tokenmill.bench.power import power_label
+
+        jpt = s["power"].get("joules_per_output_token")
+        if jpt is not None:
+            out.append(f"<tr><th>joules per output token</th>"
+                       f"{_cell(jpt, 'summary.power.joules_per_output_token')}</tr>")
+        out.append(f"<tr><th>energy</th><td>{_e(power_label(s['power']))}</td></tr>")
     if s["failures"]:
         out.append(f"<tr><th>failures</th><td class=\"warn\">"
                    f"{_e(', '.join(f'{k}: {v}' for k, v in s['failures'].items()))}</td></tr>")

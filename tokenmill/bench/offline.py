@@ -22,7 +22,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
 
 class OfflineTarget:
     def __init__(self, engine_config, temperature: float = 0.0, ignore_eos: bool = True) -> None:
-        from tokenmill.engine.llm_engine import LLMEngine  # torch: only when asked for
+        from tokenmill.engine.core.llm_engine import LLMEngine  # torch: only when asked for
 
         self.engine = LLMEngine(engine_config)
         self.tokenizer = self.engine.tokenizer

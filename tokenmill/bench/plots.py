@@ -54,6 +54,12 @@ def figures(result: dict[str, Any]) -> list[tuple[str, str, Any]]:
                     _frontier(plt, runs)))
         out.append(("goodput", "Throughput, goodput and SLO attainment vs request rate",
                     _goodput(plt, result)))
+    if result.get("pareto"):
+        from tokenmill.bench.pareto import pareto_figure
+
+        caption = ("Output tok/s per user vs per device: the Pareto front, its knee "
+                   "(circled) and the SLO line")
+        out.append(("pareto", caption, pareto_figure(plt, [result], ["sweep"])))
     gauges = (result.get("server") or {}).get("gauges") or {}
     if gauges:
         out.append(("server", "The server's own gauges during the run (scraped /metrics)",
@@ -72,6 +78,11 @@ def compare_figures(results: list[dict[str, Any]],
         _cdf(ax, results, key, None, labels=names)
         ax.set_title(f"{title} — CDF, one curve per run")
         out.append((name, f"{title} of every run", fig))
+    if len(results) > 1 and all(r.get("pareto") for r in results):  # two sweeps: one plot
+        from tokenmill.bench.pareto import pareto_figure
+
+        out.append(("pareto", "Pareto fronts overlaid: output tok/s per user vs per device",
+                    pareto_figure(plt, results, names)))
     return out
 
 

@@ -33,6 +33,7 @@ class BenchRequest:
     output_len: int  # sent as max_tokens (with ignore_eos)
     system: str = ""  # a system (or tool-definition) message before the first turn
     follow_ups: tuple[FollowUp, ...] = ()
+    arrival_s: float | None = None  # a replayed trace's own send time (else: the load's)
 
     @property
     def is_conversation(self) -> bool:
@@ -146,6 +147,8 @@ class WorkloadSpec:
     sharegpt_max_total_len: int = 2048
     output_len_from_dataset: bool = True  # sharegpt/jsonl: use the dataset's own lengths
     turns: int | None = None  # conversations: turns each (None: the dataset's default)
+    trace_block_size: int = 512  # trace: tokens per hash id (Mooncake: 512)
+    time_scale: float = 1.0  # trace: multiplies the timestamps (0.5: twice as fast)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"dataset": self.dataset, "output_len": str(self.output_len)}
@@ -155,6 +158,8 @@ class WorkloadSpec:
             d.update(num_prefixes=self.num_prefixes, prefix_len=self.prefix_len)
         if self.dataset_path:
             d["dataset_path"] = self.dataset_path
+        if self.dataset == "trace":
+            d.update(trace_block_size=self.trace_block_size, time_scale=self.time_scale)
         if self.dataset in ("multiturn", "agentic") or (self.turns or 1) > 1:
             d["turns"] = self.turns or DEFAULT_TURNS.get(self.dataset, 1)
             d["input_len"] = str(self.input_len)

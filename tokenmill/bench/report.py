@@ -98,6 +98,10 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
         rows.append(("cost per 1M output / total tokens",
                      (f"${s['cost_per_1m_output_tokens']:,.3f} / "
                       f"${s['cost_per_1m_total_tokens']:,.3f}")))
+    if s.get("power"):
+        from tokenmill.bench.power import power_label
+
+        rows.append(("energy", power_label(s["power"])))
     rows.append(("load generator lag max / mean",
                  f"{s['generator_lag_s'] * 1e3:.1f} / {s['generator_lag_mean_s'] * 1e3:.2f} ms"))
     for k, v in rows:

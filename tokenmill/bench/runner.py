@@ -39,6 +39,7 @@ from tokenmill.bench.client_cost import (
     summarize_cost,
 )
 from tokenmill.bench.reconcile import reconcile, reconcile_notes, timings_section
+from tokenmill.bench.trace import trace_arrivals
 from tokenmill.bench.workload import BenchRequest, iter_arrivals
 
 
@@ -124,7 +125,7 @@ class HttpTarget:
         client.dropped_fields = self.dropped_fields
         try:
             with contextlib.suppress(Exception):  # open a connection, pay lazy imports now
-                await client.http.get("/v1/models")
+                await client.warm()
             return await dispatch(client.send, requests, load, rng, on_done, max_requests)
         finally:
             await client.aclose()
@@ -162,7 +163,8 @@ async def dispatch(send: Send, requests: list[BenchRequest], load: LoadSpec,
     conversation holds its concurrency slot from its first turn to its last; each later
     turn is planned for the moment the previous one ended."""
     limit = len(requests) if load.duration_s is None else (max_requests or math.inf)
-    arrivals = iter_arrivals(load.request_rate, load.burstiness, rng)
+    arrivals = trace_arrivals(requests) or iter_arrivals(load.request_rate, load.burstiness,
+                                                         rng)
     slots: asyncio.Queue[float] = asyncio.Queue()
     for _ in range(load.concurrency or 0):
         slots.put_nowait(0.0)
@@ -284,6 +286,8 @@ class BenchPlan:
     num_gpus: int = 1
     progress: Any = None  # report.ProgressFactory or None
     scraper: Any = None  # server_metrics.MetricsScraper, or None (--no-scrape, offline)
+    power: bool = False  # read the host's power during each run (power.py)
+    price_per_kwh: float | None = None  # $ per kWh for the energy's cost
 
 
 def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, Any]:
@@ -298,10 +302,22 @@ def run_once(plan: BenchPlan, load: LoadSpec, run_index: int = 0) -> dict[str, A
                    if plan.progress is not None else contextlib.nullcontext(lambda r: None))
     if plan.scraper is not None:
         plan.scraper.start()
+    meter = None
+    if plan.power:
+        from tokenmill.bench.power import PowerMeter
+
+        meter = PowerMeter()
+        meter.start()
     with on_done_ctx as on_done:
         outcome = plan.target.run(measured, load, rng, on_done, plan.request_cap)
     summary = metrics.summarize(outcome.records, outcome.duration_s, plan.slo,
                                 plan.cost_per_hour, plan.num_gpus)
+    if meter is not None:
+        from tokenmill.bench.power import power_summary
+
+        same = outcome.client_cost.same_host if outcome.client_cost is not None else True
+        summary["power"] = power_summary(meter.stop(), summary["total_output_tokens"],
+                                         plan.price_per_kwh, same)
     server = None
     if plan.scraper is not None:
         server = plan.scraper.stop(expected_requests=summary["num_completed"])
@@ -367,7 +383,11 @@ def run_sweep(plan: BenchPlan, base: LoadSpec, parameter: str,
         load = (replace(base, request_rate=float(v)) if parameter == "rate"
                 else replace(base, concurrency=int(v)))
         runs.append(run_once(plan, load, run_index=i))
-    return combine(plan, runs, {"sweep": {"parameter": parameter, "values": values}})
+    from tokenmill.bench.pareto import pareto_section
+
+    par = pareto_section(runs, parameter, plan.num_gpus, plan.slo.tpot_ms if plan.slo else None)
+    return combine(plan, runs, {"sweep": {"parameter": parameter, "values": values},
+                                "pareto": par, "pareto_front": par["front"]})
 
 
 def search_max_rate(plan: BenchPlan, base: LoadSpec, target_attainment: float,

@@ -117,7 +117,7 @@ async def _worker_run(index, count, options, requests, load, rng, max_requests,
     client.dropped_fields = dropped_fields
     try:
         with contextlib.suppress(Exception):  # a warm connection before the clock starts
-            await client.http.get("/v1/models")
+            await client.warm()
         results.put(("ready", index))
         await asyncio.to_thread(go.wait)
         done = await dispatch(client.send, requests, load, rng,

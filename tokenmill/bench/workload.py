@@ -32,7 +32,7 @@ from tokenmill.bench.prompts import (
 __all__ = ["DATASETS", "BenchRequest", "FollowUp", "LengthSpec", "WorkloadSpec",
            "arrival_times", "build_workload", "iter_arrivals", "load_prompts", "random_text"]
 
-DATASETS = ("random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic")
+DATASETS = ("random", "sharegpt", "prefix", "jsonl", "multiturn", "agentic", "trace")
 
 
 def build_workload(spec: WorkloadSpec, num_requests: int, tokenizer, seed: int,
@@ -53,6 +53,8 @@ def build_workload(spec: WorkloadSpec, num_requests: int, tokenizer, seed: int,
         return _prefix(spec, num_requests, tokenizer, rng)
     if spec.dataset == "sharegpt":
         return _sharegpt(spec, num_requests, tokenizer, rng)
+    if spec.dataset == "trace":
+        return _trace(spec, num_requests, tokenizer, rng)
     if spec.dataset == "jsonl":
         return _jsonl(spec, num_requests, tokenizer, rng, start=run_index * num_requests)
     raise ValueError(f"unknown dataset {spec.dataset!r}; choose from {', '.join(DATASETS)}")
@@ -154,6 +156,17 @@ def _jsonl(spec, n, tokenizer, rng, start: int = 0) -> list[BenchRequest]:
         prompt_len = token_count(tokenizer, p["prompt"]) if tokenizer is not None else None
         out.append(BenchRequest(p["prompt"], prompt_len, int(out_len or out_lens[i])))
     return out
+
+
+def _trace(spec, n, tokenizer, rng) -> list[BenchRequest]:
+    """The first `n` rows of a Mooncake trace, sent at their own timestamps."""
+    from tokenmill.bench.trace import load_trace, trace_requests
+
+    if not spec.dataset_path:
+        raise ValueError("the trace dataset needs --trace-path FILE.jsonl (Mooncake format)")
+    rows = load_trace(spec.dataset_path)[:n]
+    fixed = None if spec.output_len_from_dataset else spec.output_len.sample(rng, len(rows))
+    return trace_requests(rows, tokenizer, rng, spec.trace_block_size, spec.time_scale, fixed)
 
 
 def _cycle(items: list, n: int) -> list:

@@ -7,8 +7,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -1,7 +1,7 @@
 """A whole decode step in one native call (decode_step.c): the ctypes side.
 
 `ModelRecord` / `LayerRecord` mirror the C structs that name every weight, norm and
-KV pool by address; `tokenmill/engine/fused_decode.py` fills them once from a loaded
+KV pool by address; `tokenmill/engine/runner/fused_decode.py` fills them once from a loaded
 model and keeps the tensors alive. `step` runs one token, `step_batch` one token for
 each of several sequences.
 """

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.kernels.spec import KernelSpec
 
 BLOCK_N = 64
 BLOCK_K = 256

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.kernels.spec import KernelSpec
 
 _FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
 _MAX_ROW_BLOCK = 16384  # one program holds a whole row up to this width

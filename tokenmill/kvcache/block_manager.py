@@ -33,8 +33,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tokenmill.engine.sequence import Sequence
 from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from tokenmill.sequence import Sequence
 
 MAX_HELD_BACK = 64  # blocks held back past a sequence's admitted ones: 1,024 tokens
 

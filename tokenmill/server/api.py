@@ -13,13 +13,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from tokenmill import __version__
-from tokenmill.engine.engine_client import EngineClient
+from tokenmill.engine.frontend.engine_client import EngineClient
 from tokenmill.server import protocol
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, tokenize
 from tokenmill.server.serving import Serving, ServingConfig
+from tokenmill.version import __version__
 
 
 def build_app(engine: EngineClient, served_model_name: str | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from tokenmill.engine.outputs import CompletionOutput
+from tokenmill.engine.core.outputs import CompletionOutput
 from tokenmill.server import protocol as p
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf

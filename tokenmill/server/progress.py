@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from tokenmill.engine.engine_client import EngineClient
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.request_stream import RequestStream
+from tokenmill.engine.core.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.frontend.engine_client import EngineClient
+from tokenmill.engine.frontend.request_stream import RequestStream
 from tokenmill.server.metrics import ServerMetrics
 
 

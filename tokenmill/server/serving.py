@@ -17,9 +17,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from tokenmill.engine.engine_client import EngineClient
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import (
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.core.validation import RequestError, RequestValidator
+from tokenmill.engine.frontend.engine_client import EngineClient
+from tokenmill.engine.frontend.request_stream import (
     EngineDiedError,
     EngineStepError,
     EngineUnavailableError,
@@ -83,6 +84,9 @@ class Serving:
         self.model_name: str = self.model_names[0]
         self.vocab_size: int = llm.model_config.vocab_size
         self.max_model_len: int = llm.max_model_len
+        # the engine's own request checks (engine/core/validation.py), run here on the
+        # fields the server reads before the engine sees them
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
                                      self.config.metrics_prefix,
                                      core_pid=getattr(engine, "core_pid", None))
@@ -109,8 +113,10 @@ class Serving:
                            f"{served}", param="model", code="model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token ids") -> None:
-        if any(t >= self.vocab_size for t in ids):
-            raise APIError(400, f"{what} must be in [0, {self.vocab_size})", param=param)
+        try:
+            self.validator.check_token_ids(ids, param, what)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def sampling_params(self, req: p.CompletionRequest | p.ChatCompletionRequest
                         ) -> SamplingParams:

@@ -8,8 +8,8 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request_stream import (
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.frontend.request_stream import (
     EngineDiedError,
     EngineStepError,
     EngineUnavailableError,

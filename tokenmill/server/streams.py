@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tokenmill.engine.async_engine import RequestStream
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.frontend.async_engine import RequestStream
 from tokenmill.server.progress import Progress
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.sequence import Sequence
 from tokenmill.kernels import token_bitmask
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
 from tokenmill.structured.compiler import GrammarCache
 from tokenmill.structured.matcher import SequenceGrammar
 

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.kernels.spec import KernelSpec
 
 # (compute capability, shared memory per block in bytes: 163 KB, 227 KB)
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}

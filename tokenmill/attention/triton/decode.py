@@ -21,8 +21,8 @@ from tokenmill.attention.triton.plan import (
     TritonPlan,
     launch_options,
 )
-from tokenmill.attention.triton.spec import KernelSpec
 from tokenmill.attention.triton.tile import attend_tile, kv_tile_offsets
+from tokenmill.kernels.spec import KernelSpec
 
 # ints that vary at run time are not specialised (no == 1 or % 16 variants), so one
 # binary serves every GQA group, block size and split; the other strides are

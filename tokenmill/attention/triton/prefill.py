@@ -20,8 +20,8 @@ from tokenmill.attention.triton.plan import (
     TritonPlan,
     launch_options,
 )
-from tokenmill.attention.triton.spec import KernelSpec
 from tokenmill.attention.triton.tile import attend_tile, kv_tile_offsets
+from tokenmill.kernels.spec import KernelSpec
 
 
 @triton.jit(do_not_specialize=["group", "block_size", "stride_bt"])

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.spec import KernelSpec
+from tokenmill.kernels.spec import KernelSpec
 
 # tokens per program: a (STORE_BLOCK_T, head_dim) tile of one KV head
 STORE_BLOCK_T = 32

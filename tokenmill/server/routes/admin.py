@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill import __version__
-from tokenmill.engine.server_info import server_info
+from tokenmill.engine.core.server_info import server_info
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.serving import ServingDep
+from tokenmill.version import __version__
 
 router = APIRouter()
 

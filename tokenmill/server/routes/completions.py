@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.core.outputs import CompletionOutput, RequestOutput
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError
 from tokenmill.server.json_body import OffLoopJSONRoute

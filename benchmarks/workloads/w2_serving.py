@@ -1,0 +1,247 @@
+"""W2 online serving (PERFORMANCE.md): tokenmill, vLLM CPU and llama-server under one client.
+
+Starts each server in turn on 127.0.0.1 and runs the same client over each,
+`tokenmill bench`: 64 streaming /v1/completions requests per concurrency level
+(1, 4, 16, 32), each level on the next 64 prompts of
+../shared/data/w2_prompts_128.json (exactly 128 tokens each, all different),
+max_tokens 128 with ignore_eos. Servers, in the same run: `tokenmill serve
+smollm2-135m` (defaults: the embedded GGUF, the engine's own fastest path);
+vLLM's CPU backend on the bf16 checkpoint of the same GGUF with both cores
+(`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`, its best
+figure here) and with its default (one core reserved for its front end) —
+set up by benchmarks/peers/setup_vllm_cpu.sh, 90-110 s start-up each; and
+`llama-server -t 2 -np 16 -c 16384 --no-webui` on the GGUF itself (built by
+benchmarks/peers/build_llama_cpp.sh). Prints TTFT p50/p99, TPOT mean and
+output tok/s per level and server, the ratios, the targets at concurrency 16,
+and each run against this CPU's floor (`tokenmill explain` on its result: the
+decode step against its floor, with the prompts that join its steps, and the
+verdict). A peer that cannot be set up is skipped with the reason. With --model FILE,
+tokenmill serve and llama-server both run FILE (vLLM, which has a checkpoint of the
+embedded model only, is skipped with that reason). The result:
+benchmarks/results/<date>-<machine class>-w2[-<model>].json.
+
+    python -m benchmarks run w2
+    python -m benchmarks run w2 --peers vllm --vllm-threads both
+    python -m benchmarks run w2 --peers llama --model F.gguf  # serve F vs llama-server -np 16 on F
+    python -m benchmarks run w2 --skip-peers        # tokenmill only
+    python -m benchmarks run w2 -- --max-num-seqs 32  # extra serve flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from benchmarks import results as results_mod
+from benchmarks.common import DEFAULT_MODEL, machine, model_gguf
+from benchmarks.floors import explain, floor_lines
+from benchmarks.peers import (
+    add_peer_args,
+    ensure_servers,
+    selected_peers,
+    skip,
+    start_llama_server,
+    start_vllm_server,
+)
+from benchmarks.results import Figure
+from benchmarks.server import start_server
+
+HERE = Path(__file__).resolve().parent
+W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
+PEERS = ("vllm", "llama")
+TITLE = "W2 online serving"
+
+
+def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: int,
+              out_path: Path, tokenizer: str) -> list[dict]:
+    """One result per level (the bench JSON's `runs`)."""
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url,
+           "--dataset", "jsonl", "--dataset-path", str(W2_PROMPTS),
+           "--output-len", str(output_len), "--num-requests", str(num_requests),
+           "--sweep", "concurrency=" + ",".join(map(str, levels)),
+           "--tokenizer", tokenizer, "--output", str(out_path), "--no-progress"]
+    print("$ tokenmill " + " ".join(cmd[3:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out_path.read_text())["runs"]
+
+
+def served_model(base_url: str) -> str:
+    """The name the server lists first at /v1/models (each server names a file its way)."""
+    r = httpx.get(f"{base_url}/v1/models", timeout=60)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def warm_up(base_url: str) -> None:
+    """One request outside the measured prompts, so that each level's prompts stay fresh."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
+        "model": served_model(base_url), "prompt": "Hello", "max_tokens": 8})
+    r.raise_for_status()
+
+
+def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
+    """Each level's result, as `tokenmill bench` wrote it."""
+    try:
+        warm_up(server.base_url)
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        out_path = Path(tempfile.mkdtemp(prefix="w2-")) / f"{slug}.json"
+        if args.output:
+            out_path = Path(args.output).with_suffix(f".{slug}.json")
+        runs = run_bench(server.base_url, levels, args.num_requests, args.output_len, out_path,
+                         args.tokenizer)
+    finally:
+        server.stop()
+    print(f"  {name}: bench JSON {out_path}", flush=True)
+    return runs
+
+
+def print_floors(runs: dict[str, list[dict]], levels: list[int]) -> None:
+    """Every server's run at every level against this CPU's floor (tokenmill explain)."""
+    print("against the floor (tokenmill explain --hardware cpu on each run's result):")
+    for name, results in runs.items():
+        for c, result in zip(levels, results):
+            try:
+                lines = floor_lines(explain(result))
+            except (subprocess.CalledProcessError, ValueError, KeyError) as e:
+                lines = [f"explain failed: {e}"]
+            print(f"  {name}, c={c}:")
+            for line in lines:
+                print(f"    {line}")
+
+
+def print_table(results: dict[str, list[dict]], levels: list[int]) -> None:
+    print(f"{'server':<24} {'conc':>4} | {'out tok/s':>9} | {'TTFT p50':>9} {'TTFT p99':>9} | "
+          f"{'TPOT mean':>9} | failed")
+    for c_i, c in enumerate(levels):
+        for name, summaries in results.items():
+            s = summaries[c_i]
+            print(f"{name:<24} {c:>4} | {s['output_throughput_tok_s']:9.1f} | "
+                  f"{s['ttft_ms']['p50']:7.0f}ms {s['ttft_ms']['p99']:7.0f}ms | "
+                  f"{s['tpot_ms']['mean']:7.1f}ms | {s['num_failed']}")
+
+
+def print_targets(results: dict[str, list[dict]], levels: list[int]) -> None:
+    """Ratios at every level (> 1 = tokenmill better), targets at concurrency 16."""
+    ours = results["tokenmill"]
+    for name, summaries in results.items():
+        if name == "tokenmill":
+            continue
+        for c_i, c in enumerate(levels):
+            o, t = ours[c_i], summaries[c_i]
+            print(f"tokenmill vs {name} at c={c}: output tok/s "
+                  f"{o['output_throughput_tok_s'] / t['output_throughput_tok_s']:.2f}x, "
+                  f"TTFT p50 {t['ttft_ms']['p50'] / o['ttft_ms']['p50']:.2f}x, TPOT "
+                  f"{t['tpot_ms']['mean'] / o['tpot_ms']['mean']:.2f}x")
+    if 16 not in levels:
+        return
+    c_i = levels.index(16)
+    o = ours[c_i]
+    tok_s, ttft50 = o["output_throughput_tok_s"], o["ttft_ms"]["p50"]
+    vllm = results.get("vLLM (both cores)")
+    if vllm:
+        v = vllm[c_i]
+        ok = (tok_s >= 2 * v["output_throughput_tok_s"]
+              and ttft50 <= v["ttft_ms"]["p50"] / 2)
+        print(f"target at c=16: >= 2x vLLM CPU (both cores) output tok/s and TTFT p50 <= 1/2 "
+              f"of its -> {tok_s / v['output_throughput_tok_s']:.2f}x, "
+              f"{v['ttft_ms']['p50'] / ttft50:.2f}x: {'met' if ok else 'missed'}")
+    llama = next((v for k, v in results.items() if k.startswith("llama-server")), None)
+    if llama:
+        ratio_ = tok_s / llama[c_i]["output_throughput_tok_s"]
+        print(f"target at c=16: >= 4x llama-server output tok/s -> {ratio_:.2f}x: "
+              f"{'met' if ratio_ >= 4 else 'missed'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="GGUF file (or alias) that tokenmill serve and llama-server both run "
+                    "(vLLM has a checkpoint of the embedded model only)")
+    ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per level")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output", default=None,
+                    help="keep the bench JSONs as OUTPUT.<server>.json")
+    ap.add_argument("--vllm-threads", default="both,default",
+                    help="vLLM runs: 'both' cores and/or its 'default' (default: both,default)")
+    ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
+    ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    add_peer_args(ap, PEERS)
+    ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
+    args = ap.parse_args(argv)
+    peers = selected_peers(args, PEERS)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    vllm_threads = [t.strip() for t in args.vllm_threads.split(",") if t.strip()]
+    if bad := [t for t in vllm_threads if t not in ("both", "default")]:
+        raise SystemExit(f"--vllm-threads: {', '.join(bad)} is not 'both' or 'default'")
+    gguf = model_gguf(args.model)
+    args.tokenizer = str(gguf)
+    default_model = args.model == DEFAULT_MODEL
+    notes: list[str] = []
+    if not default_model and "vllm" in peers:
+        peers.discard("vllm")
+        notes.append(f"vLLM skipped: its checkpoint (setup_vllm_cpu.sh) is the embedded "
+                     f"model's, not {gguf.name}'s")
+        print(f"[peers] {notes[-1]}")
+    print(f"W2 online serving · {gguf.name} · {machine()}")
+    vllm, llama = ensure_servers(peers)
+    runs: dict[str, list[dict]] = {}
+    runs["tokenmill"] = bench_server("tokenmill", start_server(args.model, *args.serve_args),
+                                     args, levels)
+    for threads in vllm_threads if vllm is not None else []:
+        name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
+        try:
+            server = start_vllm_server(vllm, threads=threads)
+        except RuntimeError as e:
+            skip(name, e)
+            continue
+        runs[name] = bench_server(name, server, args, levels)
+    if llama is not None:
+        name = f"llama-server -np {args.llama_np}"
+        server = start_llama_server(llama, gguf, np=args.llama_np, ctx=args.llama_ctx)
+        runs[name] = bench_server(name, server, args, levels)
+    results = {name: [r["summary"] for r in rs] for name, rs in runs.items()}
+    print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
+          "tokenmill better")
+    print_table(results, levels)
+    print_targets(results, levels)
+    print_floors(runs, levels)
+    if not args.no_result:
+        figures = figures_of(results, levels, {"model": gguf.name,
+                                               "requests": args.num_requests,
+                                               "output_len": args.output_len})
+        results_mod.write(results_mod.build("w2", TITLE, figures, notes=notes,
+                                            variant=None if default_model else gguf.stem))
+
+
+def figures_of(summaries: dict[str, list[dict]], levels: list[int], cfg: dict
+               ) -> list[Figure]:
+    """Each server's output tok/s, TTFT p50 and TPOT mean at each level; the level is in
+    the metric's name, so that ratios pair the same concurrency."""
+    figures = []
+    for name, per_level in summaries.items():
+        engine = ("tokenmill" if name == "tokenmill" else "vllm-cpu"
+                  if name.startswith("vLLM") else "llama.cpp")
+        for c, s in zip(levels, per_level):
+            config = {**cfg, "concurrency": c, "failed": s["num_failed"]}
+            figures += [
+                Figure(name, engine, f"output throughput c={c}", "tok/s",
+                       [s["output_throughput_tok_s"]], True, config),
+                Figure(name, engine, f"TTFT p50 c={c}", "ms", [s["ttft_ms"]["p50"]], False,
+                       config),
+                Figure(name, engine, f"TPOT mean c={c}", "ms", [s["tpot_ms"]["mean"]], False,
+                       config)]
+    return figures
+
+
+if __name__ == "__main__":
+    main()

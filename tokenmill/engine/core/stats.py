@@ -1,0 +1,91 @@
+"""EngineStats: the engine's counters, one snapshot object (the server's metrics,
+`tokenmill bench`'s server side and the core process's replies read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.core.phase_timer import STEP_PHASES
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    # bytes of KV blocks ever used: what the lazily touched pool adds to RSS so far
+    kv_cache_committed_bytes: int = 0
+    kv_cache_bytes: int = 0  # the whole pool
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
+    num_decode_tokens: int = 0
+    # --async-scheduling: steps during which the next one was scheduled (the rest
+    # ran synchronously: see engine/core/overlap.py for when)
+    num_async_steps: int = 0
+    spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0
+    spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
+    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return (self.spec_accepted_tokens / self.spec_proposed_tokens
+                if self.spec_proposed_tokens else 0.0)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per speculating step (accepted drafts + 1)."""
+        return (1.0 + self.spec_accepted_tokens / self.spec_verified_steps
+                if self.spec_verified_steps else 0.0)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["time_s"] = dict(self.time_s)
+        d["mean_decode_batch"] = self.mean_decode_batch
+        d["spec_acceptance_rate"] = self.spec_acceptance_rate
+        d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
+        return d
+
+    def count_step(self, batch) -> None:
+        """A scheduled step's prefill and decode tokens, counted before it runs
+        (the sequences' computed counts are not advanced yet)."""
+        self.num_steps += 1
+        for item in batch.scheduled:
+            seq = item.seq
+            if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += item.num_new_tokens
+
+    def refresh(self, scheduler: Any, block_manager: Any, speculator: Any) -> EngineStats:
+        """The gauges read afresh from the scheduler, the block manager and the
+        speculator (the counters are kept as the steps run)."""
+        bm = block_manager
+        self.num_running = scheduler.num_running
+        self.num_waiting = scheduler.num_waiting
+        self.num_free_blocks = bm.num_free_blocks
+        self.num_total_blocks = bm.num_total_blocks
+        self.kv_cache_committed_bytes = (self.kv_cache_bytes * bm.num_touched_blocks
+                                         // max(bm.num_total_blocks, 1))
+        self.kv_cache_usage = bm.usage
+        self.prefix_cache_queries = bm.prefix_cache_queries
+        self.prefix_cache_hits = bm.prefix_cache_hits
+        self.num_preemptions = scheduler.num_preemptions
+        if speculator is not None:
+            spec = speculator.stats
+            self.spec_proposed_tokens = spec.num_proposed_tokens
+            self.spec_accepted_tokens = spec.num_accepted_tokens
+            self.spec_verified_steps = spec.num_verified_steps
+        return self

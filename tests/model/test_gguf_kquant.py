@@ -208,7 +208,7 @@ def _write_mixed(path, types_by_tensor):
 
 
 def _tokenmill_logits(path, ids):
-    from tokenmill.engine.weights import load_engine_model
+    from tokenmill.engine.runner.weights import load_engine_model
     from tokenmill.loaders import resolve_model
 
     loaded, method = load_engine_model(resolve_model(str(path)), "auto", None,
@@ -284,7 +284,7 @@ def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding
     tiny file with the limit lowered): no packed bf16 copy, the embedding in its blocks,
     and the logits those of the model that keeps both in float."""
     from tests.model import test_gguf_types as t
-    from tokenmill.engine.weights import load_engine_model
+    from tokenmill.engine.runner.weights import load_engine_model
     from tokenmill.loaders import resolve_model
     from tokenmill.quant import model as quant_model
     from tokenmill.quant.embedding import GGUFEmbedding
@@ -337,7 +337,7 @@ def test_server_info_carries_the_weight_forms():
     from types import SimpleNamespace
 
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.server_info import server_info
+    from tokenmill.engine.core.server_info import server_info
 
     forms = {"method": "gguf-a16", "linears": {"down_proj": {"Q6_K as q8 requantized": 2}},
              "lowbit_bytes": 10, "float_copy_bytes": 0, "float_copy": "none kept",

@@ -55,14 +55,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
     g.add_argument("--batched-linears", default="auto",
-                   choices=["auto", "bf16", "w8a8", "int16", "mlp-int8"],
+                   choices=["auto", "bf16", "w8a8", "int16", "mlp-int8", "none"],
                    help="weights the low-bit linears use for many rows a step: bf16 (packed "
                    "for oneDNN), w8a8 (int8 weights x per-token int8 activations on "
                    "AVX512-VNNI), int16 (gguf-a16's own integers widened, on AVX2) or "
                    "mlp-int8 (the MLP's GGUF integers x int8 activations on AVX512-VNNI, "
-                   "attention's linears bf16); "
-                   "auto: int16 for gguf-a16 on AVX2 without native bf16, else the "
-                   "default that passed the accuracy gate")
+                   "attention's linears bf16), none (the low-bit kernels at every batch, no copy); "
+                   "auto: none where the bf16 copy would exceed 1 GiB, int16 for gguf-a16 "
+                   "on AVX2 without native bf16, else the default that passed the accuracy "
+                   "gate")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,

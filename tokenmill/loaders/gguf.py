@@ -124,8 +124,20 @@ class GGUFTensor:
     load = dequantize  # the loader's name for "this tensor, in float"
 
     def raw_blocks(self) -> torch.Tensor:
-        """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch."""
-        return torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+        """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch;
+        ModelLoadError naming the tensor where their size disagrees with shape x type (the
+        native kernels trust these sizes)."""
+        blocks = torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+        if len(self.shape) < 2:
+            return blocks
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        rows, cols = int(self.shape[0]), int(np.prod(self.shape[1:], dtype=np.int64))
+        if cols % block or blocks.numel() != rows * (cols // block) * block_bytes:
+            raise ModelLoadError(
+                f"GGUF tensor {self.hf_name}: {blocks.numel()} bytes of {self.qtype.name} "
+                f"blocks ({block} weights in {block_bytes} bytes each) cannot hold its shape "
+                f"{tuple(self.shape)}")
+        return blocks.reshape(rows, -1)
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
         """The slice [start, start + length) along dim 0 (rows) or dim 1 (columns, which
@@ -193,6 +205,13 @@ class _FastGGUFReader(GGUFReader):
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     check_gguf(Path(path))  # untrusted bytes: every size, offset and count (gguf_checks.py)
     return _FastGGUFReader(path)
+
+
+def release_gguf_readers() -> None:
+    """Forget the cached readers, so that their memory maps close once the weights are
+    copied out: the tensor pages read at load otherwise stay in the process's RSS (a
+    1B model's file, counted again beside its records). Metadata reads reopen the file."""
+    _open_reader.cache_clear()
 
 
 def open_gguf(path: str | Path) -> GGUFReader:

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from tokenmill.kernels import layer_ops, q4q8_gemv
-from tokenmill.quant import vnni
-from tokenmill.quant.codes import GROUP_SIZE, int4_codes_from_gguf
+from tokenmill.quant import gguf_records, vnni
+from tokenmill.quant.codes import GGUF_NATIVE_TYPES, GROUP_SIZE, int4_codes_from_gguf
 from tokenmill.quant.dense import DenseWeight
 
 KERNEL_DTYPE = torch.bfloat16
@@ -93,6 +94,8 @@ class Int4Linear(QuantizedLinear):
     `activations`: "bf16" (torch's kernel), "int8" or "int16" (dynamically quantized
     inputs, vnni.py); where that kernel is not built or has no exact form of the
     weight, "bf16" (the attribute says which runs)."""
+
+    weight_form: str | None = None  # how GGUF records stand for the file (gguf_records.FORMS)
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, input_repeats: int = 1,
@@ -210,15 +213,32 @@ def gguf_int4_linear(shards: Sequence[Any], bias: torch.Tensor | None = None,
     shards: the loader's `QuantizedWeight`s (.qtype, .blocks uint8 (rows, bytes_per_row),
     .shape), in row order. If one shard is Q8_0, Q4 shards take the Q8_0 form too
     (an all-zero first half), which doubles their bytes."""
+    new_types = any(s.qtype not in GGUF_NATIVE_TYPES for s in shards)
+    if activations != "bf16" and (new_types or len({s.qtype for s in shards}) > 1):
+        # K-quants, Q5_*, mixed types: records per gguf_records.FORMS
+        repacked = gguf_records.repack_shards(shards)
+        if repacked is None:
+            raise ValueError(f"no record form for GGUF types "
+                             f"{', '.join(sorted({QType(s.qtype).name for s in shards}))}")
+        rows, in_features = sum(s.shape[0] for s in shards), shards[0].shape[1]
+        linear = Int4Linear.from_records(
+            repacked[:2], in_features, rows, 1 if repacked[1] == q4q8_gemv.FORMAT_Q4 else 2,
+            activations, bias, dense_weight, dense_min_rows)
+        linear.weight_form = repacked[2]
+        return linear
+    if new_types:
+        raise ValueError("GGUF types other than Q4_0/Q4_1/Q8_0 need int8/int16 activations")
     if len({s.qtype for s in shards}) == 1:  # unpack the concatenated bytes once
         blocks = torch.cat([s.blocks for s in shards]) if len(shards) > 1 else shards[0].blocks
         rows, in_features = sum(s.shape[0] for s in shards), shards[0].shape[1]
         if activations != "bf16":  # the kernel's records straight from the bytes
             repacked = vnni.repack_gguf(blocks, shards[0].qtype, (rows, in_features))
             if repacked is not None:
-                return Int4Linear.from_records(
+                linear = Int4Linear.from_records(
                     repacked, in_features, rows, 1 if repacked[1] == q4q8_gemv.FORMAT_Q4 else 2,
                     activations, bias, dense_weight, dense_min_rows)
+                linear.weight_form = gguf_records.FORMS[QType(shards[0].qtype)]
+                return linear
         parts = [int4_codes_from_gguf(blocks, shards[0].qtype, (rows, in_features))]
     else:
         parts = [int4_codes_from_gguf(s.blocks, s.qtype, s.shape) for s in shards]

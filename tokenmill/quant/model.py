@@ -57,8 +57,10 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.dense import DenseWeight
+from tokenmill.quant.embedding import embedding_from_blocks
 from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
+from tokenmill.quant.gguf_records import RECORD_TYPES
 from tokenmill.quant.int8_dynamic import K_MULTIPLE as W8A8_K_MULTIPLE
 from tokenmill.quant.int8_dynamic import Int8DynamicWeight
 from tokenmill.quant.int8_dynamic import available as w8a8_available
@@ -79,7 +81,12 @@ DENSE_MIN_ROWS = 8
 # time: 0.79 at 8 rows, 0.89 at 12, 0.91 at 16, 1.04 at 24, 1.03 at 31 (BENCHMARKS.md,
 # "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
 VNNI_DENSE_MIN_ROWS = 20
-BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8")  # the large-batch weight (module docstring)
+# the large-batch weight (module docstring); "none": the low-bit kernels at every batch
+BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8", "none")
+# --batched-linears auto keeps no float copy of a model whose quantized linears' float
+# weights would exceed this (issue 56: resident weights about the file's bytes; an 8B
+# model's bf16 copy alone is 16 GB)
+FLOAT_COPY_LIMIT_BYTES = 1 << 30
 DEFAULT_BATCHED_LINEARS = "bf16"  # for --batched-linears auto
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
@@ -91,6 +98,7 @@ class QuantizationSummary:
     kept_float: dict[str, str] = field(default_factory=dict)  # module name -> why
     lowbit_bytes: int = 0
     dense_bytes: int = 0  # float weights kept only for the large-batch path
+    embedding: str = "float"  # the token embedding's form (embedding.py)
 
 
 def quantize_model(model: nn.Module, method: str,
@@ -104,6 +112,8 @@ def quantize_model(model: nn.Module, method: str,
     if batched_linears not in BATCHED_LINEARS:
         raise ValueError(f"unknown batched linears {batched_linears!r}; use one of "
                          f"{', '.join(BATCHED_LINEARS)}")
+    if batched_linears == "none":
+        dense_min_rows = None
     if dense_min_rows == "auto":
         vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
         dense_min_rows = (VNNI_DENSE_MIN_ROWS
@@ -136,6 +146,17 @@ def quantize_model(model: nn.Module, method: str,
         if batched_linears == "mlp-int8":  # the MLP's records at 8 bits (mlp_int8.py)
             _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
                                  lambda name, m: name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
+    if method == "none":  # a GGUF type with no kernel at all is still named (issue 56)
+        for name, module in model.named_modules():
+            shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
+            if (name.rpartition(".")[2] in TARGET_MODULES and shards
+                    and any(s.qtype not in RECORD_TYPES for s in shards)):
+                summary.kept_float[name] = _no_native_reason(module, True)
+    if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)
+        if embedding_from_blocks(model, shards):
+            summary.embedding = f"{shards[0].qtype.name} blocks, rows dequantized on lookup"
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
     summary.dense_bytes = dense_copy_bytes(model)
@@ -216,17 +237,22 @@ def resolve_method(requested: str | None, model: nn.Module,
         return requested
     if dtype in ("float32", "float", torch.float32):
         return "none"
+    fast = vnni.fast()
     for name, module in model.named_modules():
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
-                and _gguf_shards(module) is not None):
-            return "gguf-a16" if vnni.fast() else "gguf"
+                and _gguf_shards(module, RECORD_TYPES if fast else GGUF_NATIVE_TYPES)
+                is not None):
+            return "gguf-a16" if fast else "gguf"
     return "none"
 
 
 def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
-                            native_bf16: bool | None = None) -> str:
-    """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16): auto
-    is int16 for gguf-a16 on an AVX2 CPU without native bf16, else
+                            native_bf16: bool | None = None,
+                            float_copy: int | None = None) -> str:
+    """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16 |
+    mlp-int8 | none): auto is none where the float copy (`float_copy` bytes, see
+    `float_copy_bytes`) would exceed FLOAT_COPY_LIMIT_BYTES, int16 for gguf-a16 on an
+    AVX2 CPU without native bf16, else
     DEFAULT_BATCHED_LINEARS where it runs, else bf16 (`native_bf16`: whether this CPU
     has it, default cpuinfo's answer). An explicit choice that cannot run here is an
     error naming the flag."""
@@ -254,6 +280,9 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
     if requested == "mlp-int8" and not mlp_int8.available():
         raise ValueError("--batched-linears mlp-int8 needs the native kernel built with "
                          "AVX512-VNNI (q4q8_gemv.c)")
+    if requested == "auto" and float_copy is not None and float_copy > FLOAT_COPY_LIMIT_BYTES \
+            and method in (*GGUF_ACTIVATIONS, "int4", "int8"):
+        return "none"  # memory that scales: no float copy (an explicit bf16 keeps one)
     if requested == "auto":
         native = has_native_bf16() if native_bf16 is None else native_bf16
         if method == "gguf-a16" and widened.available() and not native:
@@ -282,11 +311,13 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         dense = Int8DynamicWeight(weight)
     new: QuantizedLinear
     if method in GGUF_ACTIVATIONS:
-        shards = _gguf_shards(module)
+        on_kernel = GGUF_ACTIVATIONS[method] != "bf16"
+        shards = _gguf_shards(module, RECORD_TYPES if on_kernel else GGUF_NATIVE_TYPES)
         if shards is None:
-            summary.kept_float[name] = "no Q4_0/Q4_1/Q8_0 blocks from the loader"
+            summary.kept_float[name] = _no_native_reason(module, on_kernel)
             return
         new = gguf_int4_linear(shards, bias, dense, dense_min_rows, GGUF_ACTIVATIONS[method])
+        new.gguf_types = "+".join(sorted({s.qtype.name for s in shards}))
     elif weight.shape[1] % GROUP_SIZE and method == "int4":
         summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"
         return
@@ -307,16 +338,35 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     summary.lowbit_bytes += new.lowbit_bytes()
 
 
-def _gguf_shards(module: nn.Module) -> list[Any] | None:
+def _no_native_reason(module: nn.Module, on_kernel: bool) -> str:
+    """Why a GGUF linear stays float, naming its blocks' types (the start-up log shows it)."""
+    shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
+    if not shards:
+        return "no quantized GGUF blocks from the loader"
+    names = ", ".join(sorted({s.qtype.name for s in shards}))
+    if on_kernel:
+        return f"GGUF type {names} has no native kernel: dequantized"
+    return f"GGUF type {names}: only Q4_0/Q4_1/Q8_0 run without int8/int16 activations"
+
+
+def float_copy_bytes(model: nn.Module) -> int:
+    """Bytes a bf16 copy of the target linears' weights would take (the large-batch
+    weight `--batched-linears bf16` keeps)."""
+    return sum(2 * m.weight.numel() for name, m in model.named_modules()
+               if name.rpartition(".")[2] in TARGET_MODULES
+               and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
+def _gguf_shards(module: nn.Module, types: Any = GGUF_NATIVE_TYPES) -> list[Any] | None:
     """The loader's blocks for this module, if they cover its weight's rows in order
-    with types the int4 kernel runs (Q4_0, Q4_1, Q8_0)."""
+    with `types` (the int4 kernel's Q4_0, Q4_1, Q8_0, or gguf_records.RECORD_TYPES)."""
     shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
     if not shards:
         return None
     out_features, in_features = module.weight.shape
     row = 0
     for s in shards:
-        if (s.qtype not in GGUF_NATIVE_TYPES or s.row_offset != row
+        if (s.qtype not in types or s.row_offset != row
                 or s.shape[1] != in_features or in_features % GROUP_SIZE):
             return None
         row += s.shape[0]

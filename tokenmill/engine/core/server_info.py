@@ -40,6 +40,9 @@ def server_info(llm: Any) -> dict[str, Any]:
         # each rank's weights (parameters and quantized blocks), rank 0 first
         "tensor_parallel_weight_bytes": getattr(getattr(llm, "workers", None),
                                                 "rank_parameter_bytes", None),
+        # per tensor class the GGUF types and record forms, bytes, float copies and why
+        "weights": getattr(getattr(getattr(llm, "runner", None), "model", None),
+                           "weight_forms", None),
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
         "attention_layers": _attention_layers(llm),

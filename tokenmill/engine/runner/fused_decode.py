@@ -51,6 +51,7 @@ from tokenmill.kernels import bf16_gemv
 from tokenmill.kernels import decode_step as native
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.quant.embedding import GGUFEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
 from tokenmill.quant.widened import WidenedWeight
@@ -174,7 +175,8 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
             or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
         return "rotary tables or head_dim the kernel does not take"
-    if not _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden) \
+    if not (isinstance(inner.embed_tokens, GGUFEmbedding)
+            or _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden)) \
             or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):
         return "embedding or final norm not bf16"
     if not native.available():
@@ -231,13 +233,16 @@ class FusedDecode:
         self.kv_fmt = pool.fmt if isinstance(pool, QuantizedPool) else None
         _, num_blocks, block_size, _ = (pool.data if self.kv_fmt else pool).shape
         rotary = inner.rotary_emb
+        # an embedding in GGUF blocks: each step's rows dequantized into a table of its own
+        self.gguf_embed = isinstance(inner.embed_tokens, GGUFEmbedding)
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
             inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
             bits=bits, num_blocks=num_blocks, block_size=block_size,
             max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
-            embed=inner.embed_tokens.weight.data_ptr(), cos=rotary.cos_cache.data_ptr(),
+            embed=0 if self.gguf_embed else inner.embed_tokens.weight.data_ptr(),
+            cos=rotary.cos_cache.data_ptr(),
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
             lm_head=(None if not self.lm_head_fused else head.weight.data_ptr() if self.plain
                      else head.vnni_packed.data_ptr()),
@@ -296,6 +301,10 @@ class FusedDecode:
         hidden = torch.empty((n, self.hidden), dtype=torch.bfloat16)
         logits = torch.empty((n, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
+        if self.gguf_embed:  # the step's rows as the table, the ids their row numbers
+            rows = self._model.model.embed_tokens(ids.reshape(-1)).contiguous()
+            self.record.embed = rows.data_ptr()
+            ids = torch.arange(n)
         if n == 1:
             rc = native.step(self.record, int(ids.item()), int(pos.item()),
                              int(meta.slot_mapping.item()), tables,

@@ -18,8 +18,10 @@ import torch
 
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
+from tokenmill.loaders.gguf import release_gguf_readers
 from tokenmill.quant import quantize_model, resolve_method, vnni
-from tokenmill.quant.model import resolve_batched_linears
+from tokenmill.quant.model import float_copy_bytes, resolve_batched_linears
+from tokenmill.quant.weight_report import log_report, weight_report
 from tokenmill.startup_timer import mark
 
 logger = logging.getLogger(__name__)
@@ -44,16 +46,14 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
                         load_format=load_format)
     mark("weights read")
     method = resolve_method(quantization, loaded.model, dtype)
+    float_copy = float_copy_bytes(loaded.model)
     large = resolve_batched_linears(batched_linears, method, loaded.dtype,
-                                    cpu_has_native_bf16())
+                                    cpu_has_native_bf16(), float_copy)
     summary = quantize_model(loaded.model, method, batched_linears=large)
     mark(f"linears packed as {method} (kernel cache checked)")
-    logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
-                "large batches", method, loaded.dtype, len(summary.quantized),
-                summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20, large)
-    if summary.kept_float:  # what --quantization did not reach, and why
-        shown = "; ".join(f"{name}: {why}" for name, why in list(summary.kept_float.items())[:3])
-        logger.warning("weights: %d linears kept in %s, not %s (%s%s)", len(summary.kept_float),
-                       loaded.dtype, method, shown, "; ..." if len(summary.kept_float) > 3
-                       else "")
+    if source.kind == "gguf":  # every weight is copied out: unmap the file's tensor pages
+        release_gguf_readers()
+    # what the weights occupy and in which form: logged, and on /server_info
+    loaded.model.weight_forms = weight_report(loaded.model, summary, large, float_copy)
+    log_report(loaded.model.weight_forms)
     return loaded, method

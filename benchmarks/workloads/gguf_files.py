@@ -5,8 +5,8 @@ prompt processing (one 512-token prompt, TTFT) vs `llama-bench -p 512 -n 0`; the
 in-process engine's RSS after the runs beside the file's bytes; and the weight forms
 the engine logged (which GGUF types run natively, in which record form, float copies).
 
-    .venv/bin/python benchmarks/gguf_files.py                       # the peers' files
-    .venv/bin/python benchmarks/gguf_files.py FILE.gguf ... --skip-peers
+    .venv/bin/python -m benchmarks.workloads.gguf_files                       # the peers' files
+    .venv/bin/python -m benchmarks.workloads.gguf_files FILE.gguf ... --skip-peers
 
 Default files: the embedded Q4_1, then ~/.cache/tokenmill-peers/models/smollm2-135m-
 {Q4_K_M,Q5_K_M,Q6_K,Q8_0}.gguf and llama-1b-random-Q4_K_M.gguf where they exist
@@ -24,9 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import embedded_gguf, machine, median_spread
-from peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
+from benchmarks.common import embedded_gguf, machine, median_spread
+from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers, skip
 
 MODELS = Path.home() / ".cache" / "tokenmill-peers" / "models"
 DEFAULT_FILES = ["smollm2-135m-Q4_K_M.gguf", "smollm2-135m-Q5_K_M.gguf",
@@ -81,7 +80,7 @@ def main() -> None:
     print(f"GGUF files, tokenmill default vs llama.cpp · {machine()}")
     for path in files:
         out = subprocess.run(
-            [sys.executable, __file__, "--one", path, "--prompt-len", str(args.prompt_len),
+            [sys.executable, "-m", "benchmarks.workloads.gguf_files", "--one", path, "--prompt-len", str(args.prompt_len),
              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
             check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])

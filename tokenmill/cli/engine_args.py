@@ -106,11 +106,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps as built, without CUDA graphs (on a CPU: without "
                         "the padded static-buffer path the graphs replay)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_const",
+                   const=True, default=None,
                    help="schedule and prepare step N+1 while step N computes; outputs "
                         "arrive one step later; steps that need the host's tokens first "
                         "(structured output, penalties, bad_words, prompt logprobs, "
-                        "speculative decoding) run synchronously")
+                        "speculative decoding) run synchronously (default: on with CUDA, "
+                        "off on CPU)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                   const=False, help="run every step synchronously (the CPU's default)")
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")

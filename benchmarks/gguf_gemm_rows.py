@@ -48,6 +48,7 @@ def add_rows(check: Any, row: type) -> None:
     for linear, n, k, qtype in cases:
         check.guarded(f"gguf: {qtype} {linear} {n}x{k}",
                       lambda a=(linear, n, k, qtype): _case(check, row, *a))
+        check.free()  # the case's weights went with its frame
 
 
 def _case(check: Any, row: type, linear: str, n: int, k: int, qtype: str) -> None:
@@ -86,5 +87,3 @@ def _case(check: Any, row: type, linear: str, n: int, k: int, qtype: str) -> Non
         check.rows.append(row("gguf", f"{name} vs bf16 matmul at batch 16",
                               float(f"{s16_bf16 / s16:.3g}"), "x faster",
                               note=f"{s16 * 1e6:.1f} vs {s16_bf16 * 1e6:.1f} us"))
-    del w_dense, q
-    check.free()

@@ -36,11 +36,14 @@ from unittest import mock
 
 if "--smoke" in sys.argv:  # triton reads it when a kernel is defined: before any import
     os.environ["TRITON_INTERPRET"] = "1"
+# run as a script, its own folder comes first on sys.path, and benchmarks/kernels/
+# would shadow the `kernels` package transformers imports: the repo root instead
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks import gguf_gemm_rows
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.core.llm_engine import LLMEngine
@@ -639,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         if "correctness" not in skip:
             check.guarded("correctness", lambda: check.correctness(Path(tmp)))
         if "gguf" not in skip:  # the GGUF-block kernels, one guard per case
+            from benchmarks import gguf_gemm_rows  # here: its import must not shadow `kernels`
+
             gguf_gemm_rows.add_rows(check, Row)
         if "speed" not in skip:
             check.guarded("speed", lambda: check.speed(Path(tmp)))

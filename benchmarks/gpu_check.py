@@ -647,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
             gguf_gemm_rows.add_rows(check, Row)
         if "speed" not in skip:
             check.guarded("speed", lambda: check.speed(Path(tmp)))
+        from benchmarks.gpu_check_moe import moe_rows  # issue 59
+
+        check.guarded("moe", lambda: moe_rows(check, Path(tmp), sys.modules[__name__]))
     name = device_name(device)
     print_table(name, check.rows)
     if args.json:

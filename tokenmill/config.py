@@ -11,7 +11,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its text part only (models/gemma3.py)
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass
@@ -37,6 +42,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     sliding_window: int | None = None
+    # Gemma 3 (models/gemma3.py): per layer "sliding_attention" or "full_attention";
+    # the local layers' RoPE base; queries scaled by query_pre_attn_scalar ** -0.5
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    # Mixture-of-Experts (models/moe.py); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size is the dense MLPs'
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers kept dense
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -46,13 +64,41 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.architecture in MOE_ARCHITECTURES:
+            if self.num_experts < 1:
+                raise ValueError(f"{self.architecture} needs num_experts >= 1, "
+                                 f"got {self.num_experts}")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                                 f"between 1 and num_experts ({self.num_experts})")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError("moe_intermediate_size and decoder_sparse_step must be >= 1")
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Layer `index` has a routed MoE block instead of a dense MLP (Qwen3-MoE's rule)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to the whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
+        if cfg.get("model_type") in ("gemma3", "gemma3_text") or \
+                (archs and archs[0].startswith("Gemma3")):
+            from tokenmill.config_gemma3 import gemma3_config
+
+            return gemma3_config(cls, cfg)
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
         }.get(cfg.get("model_type", ""), str(cfg.get("model_type")))
         n_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -73,12 +119,29 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            **_moe_fields(arch, cfg),
         )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Hugging Face config: Qwen3-MoE's names, or Mixtral's (whose
+    experts are intermediate_size wide and always renormalized over the top k)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    return {"num_experts": experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 0),
+            "moe_intermediate_size": cfg.get("moe_intermediate_size") or 0,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": cfg.get("decoder_sparse_step") or 1,
+            "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ())}
 
 
 # --kv-cache-dtype values (vLLM's names, plus int8); "fp8" is e4m3, as in vLLM

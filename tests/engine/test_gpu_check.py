@@ -37,6 +37,8 @@ def test_smoke_fills_every_row(tmp_path):
                      "fp8 batch 1 decode", "fp8 vs float32 at batch 1", "fp8 batch 64 decode",
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
                      "async vs sync scheduling at batch 64",
+                     "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
+                     "MoE batch 64 decode",
                      *(f"gguf {t} " for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))):
         assert any(c.startswith(expected) for c in checks), expected
     by_check = {r["check"]: r for r in rows}
@@ -48,6 +50,8 @@ def test_smoke_fills_every_row(tmp_path):
     assert len(gguf) == 12  # 4 cases: error, bandwidth, ratio to bf16
     assert all(float(r["value"]) < 2e-2 for r in gguf if "dequantization" in r["check"])
     assert json.loads(out.read_text())["rows"] == rows  # written as it went
+    assert float(by_check["fused MoE kernel vs grouped experts"]["value"]) < 1e-5
     table = proc.stdout.strip().splitlines()[:-1]
-    assert len([line for line in table if line.startswith(("machine", "correctness", "gguf", "speed"))]) \
+    sections = ("machine", "correctness", "gguf", "speed")
+    assert len([line for line in table if line.startswith(sections)]) \
         == len(rows)

@@ -88,3 +88,30 @@ def test_same_model_from_preset_config_json_and_gguf(smollm2_gguf):
     assert from_gguf.default_bits.embedding == 8.5
     assert from_gguf.default_bits.weight_bytes(from_gguf.arch) == 96_576_768
     assert from_gguf.notes == ()
+
+
+def test_gemma3_presets_count_their_window_pattern():
+    """Gemma 3: every 6th layer global, the others keep W tokens; 270M has 268M parameters
+    (the issue's figure for the real file) and its q/k norms and four norms per layer."""
+    small = ModelArch.from_config(preset_config("gemma3-270m"))
+    assert round(small.total_params() / 1e6) == 268
+    assert sum(w is None for w in small.layer_windows) == 3
+    per_layer = small.kv_elements_per_token_per_layer() * 2  # bf16: 1 KiB
+    assert small.kv_bytes_at_context(4096, 2) == (3 * 4096 + 15 * 512) * per_layer
+    big = ModelArch.from_config(preset_config("gemma-3-27b"))
+    assert sum(w is None for w in big.layer_windows) == 10 and big.head_dim == 128
+    assert big.kv_bytes_at_context(32768, 2) < 0.2 * big.kv_bytes_per_token(2) * 32768
+
+
+def test_gemma3_released_config_with_only_a_pattern():
+    cfg = {k: v for k, v in preset_config("gemma-3-1b").items() if k != "layer_types"}
+    arch = ModelArch.from_config({**cfg, "sliding_window_pattern": 6})
+    assert arch.layer_windows == ModelArch.from_config(preset_config("gemma-3-1b")).layer_windows
+
+
+def test_phi3_presets():
+    mini = ModelArch.from_config(preset_config("phi-3-mini"))
+    assert round(mini.total_params() / 1e9, 2) == 3.82
+    assert set(mini.layer_windows) == {2047}
+    medium = ModelArch.from_config(preset_config("phi-3-medium"))
+    assert round(medium.total_params() / 1e9, 1) == 14.0 and medium.num_kv_heads == 10

@@ -66,8 +66,20 @@ class _Stream:
         return self.events
 
 
-def test_kill_9_of_the_core_is_503_at_once_and_ends_streams_with_an_error():
+def test_kill_9_of_the_core_ends_streams_with_an_error_and_the_server_exits_non_zero():
+    """The default, as vLLM: the front end exits so a supervisor restarts the pair."""
     srv = start_server("smollm2-135m", "--max-num-seqs", "4")
+    stream = _Stream(srv)
+    os.kill(_core_pid(srv), signal.SIGKILL)
+    events = stream.join()
+    assert events[-1] == "[DONE]" and "SIGKILL" in events[-2]["error"]["message"]
+    assert srv.proc.wait(60) == 1
+    assert "exiting so that a supervisor restarts" in srv.log()
+
+
+def test_kill_9_of_the_core_is_503_at_once_and_ends_streams_with_an_error():
+    srv = start_server("smollm2-135m", "--max-num-seqs", "4",
+                       "--keep-serving-after-engine-death")
     try:
         core = _core_pid(srv)
         stream = _Stream(srv)

@@ -27,6 +27,7 @@ LAYERS = [
     "version",  # __version__
     "cache",  # where built kernels and downloads live
     "cpuinfo",  # what this CPU can do
+    "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
     "config",  # the engine's dataclasses
     "sampling_params",  # what a request asks for
     "sequence",  # one request's tokens and state, shared by the engine's parts

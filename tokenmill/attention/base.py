@@ -78,6 +78,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """q: (T, num_heads, head_dim); k, v: this step's (T, num_kv_heads, head_dim),
-        already in the caches. Returns (T, num_heads, head_dim)."""
+        already in the caches. Returns (T, num_heads, head_dim). sliding_window: a
+        local layer's W, query q seeing key k iff 0 <= q - k < W (None: all keys up
+        to q); layers pass it only in steps where some sequence is longer than W."""

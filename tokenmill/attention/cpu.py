@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import kv_cache_shape, store_kv_torch
+from tokenmill.attention.window import windowed_paged_attention
 from tokenmill.kernels import paged_decode as native
 
 
@@ -406,9 +407,14 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan | _Decode
 
 def paged_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
     """q (T, heads, d); k, v (T, kv_heads, d) this step's keys/values (already stored
-    in the caches). Returns (T, heads, d)."""
+    in the caches). Returns (T, heads, d). A local layer in a step where some sequence
+    is past its window (sliding_window set) reads just the window's blocks and masks
+    in torch (attention/window.py): the native kernels take no lower key bound."""
+    if sliding_window is not None:
+        return windowed_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
     plan = meta.plan
     if plan is None:  # a caller without a model runner: plan here, once for all layers
         plan = meta.plan = plan_step(meta, k_cache)

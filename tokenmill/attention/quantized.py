@@ -116,7 +116,12 @@ class QuantizedKVBackend(AttentionBackend):
                        meta.slot_mapping, self.fmt)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedPool,
-                v_cache: QuantizedPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: QuantizedPool, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        if sliding_window is not None:  # a local layer: its blocks dequantized, then masked
+            plan = meta.plan if isinstance(meta.plan, _Plan) else _Plan(meta)
+            return _dequantized(q, k, v, k_cache, v_cache, plan.compact(), scale, False,
+                                sliding_window)
         return attend(q, k, v, k_cache, v_cache, meta, scale, reference=self.reference)
 
 
@@ -152,7 +157,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Quantized
 
 def _dequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedPool,
                  v_cache: QuantizedPool, compact: _Compact, scale: float,
-                 cpu: bool) -> torch.Tensor:
+                 cpu: bool, sliding_window: int | None = None) -> torch.Tensor:
     """The step's attention over a bf16 copy of just the blocks it reads (`compact`)."""
     blocks = compact.blocks
     k_deq = kv_quant.dequantize(k_cache.data.index_select(1, blocks),
@@ -160,6 +165,10 @@ def _dequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Qua
     v_deq = kv_quant.dequantize(v_cache.data.index_select(1, blocks),
                                 v_cache.scale.index_select(1, blocks), q.dtype)
     sub = replace(compact.meta, plan=None)  # the bf16 paths plan per layer here
+    if sliding_window is not None:
+        from tokenmill.attention.window import windowed_paged_attention
+
+        return windowed_paged_attention(q, k_deq, v_deq, sub, scale, sliding_window)
     if cpu:
         from tokenmill.attention.cpu import paged_attention_fast
 

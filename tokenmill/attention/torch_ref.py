@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.window import windowed_causal_attention, windowed_paged_attention
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -45,7 +46,9 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        if sliding_window is not None:
+            return windowed_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
 
@@ -80,8 +83,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """All T tokens form one causal sequence. Returns (T, num_heads, head_dim)."""
+    if sliding_window is not None and q.shape[0] > sliding_window:
+        return windowed_causal_attention(q, k, v, scale, sliding_window)
     out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, is_causal=True)
     return out.transpose(0, 1)
 

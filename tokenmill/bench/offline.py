@@ -164,6 +164,7 @@ class OfflineTarget:
             "num_preemptions": diff("num_preemptions"),
             "prefix_cache_hits": diff("prefix_cache_hits"),
             "prefix_cache_queries": diff("prefix_cache_queries"),
+            "moe_expert_bytes": diff("moe_expert_bytes"),
             "wall_time_s": wall_time_s,
             "step_time_share": {p: v / wall_time_s for p, v in time_s.items()}
             if wall_time_s > 0 else {},
@@ -172,7 +173,7 @@ class OfflineTarget:
 
 def _stats_dict(stats) -> dict[str, Any]:
     fields = ("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
-              "prefix_cache_hits", "prefix_cache_queries")
+              "prefix_cache_hits", "prefix_cache_queries", "moe_expert_bytes")
     d = {f: getattr(stats, f, 0) or 0 for f in fields}
     d["time_s"] = dict(getattr(stats, "time_s", {}) or {})
     return d

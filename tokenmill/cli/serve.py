@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from tokenmill.startup_timer import mark
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engine-hang-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat or output from the engine core after "
                    "which /health says 503 and in-flight requests fail")
+    g.add_argument("--keep-serving-after-engine-death", action="store_true",
+                   help="when the engine core dies, keep answering 503 instead of exiting "
+                   "non-zero (the default, as vLLM: a supervisor restarts the server)")
     g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="send usage.prompt_tokens_details.cached_tokens (default on, as "
@@ -58,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic"],
                    help="the format the model writes its tool calls in (vLLM's names)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split the model's <think>...</think> reasoning into "
+                   "reasoning_content (chat) and a reasoning item (/v1/responses)")
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="responses kept for GET /v1/responses/{id} and previous_response_id "
+                   "(least recently used evicted first; 0 stores none)")
     g.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore unknown request fields with a warning instead of a 400")
     g.add_argument("--log-level", default="info", choices=_LOG_LEVELS)
@@ -69,6 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--trust-remote-code", action="store_true",
                    help="accepted; a checkpoint that needs its own Python code is refused "
                    "either way (tokenmill runs only its built-in architectures)")
+    v.add_argument("--revision", default=None,
+                   help="a Hub model's branch, tag or commit (default: main)")
+    v.add_argument("--download-dir", default=None,
+                   help="where Hub models are cached (default: HF_HUB_CACHE / HF_HOME's)")
+    v.add_argument("--gguf-file", default=None,
+                   help="a GGUF repo on the Hub: the file to serve (or ORG/NAME:QUANT)")
     v.add_argument("--metrics-prefix", default="tokenmill", choices=["tokenmill", "vllm"],
                    help="'vllm': /metrics under vLLM's names and labels (vllm:...)")
     v.add_argument("--generation-config", default="auto",
@@ -89,6 +105,7 @@ _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mark("interpreter, CLI imports, flags parsed")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise SystemExit("--max-waiting must be non-negative")
     if args.engine_hang_timeout <= 0:
@@ -100,18 +117,35 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_stream_backlog is not None and args.max_stream_backlog < 1:
         raise SystemExit("--max-stream-backlog must be at least 1")
     try:
+        _fetch_hub_model(args)
         serving_config = _serving_config(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    mark("model resolved, server flags checked")
+    if args.engine_in_process:
+        _check_startup_choices(args)
+        return _serve_in_process(args, serving_config, api_keys)
+    return _serve_with_core_process(args, serving_config, api_keys)
+
+
+def _check_startup_choices(args: argparse.Namespace) -> None:
     from tokenmill.engine.core.builder import check_startup_choices
 
     try:  # BackendUnavailable: exit 2
         check_startup_choices(engine_config_from_args(args))
     except ValueError as e:  # e.g. a --tensor-parallel-size the model does not split
         raise SystemExit(f"tokenmill serve: error: {e}") from None
-    if args.engine_in_process:
-        return _serve_in_process(args, serving_config, api_keys)
-    return _serve_with_core_process(args, serving_config, api_keys)
+    mark("engine imports, start-up choices checked")
+
+
+def _prepare_front_end(args: argparse.Namespace) -> None:
+    """The front end's own start-up, done while the engine core loads: the same
+    checks the core makes (a usage error exits 2 here, the core is killed), and
+    the HTTP stack's imports (FastAPI, the routes)."""
+    _check_startup_choices(args)
+    import tokenmill.server.api  # noqa: F401 - imported now, used once the core is ready
+
+    mark("HTTP stack imported")
 
 
 def _backlog(args: argparse.Namespace) -> dict:
@@ -155,12 +189,13 @@ def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any,
 def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
                              api_keys: list[str]) -> int:
     from tokenmill.engine.frontend.core_client import CoreClient, CoreStartError
+    from tokenmill.server.engine_watchdog import exit_on_engine_death
 
     try:
         # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
         client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
                             hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level,
-                            **_backlog(args))
+                            while_loading=lambda: _prepare_front_end(args), **_backlog(args))
     except CoreStartError as e:
         logging.getLogger(__name__).error("%s", e)
         return 1
@@ -170,15 +205,18 @@ def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
         # done, uvicorn re-raises the signal to the handler it found installed:
         # that is this one, so we go on to exit 0 instead of dying of SIGTERM.
         server = _uvicorn_server(args, client, serving_config, api_keys)
+        mark("HTTP app built (FastAPI, routes)")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
+        engine_died = (lambda: False) if args.keep_serving_after_engine_death else \
+            exit_on_engine_death(server, client.dead_reason)
         try:
             server.run()
         except SystemExit:  # uvicorn's exit(3) when it cannot bind: ours is 1
             pass
     finally:
         client.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine_died() else 1
 
 
 def _serve_in_process(args: argparse.Namespace, serving_config: Any,
@@ -205,9 +243,31 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any,
     http = threading.Thread(target=serve_http, name="tokenmill-http")
     http.start()
     engine.run()
+    died = engine.health()[0] is False and not server.should_exit
+    if died and not args.keep_serving_after_engine_death:  # see engine_watchdog.py
+        logging.getLogger(__name__).error("the engine loop died: exiting")
+        server.should_exit = True
     while http.is_alive():  # the engine died: keep answering 503 until told to stop
         http.join(0.5)
-    return 0 if server.started else 1
+    return 1 if died else (0 if server.started else 1)
+
+
+def _fetch_hub_model(args: argparse.Namespace) -> None:
+    """A model named by its Hub id (not a path, not a built-in name): fetched
+    (cache first), then served from its local copy under the name ORG/NAME."""
+    from tokenmill.loaders.hub import fetch_model, looks_like_hub_id
+    from tokenmill.loaders.model_source import EMBEDDED_MODELS
+
+    hub_flags = [f for f in ("revision", "download_dir", "gguf_file") if getattr(args, f)]
+    if args.model.lower() in EMBEDDED_MODELS or not looks_like_hub_id(args.model):
+        if hub_flags:
+            raise ValueError(f"--{hub_flags[0].replace('_', '-')} is for a model named by its "
+                             f"Hugging Face Hub id (ORG/NAME); {args.model!r} is not one")
+        return
+    repo_id = args.model
+    args.model = str(fetch_model(repo_id, args.revision, args.download_dir, args.gguf_file))
+    if args.served_model_name is None:
+        args.served_model_name = [repo_id.partition(":")[0]]
 
 
 def api_keys_of(flags: list[str] | None, environ: Any) -> list[str]:
@@ -223,7 +283,7 @@ def _serving_config(args: argparse.Namespace) -> Any:
     from tokenmill.loaders.model_source import resolve_model
     from tokenmill.server.chat_template import load_chat_template
     from tokenmill.server.generation_config import load_generation_defaults
-    from tokenmill.server.serving import ServingConfig
+    from tokenmill.server.serving_config import ServingConfig
 
     source = resolve_model(args.model)
     refuse_remote_code(source)
@@ -237,7 +297,8 @@ def _serving_config(args: argparse.Namespace) -> Any:
         generation_defaults=load_generation_defaults(args.generation_config, source),
         chat_template=load_chat_template(args.chat_template),
         chat_template_content_format=args.chat_template_content_format,
-        log_prompts=args.log_prompts)
+        log_prompts=args.log_prompts, reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size)
 
 
 def refuse_remote_code(source: Any) -> None:

@@ -1,5 +1,5 @@
 """Old entry point kept for command lines written before the layout of issue #55:
-`python -m tokenmill.distributed.worker ...` runs `tokenmill.engine.executor.worker`.
+`python -m tokenmill.engine.executor.worker ...` runs `tokenmill.engine.executor.worker`.
 
 Run by name, not imported: distributed/ sits below engine/ (docs/architecture.md).
 """

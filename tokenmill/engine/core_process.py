@@ -1,5 +1,5 @@
 """Old entry point kept for supervisors and scripts written before the layout of
-issue #55: `python -m tokenmill.engine.core_process ...` runs the engine core,
+issue #55: `python -m tokenmill.engine.frontend.core_process ...` runs the engine core,
 tokenmill.engine.frontend.core_process (which `tokenmill serve` itself starts)."""
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ BUILD_TIMEOUT_S = 120
 
 
 def flag_sets() -> tuple[tuple[list[str], list[str]], ...]:
-    """FLAG_SETS in the order to try on this CPU."""
-    return FLAG_SETS if STRICT_FIRST_WITHOUT <= cpu_flags() else FLAG_SETS[::-1]
+    """FLAG_SETS in the order to try on this CPU; TOKENMILL_SANITIZE=address adds
+    AddressSanitizer (`make asan`; the process must preload libasan)."""
+    sets = FLAG_SETS if STRICT_FIRST_WITHOUT <= cpu_flags() else FLAG_SETS[::-1]
+    sanitizer = os.environ.get("TOKENMILL_SANITIZE")
+    if sanitizer:
+        extra = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g", "-O1"]
+        sets = tuple(([f for f in c if f != "-O3"] + extra, link + [f"-fsanitize={sanitizer}"])
+                     for c, link in sets)
+    return sets
 
 
 def enabled() -> bool:
@@ -115,7 +122,7 @@ def _build(compiler: str, source: Path, flags: tuple[list[str], list[str]]) -> P
         for cmd in ([compiler, "-c", str(source), "-o", obj, *compile_flags],
                     [compiler, obj, "-o", tmp, *link_flags]):
             result = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                                    timeout=BUILD_TIMEOUT_S)
+                                    timeout=BUILD_TIMEOUT_S * (5 if "-g" in cmd else 1))
             if result.returncode != 0:
                 logger.info("building native kernel %s failed: %s\n%s", source.name,
                             " ".join(cmd), result.stderr[-2000:])

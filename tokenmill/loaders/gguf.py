@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import re
+import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,12 +32,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileTy
 from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.loaders.errors import ModelLoadError
+from tokenmill.loaders.gguf_checks import check_gguf
+from tokenmill.loaders.gguf_moe import MOE_BLOCK_NAMES, moe_config
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",  # `llama` with expert_count is Mixtral (gguf_moe.py)
 }
 # architectures whose q/k rows llama.cpp's converter permutes
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -58,16 +63,29 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    **MOE_BLOCK_NAMES,
 }
+# Gemma 3 keeps four norms per layer: its ffn_norm is the pre-MLP norm
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; transformers (and
+# tokenmill's Hugging Face path) hold w, so the loader subtracts the 1 again
+_NORM_PLUS_ONE_ARCHS = {"gemma3"}
 _UNQUANTIZED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, as llama.cpp stores it
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        module = _BLOCK_NAMES.get(m.group(2))
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch or "", {})}
+        module = names.get(m.group(2))
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}" if module else None
     base, _, suffix = gguf_name.rpartition(".")
     module = _GLOBAL_NAMES.get(base)
@@ -82,6 +100,8 @@ class GGUFTensor:
     shape: tuple[int, ...]  # Hugging Face order, e.g. (out_features, in_features)
     # rows of `raw` in Hugging Face order (q/k of llama-arch files); None: as stored
     row_order: np.ndarray | None = None
+    # added to every dequantized value (Gemma's norms: -1, see _NORM_PLUS_ONE_ARCHS)
+    value_offset: float = 0.0
 
     @property
     def is_quantized(self) -> bool:
@@ -97,6 +117,8 @@ class GGUFTensor:
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
         arr = gguf_dequantize(self._rows(), self.qtype).reshape(self.shape)
+        if self.value_offset:
+            arr = arr + np.float32(self.value_offset)
         return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
 
     load = dequantize  # the loader's name for "this tensor, in float"
@@ -116,7 +138,11 @@ class GGUFTensor:
             shape[0] = length
             return GGUFTensor(self.hf_name, self.qtype, self.raw[start:start + length],
                               tuple(shape))
-        if dim != 1 or len(shape) != 2:
+        if len(shape) == 3 and dim == 1:  # stacked experts: these rows of every expert
+            shape[1] = length
+            return GGUFTensor(self.hf_name, self.qtype, self.raw[:, start:start + length],
+                              tuple(shape))
+        if dim != len(shape) - 1 or len(shape) not in (2, 3):
             raise ValueError(f"{self.hf_name}: cannot slice dim {dim} of a {len(shape)}-d tensor")
         block, block_bytes = (1, 1) if not self.is_quantized else GGML_QUANT_SIZES[self.qtype]
         if start % block or length % block:
@@ -126,8 +152,8 @@ class GGUFTensor:
                              "boundaries")
         # a typed array (F32 / F16) is cut in elements, a block type in bytes
         a, b = start // block * block_bytes, (start + length) // block * block_bytes
-        raw = self.raw[:, a:b]
-        return GGUFTensor(self.hf_name, self.qtype, raw, (shape[0], length), self.row_order)
+        raw = self.raw[..., a:b]
+        return GGUFTensor(self.hf_name, self.qtype, raw, (*shape[:-1], length), self.row_order)
 
 
 @contextlib.contextmanager
@@ -140,7 +166,8 @@ def gguf_errors(path: Path, what: str) -> Iterator[None]:
     except FileNotFoundError:
         raise ModelLoadError(f"GGUF file {path} does not exist") from None
     except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError,
-            OverflowError, MemoryError, NotImplementedError, AttributeError) as e:
+            OverflowError, MemoryError, NotImplementedError, AttributeError,
+            ZeroDivisionError, struct.error) as e:
         raise ModelLoadError(f"cannot {what} GGUF file {path}: the file looks corrupt or "
                              f"truncated ({type(e).__name__}: {e})") from None
 
@@ -164,12 +191,8 @@ class _FastGGUFReader(GGUFReader):
 
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    reader = _FastGGUFReader(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "
-                                 f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
-    return reader
+    check_gguf(Path(path))  # untrusted bytes: every size, offset and count (gguf_checks.py)
+    return _FastGGUFReader(path)
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -220,7 +243,7 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", get("expert_feed_forward_length"))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
@@ -235,6 +258,10 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch == "gemma3":
+        _gemma3_fields(cfg, get)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    cfg.update(moe_config(get, arch, shapes, hidden, cfg["num_hidden_layers"], path))
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
@@ -256,6 +283,24 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _gemma3_fields(cfg: dict[str, Any], get: Any) -> None:
+    """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the
+    local layers' RoPE base 10k, queries scaled by (hidden / heads) ** -0.5 on the
+    62-layer 27B and by head_dim ** -0.5 on the others (llama-model.cpp)."""
+    window = get("attention.sliding_window")
+    if window is None:
+        raise ModelLoadError("gemma3 GGUF file lacks gemma3.attention.sliding_window")
+    layers = cfg["num_hidden_layers"]
+    cfg.update(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window),
+        sliding_window_pattern=6,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=(cfg["hidden_size"] // cfg["num_attention_heads"]
+                               if layers == 62 else cfg["head_dim"]),
+    )
+
+
 def _unpermute_index(num_rows: int, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf's LlamaModel.permute, as the stored row of each
     Hugging Face row: HF row i is stored row order[i]."""
@@ -271,10 +316,11 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
     cfg = gguf_config_dict(path)
     arch = cfg["model_type"]
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    norm_offset = -1.0 if arch in _NORM_PLUS_ONE_ARCHS else 0.0
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # already in the config as rope_scaling
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has no place in a "
                                  f"{cfg['architectures'][0]}")
@@ -283,7 +329,9 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
         order = None
         if arch in _PERMUTED_QK_ARCHS and module in heads:
             order = _unpermute_index(shape[0], heads[module])
-        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order)
+        offset = norm_offset if name.endswith("norm.weight") else 0.0
+        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order,
+                         offset)
 
 
 @dataclass

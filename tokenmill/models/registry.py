@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.moe import MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 

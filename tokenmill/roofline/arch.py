@@ -30,7 +30,8 @@ class ModelArch:
     intermediate_size: int
     tie_word_embeddings: bool
     max_position_embeddings: int | None = None
-    qk_norm: bool = False  # Qwen3: RMSNorm over q and k per head
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over q and k per head
+    sandwich_norms: bool = False  # Gemma 3: norms before and after attention and MLP
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     # MoE; num_experts == 0 means dense
     num_experts: int = 0
@@ -74,7 +75,8 @@ class ModelArch:
             intermediate_size=int(_get(config, "intermediate_size", default=4 * hidden)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=_get(config, "max_position_embeddings"),
-            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            sandwich_norms=config.get("model_type") in ("gemma3", "gemma3_text"),
             attention_bias=bool(config.get("attention_bias",
                                            config.get("model_type") in ("qwen2", "qwen2_moe"))),
             num_experts=num_experts,
@@ -131,7 +133,7 @@ class ModelArch:
 
     def layer_small_params(self) -> int:
         """Norms and biases of one layer (kept in 16/32-bit even in quantized checkpoints)."""
-        small = 2 * self.hidden_size  # input and post-attention RMSNorm
+        small = (4 if self.sandwich_norms else 2) * self.hidden_size  # the RMSNorms
         if self.qk_norm:
             small += 2 * self.head_dim
         if self.attention_bias:
@@ -252,6 +254,9 @@ def _layer_windows(config: dict, layers: int) -> tuple[int | None, ...]:
     layer_types = config.get("layer_types")
     if layer_types and window:
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    pattern = config.get("sliding_window_pattern")
+    if window and pattern:  # Gemma 3's released configs: every pattern-th layer global
+        return tuple(None if (i + 1) % int(pattern) == 0 else int(window) for i in range(layers))
     if window and config.get("use_sliding_window", True):
         max_window_layers = config.get("max_window_layers")
         if max_window_layers is not None and "use_sliding_window" in config:

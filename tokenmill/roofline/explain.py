@@ -31,6 +31,7 @@ from tokenmill.roofline.cost_model import (
 )
 from tokenmill.roofline.hardware import ALIASES, CATALOG, bandwidth_basis
 from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
+from tokenmill.roofline.moe_explain import expert_sharing_why, moe_note
 
 KV_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "int8": "int8",
              "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
@@ -302,6 +303,8 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
                      "it shared: a lower bound on the kernel's own MFU")
 
     engine_view = _engine_view(engine, arch, bits, machine, context, prompt_len, kv_bpe)
+    if arch.is_moe:
+        notes.append(moe_note(arch, bits, batch, engine))
     if any(part and part.get("fraction_of_floor", 0) > 1.05
            for part in (decode, prefill, engine_view)):
         notes.append("a measured time beats its floor: the hardware figures are too low "
@@ -473,6 +476,8 @@ def _bigger_batch(run: _Run, reason: str) -> Lever | None:
         return None
     why = (f"{reason}: floor throughput {fmt.tok_s(now)} → {fmt.tok_s(then)} tok/s; KV for "
            f"{run.report.max_batch:,} sequences of {run.context:,} tokens fits")
+    if run.arch.is_moe:
+        why = f"{why}; {expert_sharing_why(run.arch, run.bits, run.batch, target)}"
     allowed = _num(run.server, "max_num_seqs")
     if allowed is not None and allowed >= target:
         # the server already admits that many: the load, not the flag, kept the batch small

@@ -6,6 +6,29 @@ Only the fields the architecture counts need are kept; each is copied from the m
 
 from __future__ import annotations
 
+
+def _gemma3(vocab_size: int, hidden_size: int, intermediate_size: int, layers: int, heads: int,
+            kv_heads: int, head_dim: int, window: int, max_position: int) -> dict:
+    """A Gemma 3 text config: 5 sliding layers then 1 global, tied embeddings."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "sliding_window": window,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "max_position_embeddings": max_position,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+
+
 PRESETS: dict[str, dict] = {
     "smollm2-135m": {
         "_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -146,9 +169,80 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     },
+    # Gemma 3: every 6th layer global (layer_types), the rest a sliding window
+    "gemma-3-270m": {
+        "_name_or_path": "google/gemma-3-270m",
+        **_gemma3(vocab_size=262144, hidden_size=640, intermediate_size=2048, layers=18,
+                  heads=4, kv_heads=1, head_dim=256, window=512, max_position=32768),
+    },
+    "gemma-3-1b": {
+        "_name_or_path": "google/gemma-3-1b-it",
+        **_gemma3(vocab_size=262144, hidden_size=1152, intermediate_size=6912, layers=26,
+                  heads=4, kv_heads=1, head_dim=256, window=512, max_position=32768),
+    },
+    "gemma-3-4b": {
+        "_name_or_path": "google/gemma-3-4b-it (text_config)",
+        **_gemma3(vocab_size=262208, hidden_size=2560, intermediate_size=10240, layers=34,
+                  heads=8, kv_heads=4, head_dim=256, window=1024, max_position=131072),
+    },
+    "gemma-3-12b": {
+        "_name_or_path": "google/gemma-3-12b-it (text_config)",
+        **_gemma3(vocab_size=262208, hidden_size=3840, intermediate_size=15360, layers=48,
+                  heads=16, kv_heads=8, head_dim=256, window=1024, max_position=131072),
+    },
+    "gemma-3-27b": {
+        "_name_or_path": "google/gemma-3-27b-it (text_config)",
+        **_gemma3(vocab_size=262208, hidden_size=5376, intermediate_size=21504, layers=62,
+                  heads=32, kv_heads=16, head_dim=128, window=1024, max_position=131072),
+    },
+    # Phi-3: the 4k-context releases, whose config.json sets sliding_window 2047
+    "phi-3-mini": {
+        "_name_or_path": "microsoft/Phi-3-mini-4k-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "phi-3-medium": {
+        "_name_or_path": "microsoft/Phi-3-medium-4k-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 5120,
+        "intermediate_size": 17920,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 10,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 ALIASES = {
+    "gemma3-270m": "gemma-3-270m",
+    "gemma-3-270m-it": "gemma-3-270m",
+    "gemma3-1b": "gemma-3-1b",
+    "gemma-3-1b-it": "gemma-3-1b",
+    "gemma3-4b": "gemma-3-4b",
+    "gemma-3-4b-it": "gemma-3-4b",
+    "gemma3-12b": "gemma-3-12b",
+    "gemma-3-12b-it": "gemma-3-12b",
+    "gemma3-27b": "gemma-3-27b",
+    "gemma-3-27b-it": "gemma-3-27b",
+    "phi3-mini": "phi-3-mini",
+    "phi-3-mini-4k-instruct": "phi-3-mini",
+    "phi3-medium": "phi-3-medium",
+    "phi-3-medium-4k-instruct": "phi-3-medium",
     "smollm2": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
     "llama3-8b": "llama-3-8b",

@@ -15,11 +15,12 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,6 +29,9 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's 1-2-5 buckets for token counts and request parameters
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+_N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
 PREFIXES = ("tokenmill", "vllm")
 
@@ -66,6 +70,9 @@ class _EngineStatsCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
                     st.kv_cache_usage)
+        # vLLM's older name of the same, which its Grafana dashboard still reads
+        yield gauge("gpu_cache_usage_perc", "KV-cache usage (the name vLLM's dashboard "
+                    "reads; the same as kv_cache_usage_perc).", st.kv_cache_usage)
         yield gauge("kv_cache_committed_bytes", "Bytes of KV-cache blocks ever used: what "
                     "the lazily touched pool adds to RSS so far.",
                     getattr(st, "kv_cache_committed_bytes", 0))
@@ -79,6 +86,12 @@ class _EngineStatsCollector(Collector):
                       st.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens admitted.", st.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", st.generation_tokens)
+        iteration = getattr(st, "iteration_tokens", None)
+        if iteration is not None:
+            h = HistogramMetricFamily(f"{self.prefix}:iteration_tokens_total",
+                                      "Tokens run per engine step.", labels=labels)
+            h.add_metric(values, iteration.cumulative(), float(iteration.total))
+            yield h
         # speculative decoding, named as vLLM's spec_decode_* metrics
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
                       st.spec_proposed_tokens)
@@ -98,7 +111,8 @@ class ServerMetrics:
     RSS, CPU and open fds are exported as tokenmill_engine_core_process_*."""
 
     def __init__(self, get_stats: Callable[[], Any], model_name: str,
-                 prefix: str = "tokenmill", core_pid: int | None = None) -> None:
+                 prefix: str = "tokenmill", core_pid: int | None = None,
+                 cache_config: dict[str, Any] | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry(auto_describe=True)
@@ -131,25 +145,65 @@ class ServerMetrics:
                                "Arrival to first scheduled.", _LATENCY_BUCKETS_S)
         self.prefill = histogram("request_prefill_time_seconds",
                                  "First scheduled to first token.", _LATENCY_BUCKETS_S)
+        # vLLM's older name of the inter-token latency, still on its dashboard
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Time between consecutive outputs of a request (the same as "
+                              "inter_token_latency_seconds).", _ITL_BUCKETS_S)
+        self.decode = histogram("request_decode_time_seconds",
+                                "First token to the last.", _LATENCY_BUCKETS_S)
+        self.inference = histogram("request_inference_time_seconds",
+                                   "First scheduled to the last token.", _LATENCY_BUCKETS_S)
+        self.prompt_tokens = histogram("request_prompt_tokens",
+                                       "Prompt tokens of each finished request.", _TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens",
+                                           "Tokens generated for each finished request (all "
+                                           "its n samples).", _TOKEN_BUCKETS)
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens",
+                                               "Tokens of a request's longest sample.",
+                                               _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n of each finished request.",
+                                  _N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "The max_tokens of each finished request.",
+                                           _TOKEN_BUCKETS)
+        if cache_config is not None:  # an info metric: its labels say it, the value is 1
+            info = Gauge(f"{prefix}:cache_config_info", "The KV-cache configuration.",
+                         [*labels, *cache_config], registry=self.registry)
+            info.labels(*self._values, *map(str, cache_config.values())).set(1)
 
     def observe_gap(self, gap_s: float) -> None:
         self.itl.labels(*self._values).observe(gap_s)
+        self.tpot.labels(*self._values).observe(gap_s)
 
     def observe_aborted(self) -> None:
         self.request_success.labels(*self._values, "abort").inc()
 
-    def observe_finished(self, output: Any) -> None:
-        """Record one finished RequestOutput (once per request, as vLLM counts)."""
+    def observe_finished(self, output: Any, max_tokens: int | None = None) -> None:
+        """Record one finished RequestOutput (once per request, as vLLM counts);
+        `max_tokens`: the request's limit, if it set one."""
         reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
-        self.request_success.labels(*self._values, reason).inc()
+        values = self._values
+        self.request_success.labels(*values, reason).inc()
+        lengths = [len(c.token_ids) for c in output.outputs]
+        self.prompt_tokens.labels(*values).observe(len(output.prompt_token_ids or ()))
+        self.generation_tokens.labels(*values).observe(sum(lengths))
+        self.max_generation_tokens.labels(*values).observe(max(lengths, default=0))
+        self.params_n.labels(*values).observe(max(1, len(output.outputs)))
+        if max_tokens is not None:
+            self.params_max_tokens.labels(*values).observe(max_tokens)
         m = output.metrics
         if m is None:
             return
-        values = self._values
         if m.first_token_time is not None:
             self.ttft.labels(*values).observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.finished_time is not None:
             self.e2e.labels(*values).observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.decode.labels(*values).observe(
+                    max(0.0, m.finished_time - m.first_token_time))
+            if m.first_scheduled_time is not None:
+                self.inference.labels(*values).observe(
+                    max(0.0, m.finished_time - m.first_scheduled_time))
         if m.first_scheduled_time is not None:
             self.queue.labels(*values).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:

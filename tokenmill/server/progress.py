@@ -13,8 +13,10 @@ from tokenmill.server.metrics import ServerMetrics
 
 
 class Progress:
-    def __init__(self, n: int, metrics: ServerMetrics, object_name: str) -> None:
+    def __init__(self, n: int, metrics: ServerMetrics, object_name: str,
+                 max_tokens: int | None = None) -> None:
         self.object = object_name  # of the stream's chunks
+        self.max_tokens = max_tokens  # the request's, for request_params_max_tokens
         self.created = int(time.time())
         self.text_len = [0] * n
         self.num_tokens = [0] * n
@@ -56,7 +58,7 @@ class Progress:
             self.metrics.observe_gap(now - self.last_output_time)
         self.last_output_time = now
         if out.finished:
-            self.metrics.observe_finished(out)
+            self.metrics.observe_finished(out, self.max_tokens)
 
     def end(self, stream: RequestStream, engine: EngineClient) -> None:
         """The consumer is done; a request that did not finish is aborted and counted."""

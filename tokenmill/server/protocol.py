@@ -362,8 +362,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # deprecated alias, still sent
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     # SGLang's reasoning switches (vllm-router adds them to every chat request): they act
-    # only with a reasoning parser, which tokenmill does not have, so as in SGLang
-    # without --reasoning-parser no output holds reasoning_content, whatever they say
+    # only with --reasoning-parser, as in SGLang. separate_reasoning false: the reasoning
+    # stays in content; include_reasoning false: it is dropped; stream_reasoning false:
+    # it is streamed in one delta once the </think> is read
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
@@ -478,6 +479,7 @@ class ToolCallOut(_Model):
 class ChatResponseMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser only
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -501,6 +503,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser only
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's partial tool-call deltas
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from tokenmill.engine.core.outputs import RequestOutput
+from tokenmill.engine.core.server_info import server_info
 from tokenmill.engine.core.validation import RequestError, RequestValidator
 from tokenmill.engine.frontend.engine_client import EngineClient
 from tokenmill.engine.frontend.request_stream import (
@@ -35,6 +35,9 @@ from tokenmill.server.constraints import check_compiles, with_constraints
 from tokenmill.server.errors import APIError, check_text
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.progress import Progress
+from tokenmill.server.reasoning import get_reasoning_parser
+from tokenmill.server.responses.store import ResponseStore
+from tokenmill.server.serving_config import ServingConfig
 from tokenmill.server.streams import Part, merge
 from tokenmill.server.tokenizer_pool import TokenizerPool, max_token_bytes
 from tokenmill.server.tool_calls import ToolPlan, template_knows_tools
@@ -47,26 +50,6 @@ MAX_PROMPTS = 2048  # per completion request, as OpenAI
 # apply_chat_template arguments the server sets itself
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "chat_template", "tokenize", "return_dict",
                              "add_generation_prompt", "continue_final_message", "tools"}
-
-
-@dataclass
-class ServingConfig:
-    """What `tokenmill serve` flags change in the responses."""
-
-    # usage.prompt_tokens_details.cached_tokens; on by default (vLLM: off unless
-    # --enable-prompt-tokens-details) because OpenAI always sends it
-    enable_prompt_tokens_details: bool = True
-    tokenizer_workers: int = 2  # threads that tokenize, render and detokenize
-    metrics_prefix: str = "tokenmill"  # or "vllm": vLLM's metric names and labels
-    # --generation-config: sampling defaults for the fields a request leaves unset
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None  # --chat-template: replaces the model's own
-    # --chat-template-content-format: how message content reaches the template
-    chat_template_content_format: str = "auto"  # auto | string | openai
-    # --enable-auto-tool-choice --tool-call-parser NAME: parse tool_choice "auto" output
-    tool_call_parser: str | None = None
-    allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them, with a warning
-    log_prompts: bool = False  # --log-prompts: prompt text in the log (never otherwise)
 
 
 class Serving:
@@ -89,7 +72,8 @@ class Serving:
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         self.metrics = ServerMetrics(lambda: engine.stats, self.model_name,
                                      self.config.metrics_prefix,
-                                     core_pid=getattr(engine, "core_pid", None))
+                                     core_pid=getattr(engine, "core_pid", None),
+                                     cache_config=cache_config_of(llm))
         self.chat_template = template_of(self.tokenizer, self.config.chat_template)
         self.content_format = content_format(self.config.chat_template_content_format,
                                              self.chat_template)
@@ -103,6 +87,9 @@ class Serving:
             self.tokenizer, self.vocab_size, getattr(llm, "eos_token_ids", ()))
         self.template_knows_tools = template_knows_tools(self.chat_template)
         self._token_text: dict[int, str] = {}
+        self.reasoning_parser = get_reasoning_parser(self.config.reasoning_parser) \
+            if self.config.reasoning_parser else None
+        self.responses = ResponseStore(self.config.responses_store_size)
 
     # ---- request validation and rendering ------------------------------------------
 
@@ -229,8 +216,8 @@ class Serving:
 
     # ---- the engine ----------------------------------------------------------------
 
-    def progress(self, n: int, object_name: str) -> Progress:
-        return Progress(n, self.metrics, object_name)
+    def progress(self, n: int, object_name: str, max_tokens: int | None = None) -> Progress:
+        return Progress(n, self.metrics, object_name, max_tokens)
 
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams,
@@ -267,7 +254,8 @@ class Serving:
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 stream = await self.submit(rid, ids, params, arrival_time)
-                parts.append(Part(stream, self.progress(params.n, object_name), prompt,
+                progress = self.progress(params.n, object_name, params.max_tokens)
+                parts.append(Part(stream, progress, prompt,
                                   i * params.n))
         except BaseException:
             for part in parts:
@@ -326,6 +314,20 @@ class Serving:
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            total_tokens=prompt_tokens + completion_tokens,
                            prompt_tokens_details=details)
+
+
+def cache_config_of(llm: Any) -> dict[str, Any] | None:
+    """The KV-cache settings for cache_config_info, with vLLM's label names."""
+    info = getattr(llm, "server_info", None)
+    if not isinstance(info, dict):
+        try:
+            info = server_info(llm)
+        except AttributeError:  # an engine without a config (a test double)
+            return None
+    return {"block_size": info.get("block_size"), "cache_dtype": info.get("kv_cache_dtype"),
+            "enable_prefix_caching": info.get("enable_prefix_caching"),
+            "num_gpu_blocks": info.get("num_kv_blocks"),
+            "kv_cache_memory_bytes": info.get("kv_cache_memory_bytes")}
 
 
 def get_serving(request: Request) -> Serving:

@@ -16,11 +16,12 @@ earlier tool calls and results rendered into the text, and null content as "".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as p
 from tokenmill.server.errors import APIError
 from tokenmill.tools import JsonArrayParser, NamedParser, ToolParser, get_parser
@@ -147,3 +148,19 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def with_tools(params: SamplingParams, tools: ToolPlan | None) -> SamplingParams:
+    """`params` constrained as the plan asks, and keeping the special tokens its parser reads."""
+    if tools is None:
+        return params
+    if tools.constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output already; "
+                           f"drop {params.structured_outputs.param}",
+                           param=params.structured_outputs.param)
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+            tools.constraint, param="tools"))
+    if tools.parser is not None and tools.parser.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params

@@ -27,9 +27,9 @@ from tokenmill.attention.triton.plan import TritonPlan, build_plan
 # under the interpreter fp32 and small head dims serve tests and tiny models
 # (bf16 dots are wrong under the interpreter: bf16 is proven by compilation)
 CUDA_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-CUDA_HEAD_DIMS = (64, 128)
+CUDA_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3
 INTERPRETER_DTYPES = (torch.float16, torch.float32)
-INTERPRETER_HEAD_DIMS = (16, 32, 64, 128)
+INTERPRETER_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _interpreting() -> bool:
@@ -96,14 +96,14 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         _, decode, prefill = _kernels()
         plan = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, heads, head_dim)
         if plan.num_decodes:
-            decode.paged_decode(q, k_cache, v_cache, out, plan, scale)
+            decode.paged_decode(q, k_cache, v_cache, out, plan, scale, sliding_window)
         if plan.num_tiles:
-            prefill.paged_prefill(q, k_cache, v_cache, out, plan, scale)
+            prefill.paged_prefill(q, k_cache, v_cache, out, plan, scale, sliding_window)
         return out

@@ -17,6 +17,7 @@ import triton.language as tl
 from tokenmill.attention.triton.plan import (
     DECODE_BLOCK_H,
     DECODE_BLOCK_N,
+    NO_WINDOW,
     REDUCE_CHUNK,
     TritonPlan,
     launch_options,
@@ -30,10 +31,11 @@ from tokenmill.kernels.spec import KernelSpec
 _PART_STRIDES = ["stride_pd", "stride_ph", "stride_ps"]
 
 
-@triton.jit(do_not_specialize=["group", "block_size", "split_len", "stride_bt", *_PART_STRIDES])
+@triton.jit(do_not_specialize=["group", "block_size", "split_len", "window", "stride_bt",
+                               *_PART_STRIDES])
 def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                   decode_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-                  scale_log2, group, block_size, split_len,
+                  scale_log2, group, block_size, split_len, window,
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_head,
                   stride_bt, stride_pd, stride_ph, stride_ps,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -48,8 +50,10 @@ def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse
     b = tl.load(decode_seqs_ptr + i)
     row = tl.load(query_start_ptr + b)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * split_len
-    end = tl.minimum(seq_len, start + split_len)
+    # a local layer sees the last `window` keys (NO_WINDOW: all): a split wholly before
+    # them is empty and the reduce gives it no weight
+    end = tl.minimum(seq_len, split * split_len + split_len)
+    start = tl.maximum(split * split_len, seq_len - window)
     d = tl.arange(0, HEAD_DIM)
 
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -97,8 +101,11 @@ def reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, decode_seqs_ptr, query_star
         part = i * stride_pd + h * stride_ph + s * stride_ps  # (CHUNK,)
         lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lse, 0))  # the first split always holds keys
-        w = tl.exp2(lse - m_new)  # empty splits: 0
-        alpha = tl.exp2(m - m_new)
+        # empty splits (past the end, or before a sliding window) weigh 0; while every
+        # split so far is empty m_new is -inf, and exp2(-inf - -inf) would be NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_safe)
+        alpha = tl.exp2(m - m_safe)
         o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
                     mask=(s < used)[:, None], other=0.0)  # (CHUNK, D)
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
@@ -109,8 +116,10 @@ def reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, decode_seqs_ptr, query_star
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor, plan: TritonPlan, scale: float) -> None:
-    """Attention of the plan's decode rows of q (T, heads, D) into the same rows of out."""
+                 out: torch.Tensor, plan: TritonPlan, scale: float,
+                 sliding_window: int | None = None) -> None:
+    """Attention of the plan's decode rows of q (T, heads, D) into the same rows of out;
+    sliding_window: each row sees only its last that many keys."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -128,7 +137,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_o, part_lse,
         plan.decode_seqs, plan.query_start_loc, plan.seq_lens, plan.block_tables,
         scale * 1.4426950408889634, group, plan.block_size, plan.split_len,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        sliding_window or NO_WINDOW, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), *part_strides,
         HEAD_DIM=head_dim, BLOCK_H=DECODE_BLOCK_H, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
         **launch_options("decode"))
@@ -148,7 +157,7 @@ def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "decode_seqs_ptr": "*i32",
            "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
            "scale_log2": "fp32", "group": i32, "block_size": i32, "split_len": i32,
-           **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot",
+           "window": i32, **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot",
                             "stride_head", "stride_bt", "stride_pd", "stride_ph", "stride_ps"],
                            i32),
            **dict.fromkeys(["HEAD_DIM", "BLOCK_H", "BLOCK_N", "SPLIT"],

@@ -26,6 +26,9 @@ MAX_SPLITS = 64
 # them: at batch 1 (Llama-3-8B shapes, 512 keys) 16-24 programs on an H200's 132 SMs
 MIN_SPLIT_TOKENS = DECODE_BLOCK_N
 REDUCE_CHUNK = 16  # splits the reduce combines at a time (it reads only those with keys)
+# the `window` the kernels get for a layer without a sliding window: larger than any
+# position, so q - k < window always holds (and int32-safe in their arithmetic)
+NO_WINDOW = 1 << 30
 NUM_WARPS = 4
 NUM_STAGES = 2
 

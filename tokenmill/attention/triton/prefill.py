@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.triton.plan import (
+    NO_WINDOW,
     PREFILL_BLOCK_M,
     PREFILL_BLOCK_N,
     TritonPlan,
@@ -24,10 +25,10 @@ from tokenmill.attention.triton.tile import attend_tile, kv_tile_offsets
 from tokenmill.kernels.spec import KernelSpec
 
 
-@triton.jit(do_not_specialize=["group", "block_size", "stride_bt"])
+@triton.jit(do_not_specialize=["group", "block_size", "window", "stride_bt"])
 def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seqs_ptr, tile_starts_ptr,
                    query_start_ptr, seq_lens_ptr, block_tables_ptr,
-                   scale_log2, group, block_size,
+                   scale_log2, group, block_size, window,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_head,
                    stride_bt,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -52,14 +53,18 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seqs_ptr, tile
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    # keys before ctx + m0 (the tile's first query) are visible to every row
+    # keys before ctx + m0 (the tile's first query) are causally visible to every row;
+    # a local layer (window < NO_WINDOW) starts at the first key its first row sees
+    # and masks q_pos - pos >= window in every tile
     full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    first = (tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(first, full_end, BLOCK_N):
         pos, valid, offs = kv_tile_offsets(table, n0, seq_len, block_size, kv_head,
                                            stride_slot, stride_head, HEAD_DIM, BLOCK_N)
         k = tl.load(k_cache_ptr + offs).to(q.dtype)  # every position < full_end <= seq_len
         v = tl.load(v_cache_ptr + offs).to(q.dtype)
-        m, l, acc = attend_tile(q, k, v, m, l, acc, valid[None, :], scale_log2)
+        visible = valid[None, :] & (q_pos[:, None] - pos[None, :] < window)
+        m, l, acc = attend_tile(q, k, v, m, l, acc, visible, scale_log2)
     # the diagonal: up to the tile's last query position
     end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
     for n0 in range(full_end, end, BLOCK_N):
@@ -67,7 +72,8 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seqs_ptr, tile
                                            stride_slot, stride_head, HEAD_DIM, BLOCK_N)
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) \
+            & (q_pos[:, None] - pos[None, :] < window)
         m, l, acc = attend_tile(q, k, v, m, l, acc, visible, scale_log2)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -76,14 +82,15 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seqs_ptr, tile
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  out: torch.Tensor, plan: TritonPlan, scale: float) -> None:
+                  out: torch.Tensor, plan: TritonPlan, scale: float,
+                  sliding_window: int | None = None) -> None:
     """Attention of the plan's prefill rows of q (T, heads, D) into the same rows of out."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
     prefill_kernel[(plan.num_tiles, num_heads)](
         q, k_cache, v_cache, out, plan.tile_seqs, plan.tile_starts, plan.query_start_loc,
         plan.seq_lens, plan.block_tables, scale * 1.4426950408889634, group, plan.block_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
+        sliding_window or NO_WINDOW, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
         k_cache.stride(2), plan.block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
         **launch_options("prefill"))
@@ -96,7 +103,7 @@ def compile_specs(dtype: str, head_dim: int) -> list[KernelSpec]:
     sig = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
            "tile_seqs_ptr": "*i32", "tile_starts_ptr": "*i32", "query_start_ptr": "*i32",
            "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "scale_log2": "fp32",
-           "group": i32, "block_size": i32,
+           "group": i32, "block_size": i32, "window": i32,
            **dict.fromkeys(["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot",
                             "stride_head", "stride_bt"], i32),
            **dict.fromkeys(["HEAD_DIM", "BLOCK_M", "BLOCK_N"], "constexpr")}

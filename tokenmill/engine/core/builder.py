@@ -24,6 +24,11 @@ from tokenmill.engine.core.stop_checker import StopChecker
 from tokenmill.engine.core.validation import RequestValidator
 from tokenmill.engine.executor.worker_group import check_tensor_parallel, start_workers
 from tokenmill.engine.runner.rank_model import build_rank_model
+from tokenmill.kvcache.attention_groups import (
+    AttentionGroups,
+    attention_groups,
+    log_attention_groups,
+)
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import ModelSource, load_tokenizer, resolve_model
@@ -79,6 +84,7 @@ class EngineParts:
     stop_checker: StopChecker
     validator: RequestValidator
     speculator: Any  # engine/speculative: None unless --speculative
+    attention_groups: AttentionGroups  # sliding / global layers and their KV bytes
 
 
 def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
@@ -124,6 +130,9 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
                 "(%.0f MiB)", source.name, loaded.dtype, runner.backend.name,
                 rank.num_blocks, block_size, runner.kv_cache_bytes / 2**20)
+    groups = attention_groups(loaded.config, runner.kv_cache_bytes // max(rank.num_blocks, 1),
+                              block_size)
+    log_attention_groups(logger, groups, rank.max_model_len)
     log_expected_rss(baseline_rss_bytes, loaded.model, device, runner.kv_cache_bytes,
                      block_manager)
     return EngineParts(
@@ -136,7 +145,7 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         stop_checker=StopChecker(eos, rank.max_model_len, detokenizer),
         validator=RequestValidator(tokenizer, loaded.config.vocab_size, rank.max_model_len,
                                    rank.context_note, block_manager.max_tokens_that_fit),
-        speculator=speculator)
+        speculator=speculator, attention_groups=groups)
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

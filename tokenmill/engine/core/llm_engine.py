@@ -248,4 +248,5 @@ class LLMEngine:
         return None if self.workers is None else self.workers.dead_worker()
 
     def get_stats(self) -> EngineStats:
-        return self.stats.refresh(self.scheduler, self.block_manager, self.speculator)
+        return self.stats.refresh(self.scheduler, self.block_manager, self.speculator,
+                                  self.runner.model)

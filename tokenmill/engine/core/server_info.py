@@ -42,4 +42,12 @@ def server_info(llm: Any) -> dict[str, Any]:
                                                 "rank_parameter_bytes", None),
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
+        "attention_layers": _attention_layers(llm),
     }
+
+
+def _attention_layers(llm: Any) -> dict[str, Any] | None:
+    """Sliding / global layers and the KV bytes per sequence (kvcache/attention_groups.py)."""
+    groups = getattr(llm, "attention_groups", None)
+    max_len = getattr(llm, "max_model_len", None)
+    return groups.describe(max_len) if groups is not None and max_len else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.core.iteration_tokens import IterationTokens
 from tokenmill.engine.core.phase_timer import STEP_PHASES
 
 
@@ -27,6 +28,8 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
+    # MoE: routed-expert weight bytes read (rank 0, CPU path; models/moe.py)
+    moe_expert_bytes: int = 0
     # --async-scheduling: steps during which the next one was scheduled (the rest
     # ran synchronously: see engine/core/overlap.py for when)
     num_async_steps: int = 0
@@ -34,6 +37,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+    # tokens run per step, as a cumulative histogram (vLLM's iteration_tokens_total)
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
 
     @property
     def mean_decode_batch(self) -> float:
@@ -53,6 +58,7 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["time_s"] = dict(self.time_s)
+        d["iteration_tokens"] = self.iteration_tokens.as_dict()
         d["mean_decode_batch"] = self.mean_decode_batch
         d["spec_acceptance_rate"] = self.spec_acceptance_rate
         d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
@@ -62,6 +68,7 @@ class EngineStats:
         """A scheduled step's prefill and decode tokens, counted before it runs
         (the sequences' computed counts are not advanced yet)."""
         self.num_steps += 1
+        self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
         for item in batch.scheduled:
             seq = item.seq
             if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -69,7 +76,8 @@ class EngineStats:
             else:
                 self.num_prefill_tokens += item.num_new_tokens
 
-    def refresh(self, scheduler: Any, block_manager: Any, speculator: Any) -> EngineStats:
+    def refresh(self, scheduler: Any, block_manager: Any, speculator: Any,
+                model: Any = None) -> EngineStats:
         """The gauges read afresh from the scheduler, the block manager and the
         speculator (the counters are kept as the steps run)."""
         bm = block_manager
@@ -83,6 +91,10 @@ class EngineStats:
         self.prefix_cache_queries = bm.prefix_cache_queries
         self.prefix_cache_hits = bm.prefix_cache_hits
         self.num_preemptions = scheduler.num_preemptions
+        if getattr(model, "is_moe", False):
+            from tokenmill.models.moe import expert_bytes_read
+
+            self.moe_expert_bytes = expert_bytes_read(model)
         if speculator is not None:
             spec = speculator.stats
             self.spec_proposed_tokens = spec.num_proposed_tokens

@@ -29,6 +29,7 @@ from tokenmill.distributed.parallel_state import (
     destroy_parallel,
     init_parallel,
 )
+from tokenmill.engine.executor.join_watch import TeedWorker, join_watching
 from tokenmill.loaders import ModelSource, load_model_config, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def check_shapes(config: ModelConfig, world_size: int) -> None:
     problems = [(config.num_attention_heads, "num_attention_heads"),
                 (config.intermediate_size, "intermediate_size"),
                 (config.vocab_size, "vocab_size")]
+    if config.num_experts:  # MoE: every expert's intermediate dimension is split (models/moe.py)
+        problems.append((config.moe_intermediate_size, "moe_intermediate_size"))
     for size, what in problems:
         if size % n:
             raise ValueError(f"--tensor-parallel-size {n} does not divide the model's {what} "
@@ -79,7 +82,7 @@ def cpu_threads_per_rank(launch: LaunchConfig) -> int:
 
 
 class WorkerGroup:
-    def __init__(self, launch: LaunchConfig, procs: dict[int, subprocess.Popen],
+    def __init__(self, launch: LaunchConfig, procs: dict[int, TeedWorker],
                  tp: ParallelState) -> None:
         self.launch = launch
         self.procs = procs  # rank -> process, the workers on this node
@@ -167,8 +170,8 @@ def start_workers(config: EngineConfig, source: ModelSource,
     procs = {rank: _spawn(launch, rank, threads, device.type)
              for rank in launch.local_ranks if rank != 0}
     try:
-        tp = init_parallel(0, launch.world_size, launch.master_addr, launch.master_port,
-                           own_device)
+        tp = join_watching(lambda: init_parallel(0, launch.world_size, launch.master_addr,
+                                                 launch.master_port, own_device), procs)
         tp.broadcast_object(config)
     except BaseException:
         for proc in procs.values():
@@ -185,8 +188,7 @@ def worker_command(launch: LaunchConfig, rank: int, device_kind: str) -> list[st
             "--parent-pid", str(os.getpid())]
 
 
-def _spawn(launch: LaunchConfig, rank: int, threads: int, device_kind: str
-           ) -> subprocess.Popen:
+def _spawn(launch: LaunchConfig, rank: int, threads: int, device_kind: str) -> TeedWorker:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    return subprocess.Popen(worker_command(launch, rank, device_kind), env=env)
+    return TeedWorker(worker_command(launch, rank, device_kind), env)

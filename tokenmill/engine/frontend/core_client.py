@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +48,10 @@ from tokenmill.engine.frontend.request_stream import (
     EngineUnavailableError,
     RequestStream,
 )
-from tokenmill.loaders import load_tokenizer, resolve_model
+from tokenmill.loaders.model_source import resolve_model
+from tokenmill.loaders.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.startup_timer import mark
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,10 @@ class CoreClient(Admission):
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  hang_timeout_s: float = 10.0, stuck_after_s: float = 120.0,
                  log_level: str = "info",
-                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG) -> None:
+                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
+                 while_loading: Callable[[], None] | None = None) -> None:
+        """`while_loading`: the caller's own start-up work, run while the core loads
+        (its exception kills the core and propagates)."""
         self.max_waiting = max_waiting
         self.max_stream_backlog = max_stream_backlog
         self.hang_timeout_s = hang_timeout_s
@@ -94,9 +100,14 @@ class CoreClient(Admission):
              "--log-level", log_level],
             # not in our process group: Ctrl-C is the front end's to handle (drain first)
             start_new_session=True)
+        mark("engine core spawned")
         try:
+            if while_loading is not None:
+                while_loading()
             tokenizer = load_tokenizer(resolve_model(config.model))  # while the core loads
+            mark("front-end tokenizer loaded")
             ready = self._wait_ready()
+            mark("engine core ready")
         except BaseException:
             self._kill_core()
             self._close_sockets()
@@ -185,6 +196,11 @@ class CoreClient(Admission):
         for stream in streams:
             if stream is not None:
                 stream.put(Aborted())
+
+    def dead_reason(self) -> str | None:
+        """Why the engine core process is gone; None while it lives (a hang is not death)."""
+        with self._lock:
+            return self._dead_reason
 
     def health(self) -> tuple[bool, str]:
         with self._lock:

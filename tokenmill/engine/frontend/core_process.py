@@ -40,6 +40,7 @@ from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.server_info import server_info
 from tokenmill.engine.core.validation import RequestError
 from tokenmill.engine.frontend import core_messages as m
+from tokenmill.startup_timer import mark
 
 logger = logging.getLogger("tokenmill.engine.core")
 
@@ -98,6 +99,7 @@ class EngineCore:
     def run(self) -> None:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
         self.outbox.send(m.encoder.encode(self.ready()))
+        mark("core: ready sent")
         while True:
             busy = self.engine.has_unfinished_requests()
             acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)
@@ -229,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    mark("core: interpreter, imports (torch)")
     engine = LLMEngine(config, detokenize=False)
+    mark("core: engine built")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)

@@ -257,7 +257,11 @@ class FusedDecode:
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
         reason = unsupported_reason(model, backend, kv_caches)
         if reason is not None:
-            logger.debug("batch-1 decode runs the module path: %s", reason)
+            if getattr(model, "is_moe", False):  # models/moe.py: say it once, at info
+                logger.info("MoE model: decode runs the module path (routed experts grouped "
+                            "by expert); the fused native decode step has no MoE layer")
+            else:
+                logger.debug("batch-1 decode runs the module path: %s", reason)
             return None
         assert isinstance(model, LlamaForCausalLM)
         return cls(model, kv_caches)

@@ -20,6 +20,7 @@ from tokenmill.engine.runner.model_runner import ModelRunner
 from tokenmill.engine.runner.weights import load_engine_model
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import LoadedModel, ModelSource
+from tokenmill.startup_timer import mark
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
                          enforce_eager=config.enforce_eager, capture_graphs=capture)
     if config.cache.prefault:
         runner.pool.zero_blocks(list(range(num_blocks)))
+    mark("KV cache allocated, model runner built (kernels, warm-up)")
     return RankModel(loaded, quantization, runner, num_blocks, max_model_len, context_note)
 
 

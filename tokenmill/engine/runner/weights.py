@@ -20,6 +20,7 @@ from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.quant import quantize_model, resolve_method, vnni
 from tokenmill.quant.model import resolve_batched_linears
+from tokenmill.startup_timer import mark
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,12 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
     """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
     loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
                         load_format=load_format)
+    mark("weights read")
     method = resolve_method(quantization, loaded.model, dtype)
     large = resolve_batched_linears(batched_linears, method, loaded.dtype,
                                     cpu_has_native_bf16())
     summary = quantize_model(loaded.model, method, batched_linears=large)
+    mark(f"linears packed as {method} (kernel cache checked)")
     logger.info("weights: %s in %s; %d linears low-bit (%.0f MiB), %.0f MiB %s kept for "
                 "large batches", method, loaded.dtype, len(summary.quantized),
                 summary.lowbit_bytes / 2**20, summary.dense_bytes / 2**20, large)

@@ -1,0 +1,101 @@
+"""Routing and the routed experts' math, reading only the experts a step chose.
+
+`route`: softmax over the E router logits in float32, top-k, renormalized to sum
+to 1 when the family does (Mixtral always; Qwen3-MoE with norm_topk_prob).
+
+`grouped_experts`: the step's T * k (token, expert) pairs sorted by expert; each
+active expert's w13 and w2 are then used once for all the tokens routed to it
+(a GEMV at decode's few rows, a GEMM in a prefill chunk), so a decode step moves
+the union of the chosen experts' bytes and nothing of the others. On the GPU
+the same grouping runs as one Triton launch per projection
+(kernels/triton_moe.py).
+
+Where native GGUF kernels plug in: the per-expert `_linear` below takes the
+expert's slice of the stack (E, rows, cols); a K-quant kernel (the K-quant
+issue's, tokenmill/kernels) would take the expert's rows of the file's blocks
+(E, rows, bytes_per_row) the same way, one call per active expert. Until then a
+GGUF's experts are dequantized to the model's dtype at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import bf16_gemv
+from tokenmill.models.layers import silu_and_mul
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":  # bf16 rows: one streamed read of this expert's weight
+        y = bf16_gemv.linear(x, weight)
+        if y is not None:
+            return y
+    return F.linear(x, weight)
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (T, k) -> (order: the flat (token, slot) indices sorted by expert (T * k,),
+    counts: tokens per expert (E,))."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts)
+
+
+@dataclass
+class ExpertTraffic:
+    """What the routed experts of one layer read, counted on the CPU path (the GPU path
+    would need a host sync per layer to count): tokens routed and expert weight bytes."""
+
+    tokens: int = 0
+    expert_reads: int = 0  # active experts summed over calls
+    bytes_read: int = 0
+
+    def record(self, tokens: int, active: int, bytes_per_expert: int) -> None:
+        self.tokens += tokens
+        self.expert_reads += active
+        self.bytes_read += active * bytes_per_expert
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor,
+                    traffic: ExpertTraffic | None = None) -> torch.Tensor:
+    """x (T, H); w13 (E, 2I, H); w2 (E, H, I); weights, ids (T, k) -> (T, H) in x's dtype:
+    sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    if x.device.type == "cuda":  # one Triton launch per projection, no host sync
+        from tokenmill.kernels.triton_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids)
+    tokens_n, top_k = ids.shape
+    order, counts = sort_by_expert(ids, w13.shape[0])
+    token_of = order // top_k  # (T * k,) the token of each sorted pair
+    # each pair's output lands in its own row, then a token's k rows are summed: no
+    # scatter-add (slow and order-dependent on the CPU)
+    pairs = x.new_empty(tokens_n * top_k, x.shape[1])  # (T * k, H), row t * k + slot
+    start = 0
+    counts_list = counts.tolist()  # one host sync per layer, not per expert
+    if traffic is not None:
+        traffic.record(tokens_n, sum(n > 0 for n in counts_list),
+                       w13[0].nbytes + w2[0].nbytes)
+    for expert, n in enumerate(counts_list):
+        if n == 0:
+            continue  # not routed this step: its weights are not read
+        rows = order[start:start + n]
+        h = silu_and_mul(_linear(x[token_of[start:start + n]], w13[expert]))  # (n, I)
+        pairs[rows] = _linear(h, w2[expert])  # (n, H)
+        start += n
+    weighted = pairs.view(tokens_n, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1)  # (T, H)

@@ -46,7 +46,7 @@ def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
     moe = {"fused_moe_gate_up", "fused_moe_down"}  # and their e4m3 variants, sm_89+
     dtypes, targets = ("bf16", "fp16"), ("sm_80", "sm_90")
     got = {(r["kernel"], r["dtype"], r["head_dim"], r["target"]) for r in results}
-    assert got == ({(k, dt, d, t) for k in per_head for dt in dtypes for d in (64, 128)
+    assert got == ({(k, dt, d, t) for k in per_head for dt in dtypes for d in (64, 128, 256)
                     for t in targets}
                    | {(k, dt, 0, t) for k in layer_ops | gguf for dt in dtypes for t in targets}
                    | {(k, dt, 0, t) for k in moe for dt in dtypes for t in targets}

@@ -629,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                         "correctness, speed, gguf")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - {"correctness", "speed", "gguf"}:
+        parser.error(f"--skip: unknown part(s) {sorted(skip - {'correctness', 'speed', 'gguf'})}")
     if args.smoke:
         device, plan = torch.device("cpu"), SMOKE_PLAN
     elif torch.cuda.is_available():

@@ -36,6 +36,10 @@ from unittest import mock
 
 if "--smoke" in sys.argv:  # triton reads it when a kernel is defined: before any import
     os.environ["TRITON_INTERPRET"] = "1"
+# run as a script, its own folder comes first on sys.path, and benchmarks/kernels/
+# would shadow the `kernels` package transformers imports: the repo root instead
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
@@ -115,6 +119,7 @@ class Check:
     matmul_tflop_s: float = 0.0
     printed: int = 0  # rows already shown as progress
     profile: bool = False  # print a batch-1 step's kernels by device time
+    out: Path | None = None  # --out: the rows so far as JSON, rewritten after each part
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -365,6 +370,9 @@ class Check:
             print(f"[gpu_check] {r.section} | {r.check} | {r.value} {r.unit} | {r.floor} | "
                   f"{r.vs_floor} | {r.note}", file=sys.stderr, flush=True)
         self.printed = len(self.rows)
+        if self.out is not None:  # a run cut off still leaves its rows on disk
+            self.out.write_text(json.dumps({"device": device_name(self.device),
+                                            "rows": [asdict(r) for r in self.rows]}))
 
     def engine(self, path: Path, quantization: str | None, eager: bool,
                async_scheduling: bool = False) -> LLMEngine:
@@ -615,19 +623,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print a batch-1 decode step's kernels by device time")
     parser.add_argument("--json", action="store_true",
                         help='end with one JSON line: {"device": ..., "rows": [...]}')
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the rows as JSON to this file as each part ends")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
+                        "correctness, speed, gguf")
     args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - {"correctness", "speed", "gguf"}:
+        parser.error(f"--skip: unknown part(s) {sorted(skip - {'correctness', 'speed', 'gguf'})}")
     if args.smoke:
         device, plan = torch.device("cpu"), SMOKE_PLAN
     elif torch.cuda.is_available():
         device, plan = torch.device("cuda"), GPU_PLAN
     else:
         parser.error("no CUDA device; run with --smoke for the CPU version")
-    check = Check(device, plan, profile=args.profile)
+    check = Check(device, plan, profile=args.profile, out=args.out)
     with tempfile.TemporaryDirectory() as tmp:
         check.hardware()  # the floors need it: no guard
         check.progress()
-        check.guarded("correctness", lambda: check.correctness(Path(tmp)))
-        check.guarded("speed", lambda: check.speed(Path(tmp)))
+        if "correctness" not in skip:
+            check.guarded("correctness", lambda: check.correctness(Path(tmp)))
+        if "gguf" not in skip:  # the GGUF-block kernels, one guard per case
+            from benchmarks import gguf_gemm_rows  # here: its import must not shadow `kernels`
+
+            gguf_gemm_rows.add_rows(check, Row)
+        if "speed" not in skip:
+            check.guarded("speed", lambda: check.speed(Path(tmp)))
         from benchmarks.gpu_check_moe import moe_rows  # issue 59
 
         check.guarded("moe", lambda: moe_rows(check, Path(tmp), sys.modules[__name__]))

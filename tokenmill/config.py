@@ -269,8 +269,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs for decode (and on a CPU no static-buffer decode path)
     enforce_eager: bool = False
-    # vLLM's name: schedule step N+1 while step N computes (engine/overlap.py)
-    async_scheduling: bool = False
+    # vLLM's name: schedule step N+1 while step N computes (engine/core/overlap.py);
+    # None: on with CUDA, off on CPU (engine/core/async_default.py)
+    async_scheduling: bool | None = None
     # check the block manager and prefix cache after every step (slow; for debugging)
     debug_kv_integrity: bool = False
     # speculative decoding (tokenmill/engine/speculative, docs/speculative.md)
@@ -316,7 +317,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not run under tensor parallelism "
                              "yet: drop --speculative or use --tensor-parallel-size 1")
-        if self.tensor_parallel_size > 1 and self.async_scheduling:
+        if self.tensor_parallel_size > 1 and self.async_scheduling is True:
             # the workers take each step's input ids from rank 0's broadcast, and under
             # async scheduling some of those are still on rank 0's device
             raise ValueError("--async-scheduling does not run under tensor parallelism "

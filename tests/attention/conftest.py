@@ -32,7 +32,12 @@ def _import_interpreted() -> str | None:
         from triton.runtime.interpreter import InterpretedFunction
 
         from tokenmill.attention.triton import decode, prefill, store_kv
-        from tokenmill.kernels import triton_fp8_gemm, triton_layer_ops, triton_moe
+        from tokenmill.kernels import (
+            triton_fp8_gemm,
+            triton_gguf_gemm,
+            triton_layer_ops,
+            triton_moe,
+        )
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -40,7 +45,7 @@ def _import_interpreted() -> str | None:
             os.environ["TRITON_INTERPRET"] = previous
     kernels = (tl.cdiv, store_kv.store_kv_kernel, decode.decode_kernel, prefill.prefill_kernel,
                triton_layer_ops._rms_norm_kernel, triton_fp8_gemm._fp8_gemm_kernel,
-               triton_moe._fused_moe_kernel)
+               triton_moe._fused_moe_kernel, triton_gguf_gemm._gguf_gemm_kernel)
     if not all(isinstance(k, InterpretedFunction) for k in kernels):
         return ("triton was imported before tests/attention/conftest.py could set "
                 f"TRITON_INTERPRET=1 (already imported: {already}); run these tests alone")

@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_smoke_fills_every_row():
+def test_smoke_fills_every_row(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = str(ROOT / "benchmarks" / "gpu_check.py")
-    proc = subprocess.run([sys.executable, script, "--smoke", "--json"], check=False,
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, script, "--smoke", "--json", "--out", str(out)],
+                          check=False,
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -36,14 +38,20 @@ def test_smoke_fills_every_row():
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
                      "async vs sync scheduling at batch 64",
                      "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
-                     "MoE batch 64 decode"):
+                     "MoE batch 64 decode",
+                     *(f"gguf {t} " for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))):
         assert any(c.startswith(expected) for c in checks), expected
     by_check = {r["check"]: r for r in rows}
     assert float(by_check["logits vs transformers (fp32, 24 tokens)"]["value"]) < 1e-3
     assert by_check["engine greedy tokens vs transformers"]["value"] == "48/48"
     assert by_check["async scheduling greedy tokens vs transformers"]["value"] == "36/36"
     assert float(by_check["triton vs torch attention (mixed batch)"]["value"]) < 1e-4
+    gguf = [r for r in rows if r["section"] == "gguf"]
+    assert len(gguf) == 12  # 4 cases: error, bandwidth, ratio to bf16
+    assert all(float(r["value"]) < 2e-2 for r in gguf if "dequantization" in r["check"])
+    assert json.loads(out.read_text())["rows"] == rows  # written as it went
     assert float(by_check["fused MoE kernel vs grouped experts"]["value"]) < 1e-5
     table = proc.stdout.strip().splitlines()[:-1]
-    assert len([line for line in table if line.startswith(("machine", "correctness", "speed"))]) \
+    sections = ("machine", "correctness", "gguf", "speed")
+    assert len([line for line in table if line.startswith(sections)]) \
         == len(rows)

@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "tokenmill"
 LAYERS = [
     "version",  # __version__
     "cache",  # where built kernels and downloads live
+    "startup_timer",  # start-up phase marks (standard library only)
     "cpuinfo",  # what this CPU can do
     "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
     "config",  # the engine's dataclasses

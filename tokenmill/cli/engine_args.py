@@ -52,7 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", default=None,
-                   choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "fp8"],
+                   choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "gguf-triton",
+                            "fp8"],
                    help="weight format; default: the fastest correct one for the checkpoint")
     g.add_argument("--batched-linears", default="auto",
                    choices=["auto", "bf16", "w8a8", "int16", "mlp-int8", "none"],
@@ -106,11 +107,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps as built, without CUDA graphs (on a CPU: without "
                         "the padded static-buffer path the graphs replay)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_const",
+                   const=True, default=None,
                    help="schedule and prepare step N+1 while step N computes; outputs "
                         "arrive one step later; steps that need the host's tokens first "
                         "(structured output, penalties, bad_words, prompt logprobs, "
-                        "speculative decoding) run synchronously")
+                        "speculative decoding) run synchronously (default: on with CUDA, "
+                        "off on CPU)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                   const=False, help="run every step synchronously (the CPU's default)")
     g.add_argument("--debug-kv-integrity", action="store_true",
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")

@@ -49,7 +49,7 @@ from torch import nn
 
 from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
-from tokenmill.quant import huge_pages, mlp_int8, vnni, widened
+from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -66,7 +66,7 @@ from tokenmill.quant.int8_dynamic import Int8DynamicWeight
 from tokenmill.quant.int8_dynamic import available as w8a8_available
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf_int4_linear
 
-METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "int4", "int8", "fp8")
+METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "gguf-triton", "int4", "int8", "fp8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
 # AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
@@ -134,6 +134,8 @@ def quantize_model(model: nn.Module, method: str,
                 model.get_submodule(parent).register_module(leaf, fp8)
                 summary.quantized.append(name)
                 summary.lowbit_bytes += fp8.lowbit_bytes()
+            elif method == "gguf-triton" and leaf in TARGET_MODULES:
+                gguf_triton.swap_in(model, name, module, summary)
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
@@ -226,6 +228,10 @@ def resolve_method(requested: str | None, model: nn.Module,
         if requested in ("gguf-a8", "gguf-a16") and not vnni.available():
             raise ValueError(f"--quantization {requested}: its native kernel "
                              "(tokenmill/kernels/q4q8_gemv.c) could not be built here")
+        if requested == "gguf-triton":
+            reason = gguf_triton.unavailable_reason(next(model.parameters()).device)
+            if reason is not None:
+                raise ValueError(f"--quantization gguf-triton: {reason}")
         if requested == "fp8":
             weight = next(model.parameters())
             reason = fp8_unavailable_reason(weight.device)
@@ -237,6 +243,8 @@ def resolve_method(requested: str | None, model: nn.Module,
         return requested
     if dtype in ("float32", "float", torch.float32):
         return "none"
+    if gguf_triton.auto_applies(model, TARGET_MODULES):  # GGUF blocks on a GPU
+        return "gguf-triton"
     fast = vnni.fast()
     for name, module in model.named_modules():
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"

@@ -1,5 +1,5 @@
 """Compile every kernel variant a CUDA step can launch (the attention backend's,
-the layer ops', the fp8 decode GEMM's) for sm_80 and sm_90 (fp8: sm_90 only), with
+the layer ops', the fp8 decode GEMM's, the GGUF-block GEMM's) for sm_80 and sm_90 (fp8: sm_90 only), with
 no GPU: shared memory per variant against the target's limit, and whether every
 dot became a tensor-core instruction.
 
@@ -63,7 +63,7 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
     layer ops' and fp8 GEMM's that a CUDA step launches (head_dim 0: not per head)."""
     from tokenmill.attention.triton import decode, prefill, store_kv
     from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
-    from tokenmill.kernels import triton_fp8_gemm, triton_layer_ops, triton_moe
+    from tokenmill.kernels import triton_fp8_gemm, triton_gguf_gemm, triton_layer_ops, triton_moe
 
     jobs = []
     for dtype in CUDA_DTYPES.values():
@@ -77,6 +77,7 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
                  triton_layer_ops.compile_specs(dtype, CUDA_HEAD_DIMS[0])
                  if spec.name != "rotary"]
         jobs += [(dtype, 0, spec) for spec in triton_fp8_gemm.compile_specs(dtype)]
+        jobs += [(dtype, 0, spec) for spec in triton_gguf_gemm.compile_specs(dtype)]
         jobs += [(dtype, 0, spec) for spec in triton_moe.compile_specs(dtype)]
     return jobs
 

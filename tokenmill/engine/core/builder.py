@@ -17,6 +17,7 @@ from tokenmill.attention import check_backend
 from tokenmill.attention.quantized import check_kv_cache_dtype
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.engine.core.async_default import resolve_async_scheduling
 from tokenmill.engine.core.detokenizer import Detokenizer
 from tokenmill.engine.core.sampler import Sampler
 from tokenmill.engine.core.scheduler import Scheduler
@@ -125,6 +126,9 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
 
         speculator = build_speculator(config, runner, block_manager, rank.max_model_len,
                                       loaded.dtype)
+    config.async_scheduling = resolve_async_scheduling(  # None: per device
+        config.async_scheduling, runner.device.type, config.tensor_parallel_size,
+        config.speculative)
     if config.cache.prefault:  # the pool was zeroed by build_rank_model
         block_manager.mark_all_touched()
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core.append import Emitted, append_tokens
-from tokenmill.engine.core.async_default import resolve_async_scheduling
 from tokenmill.engine.core.builder import build_engine_parts
 from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.overlap import OverlapStepper
@@ -47,9 +46,6 @@ class LLMEngine:
         self.config = config
         vars(self).update(vars(build_engine_parts(config, detokenize)))
         self.overlap: OverlapStepper | None = None
-        config.async_scheduling = resolve_async_scheduling(  # None: per device
-            config.async_scheduling, self.runner.device.type, config.tensor_parallel_size,
-            config.speculative)
         if config.async_scheduling:
             if self.speculator is not None:  # drafts need the host's accepted tokens
                 logger.warning("--async-scheduling is off with speculative decoding: "

@@ -79,6 +79,7 @@ class EngineParts:
     stop_checker: StopChecker
     validator: RequestValidator
     speculator: Any  # engine/speculative: None unless --speculative
+    lora: Any = None  # engine/core/lora_manager.LoRAManager: None unless --enable-lora
 
 
 def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
@@ -107,7 +108,8 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_tokens,
                         max_model_len=rank.max_model_len,
-                        enable_chunked_prefill=config.enable_chunked_prefill),
+                        enable_chunked_prefill=config.enable_chunked_prefill,
+                        max_loras=config.max_loras if config.enable_lora else 0),
         block_manager)
     eos = eos_token_ids(loaded.config, tokenizer)
     grammars = GrammarCache(tokenizer, loaded.config.vocab_size, eos)
@@ -119,6 +121,11 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
 
         speculator = build_speculator(config, runner, block_manager, rank.max_model_len,
                                       loaded.dtype)
+    lora = None
+    if config.enable_lora:
+        from tokenmill.engine.core.lora_manager import LoRAManager
+
+        lora = LoRAManager(runner.model, loaded.config, config, set, loaded.dtype)
     if config.cache.prefault:  # the pool was zeroed by build_rank_model
         block_manager.mark_all_touched()
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
@@ -136,7 +143,7 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         stop_checker=StopChecker(eos, rank.max_model_len, detokenizer),
         validator=RequestValidator(tokenizer, loaded.config.vocab_size, rank.max_model_len,
                                    rank.context_note, block_manager.max_tokens_that_fit),
-        speculator=speculator)
+        speculator=speculator, lora=lora)
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

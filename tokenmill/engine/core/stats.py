@@ -25,6 +25,9 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0
     num_steps: int = 0
+    # the most LoRA adapters one step ran, and the most in a step that also ran the base
+    max_loras_in_step: int = 0
+    max_loras_in_step_with_base: int = 0
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
     # --async-scheduling: steps during which the next one was scheduled (the rest
@@ -62,6 +65,11 @@ class EngineStats:
         """A scheduled step's prefill and decode tokens, counted before it runs
         (the sequences' computed counts are not advanced yet)."""
         self.num_steps += 1
+        ids = {item.seq.lora_int_id for item in batch.scheduled}
+        adapters = len(ids - {0})
+        self.max_loras_in_step = max(self.max_loras_in_step, adapters)
+        if 0 in ids:
+            self.max_loras_in_step_with_base = max(self.max_loras_in_step_with_base, adapters)
         for item in batch.scheduled:
             seq = item.seq
             if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ class LoRAManager:
         self.served: dict[str, LoRARequest] = {}  # name -> request (served, maybe not loaded)
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, oldest first
         self._ids = itertools.count(1)
+        # the runtime routes add and remove adapters from the server's threads
+        self._lock = threading.RLock()
         for name, path in config.lora_modules:
             self.add(name, path)
 
@@ -47,6 +50,10 @@ class LoRAManager:
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Serve `path` as `name` (loaded and checked now, so that a bad adapter fails here)."""
+        with self._lock:
+            return self._add(name, path)
+
+    def _add(self, name: str, path: str) -> LoRARequest:
         if name in self.served:
             raise LoRAAdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
         req = LoRARequest(name, next(self._ids), str(path))
@@ -55,6 +62,10 @@ class LoRAManager:
         return req
 
     def remove(self, name: str) -> None:
+        with self._lock:
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
         req = self.served.get(name)
         if req is None:
             raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded")
@@ -71,6 +82,10 @@ class LoRAManager:
     def acquire(self, req: LoRARequest) -> LoRARequest:
         """The adapter a new request runs under, loaded and most recently used. A
         LoRARequest not served yet (the offline LLM's way) is served under its name."""
+        with self._lock:
+            return self._acquire(req)
+
+    def _acquire(self, req: LoRARequest) -> LoRARequest:
         known = self.served.get(req.lora_name)
         if known is None:
             if not req.lora_path:

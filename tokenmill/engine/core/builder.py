@@ -125,7 +125,9 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     if config.enable_lora:
         from tokenmill.engine.core.lora_manager import LoRAManager
 
-        lora = LoRAManager(runner.model, loaded.config, config, set, loaded.dtype)
+        # never evict an adapter a queued or running sequence runs under
+        lora = LoRAManager(runner.model, loaded.config, config, lambda: {
+            s.lora_int_id for s in (*scheduler.running, *scheduler.waiting)}, loaded.dtype)
     if config.cache.prefault:  # the pool was zeroed by build_rank_model
         block_manager.mark_all_touched()
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "

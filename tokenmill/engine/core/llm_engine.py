@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core.append import Emitted, append_tokens
 from tokenmill.engine.core.builder import build_engine_parts
-from tokenmill.engine.core.lora_manager import resolve_lora
+from tokenmill.engine.core.lora_manager import resolve_lora, run_under
 from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.overlap import OverlapStepper
 from tokenmill.engine.core.phase_timer import PhaseTimer
@@ -59,9 +58,6 @@ class LLMEngine:
         self._compiling: dict[str, EngineRequest] = {}  # constrained requests waiting for a grammar
         # seq_id of a request's first sample -> its prompt logprobs so far
         self.prompt_logprobs: dict[int, list] = {}
-        if self.lora is not None:  # never evict an adapter a live request runs under
-            self.lora.live_ids = lambda: {s.lora_int_id for r in self.requests.values()
-                                          for s in r.seqs}
         self.stats = EngineStats(num_total_blocks=self.block_manager.num_total_blocks,
                                  kv_cache_bytes=self.runner.kv_cache_bytes)
 
@@ -69,7 +65,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None, lora_request: Any = None) -> None:
+                    arrival_time: float | None = None, lora_request: object = None) -> None:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         admitted = self.validator.admit(prompt, params or SamplingParams())
@@ -85,8 +81,7 @@ class LLMEngine:
         share_prompt = params.n > 1 and self.block_manager.enable_prefix_caching
         req = EngineRequest.start(request_id, admitted, now, grammar, share_prompt)
         self.requests[request_id] = req
-        for seq in req.seqs:
-            seq.lora_request = lora_request
+        run_under(req.seqs, lora_request)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[req.seqs[0].seq_id] = [None]  # the first token has no context
         if grammar is not None and not grammar.done():

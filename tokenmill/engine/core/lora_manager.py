@@ -131,13 +131,21 @@ class LoRAManager:
                 mod.remove(lora_id)
 
 
-def resolve_lora(manager: LoRAManager | None, req: LoRARequest | None, params: object
+def run_under(seqs: list, lora: LoRARequest | None) -> None:
+    for seq in seqs:
+        seq.lora_request = lora
+
+
+def resolve_lora(manager: LoRAManager | None, req: object, params: object
                  ) -> LoRARequest | None:
     """A new request's adapter, checked (RequestError naming `lora_request`/`model`)."""
     from tokenmill.engine.core.validation import RequestError
 
     if req is None:
         return None
+    if not isinstance(req, LoRARequest):
+        raise RequestError(f"lora_request must be a LoRARequest, got {type(req).__name__}",
+                           "lora_request")
     if manager is None:
         raise RequestError(f"LoRA adapter {req.lora_name!r} asked for, but LoRA is off: "
                            "start the engine with --enable-lora", "lora_request")

@@ -48,6 +48,7 @@ def test_server_routes_requests_by_adapter_name(tiny, references, monkeypatch): 
             got["unload_again"] = await c.post("/v1/unload_lora_adapter",
                                                json={"lora_name": "a1"})
             got["models_after"] = (await c.get("/v1/models")).json()
+            got["metrics"] = (await c.get("/metrics")).text
         return got
 
     try:
@@ -70,3 +71,4 @@ def test_server_routes_requests_by_adapter_name(tiny, references, monkeypatch): 
     assert got["unload"].status_code == 200
     assert got["unload_again"].status_code == 404
     assert "a1" not in {m["id"] for m in got["models_after"]["data"]}
+    assert ':lora_requests_info{max_lora="2"' in got["metrics"]

@@ -28,6 +28,10 @@ class EngineStats:
     # the most LoRA adapters one step ran, and the most in a step that also ran the base
     max_loras_in_step: int = 0
     max_loras_in_step_with_base: int = 0
+    # vLLM's lora_requests_info: --max-loras (0: LoRA off), adapter names, comma-joined
+    max_lora: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
     # --async-scheduling: steps during which the next one was scheduled (the rest
@@ -91,9 +95,17 @@ class EngineStats:
         self.prefix_cache_queries = bm.prefix_cache_queries
         self.prefix_cache_hits = bm.prefix_cache_hits
         self.num_preemptions = scheduler.num_preemptions
+        self.max_lora = scheduler.config.max_loras
+        if self.max_lora:
+            self.running_lora_adapters = _adapter_names(scheduler.running)
+            self.waiting_lora_adapters = _adapter_names(scheduler.waiting)
         if speculator is not None:
             spec = speculator.stats
             self.spec_proposed_tokens = spec.num_proposed_tokens
             self.spec_accepted_tokens = spec.num_accepted_tokens
             self.spec_verified_steps = spec.num_verified_steps
         return self
+
+
+def _adapter_names(seqs: Any) -> str:
+    return ",".join(sorted({s.lora_request.lora_name for s in seqs if s.lora_request}))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.models.layers import silu_and_mul
+
 # the PEFT module names each wrapped linear serves, in its output order
 SUB_PROJECTIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -84,9 +86,16 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        groups = _groups
-        if groups is None:
-            return y
+        return y if _groups is None else self._add_deltas(x, y, _groups)
+
+    def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """A quantized down_proj's fused silu(gate) * up then down (quant/fused_mlp.py):
+        the adapter's delta reads the same activation, computed once more here."""
+        y = self.base.silu_mul_forward(h)
+        return y if _groups is None else self._add_deltas(silu_and_mul(h), y, _groups)
+
+    def _add_deltas(self, x: torch.Tensor, y: torch.Tensor,
+                    groups: dict[int, torch.Tensor]) -> torch.Tensor:
         for lora_id, rows in groups.items():
             w = self.adapters.get(lora_id)
             if w is None:

@@ -230,6 +230,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # off: a prompt is admitted only when all of it fits in one step's budget
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # distinct LoRA adapters among running sequences (0: no bound)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -289,6 +290,14 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # LoRA adapters (vLLM's flags; tokenmill/engine/core/lora_manager.py): served
+    # adapters as (name, path) pairs, adapters per batch, their largest rank, and how
+    # many stay loaded in host memory (None: max_loras)
+    enable_lora: bool = False
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -317,6 +326,19 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not run under tensor parallelism "
                              "yet: drop --speculative or use --tensor-parallel-size 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora does not run under tensor parallelism yet: "
+                             "use --tensor-parallel-size 1")
+        if self.enable_lora and self.speculative is not None:
+            raise ValueError("--enable-lora with --speculative is not supported yet: "
+                             "drop one of them")
         if self.tensor_parallel_size > 1 and self.async_scheduling is True:
             # the workers take each step's input ids from rank 0's broadcast, and under
             # async scheduling some of those are still on rank 0's device

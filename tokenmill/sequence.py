@@ -59,6 +59,7 @@ class Sequence:
         self.detok_state: Any = None  # owned by the detokenizer
         self.sampler_state: Any = None  # owned by the sampler (e.g. a seeded generator)
         self.grammar: Any = None  # owned by tokenmill/structured: its grammar matcher
+        self.lora_request: Any = None  # tokenmill.lora_request.LoRARequest; None: the base
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -70,6 +71,11 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
                 f"tokens={len(self)}, computed={self.num_computed_tokens})")
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter this sequence runs under; 0: the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

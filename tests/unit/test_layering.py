@@ -31,6 +31,7 @@ LAYERS = [
     "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
     "config",  # the engine's dataclasses
     "sampling_params",  # what a request asks for
+    "lora_request",  # which LoRA adapter a request runs under
     "sequence",  # one request's tokens and state, shared by the engine's parts
     "kernels",  # native C and Triton kernels, KernelSpec
     "attention",  # attention backends over the paged KV cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from tokenmill.cli.lora_args import add_lora_args, lora_config_kwargs
 from tokenmill.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, KVEventsConfig
 from tokenmill.distributed.launch import add_launch_args
 
@@ -120,6 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="check KV block ref counts, free list and prefix-cache hashes "
                         "after every step, and stop on the first violation (slow)")
     add_launch_args(parser)
+    add_lora_args(parser)
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative", default=None, choices=["ngram", "draft", "layerskip"],
                    help="propose tokens and verify them in one forward (exact: same outputs)")
@@ -165,6 +167,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        **lora_config_kwargs(args),
         cache=CacheConfig(
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,

@@ -52,8 +52,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Text prompts or token-id lists; one SamplingParams or one per prompt.
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+        """Text prompts or token-id lists; one SamplingParams or one per prompt;
+        lora_request (vLLM's): one LoRARequest, or one per prompt (None: the base).
         Returns one RequestOutput per prompt, in the order given."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -67,13 +68,18 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} "
                                  "SamplingParams; pass one, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_request; "
+                             "pass one, or one per prompt")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for p in params:  # compile errors raise here (GrammarError, a ValueError)
             if p.structured_outputs is not None:
                 self.engine.grammars.submit(p.structured_outputs).result()
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
             return self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)

@@ -33,7 +33,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tokenmill.kvcache.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from tokenmill.kvcache.prefix_cache import PrefixCache, hash_block, root_hash
 from tokenmill.sequence import Sequence
 
 MAX_HELD_BACK = 64  # blocks held back past a sequence's admitted ones: 1,024 tokens
@@ -104,7 +104,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs  # leave >= 1 token to compute
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = ROOT_HASH
+        parent = root_hash(seq.lora_int_id)
         for i in range(max_blocks):
             parent, block_id = self.prefix_cache.lookup(parent, seq.token_ids[i * bs:(i + 1) * bs])
             if block_id is None:
@@ -145,7 +145,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.lora_int_id)
             block_hash = self.prefix_cache.insert(
                 seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs])
             if block_hash is None:  # hash collision: leave the rest unregistered
@@ -199,7 +199,7 @@ class BlockManager:
                              f"tokens but holds only {len(table)} blocks")
             if len(seq.block_hashes) > len(table):
                 found.append(f"sequence {seq.seq_id} has more block hashes than blocks")
-            parent = ROOT_HASH
+            parent = root_hash(seq.lora_int_id)
             for i, block_hash in enumerate(seq.block_hashes):
                 if hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]) != block_hash:
                     found.append(f"sequence {seq.seq_id}'s hash of block {i} does not "

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 from tokenmill.kvcache.events import KVEventRecorder
 
-ROOT_HASH = 0  # parent hash of a sequence's first block
+ROOT_HASH = 0  # parent hash of a sequence's first block under the base model
+
+
+def root_hash(lora_id: int) -> int:
+    """The parent hash of a first block: the same prompt under two LoRA adapters (or an
+    adapter and the base) is different KV, so each adapter roots its own chain."""
+    return ROOT_HASH if not lora_id else hash(("lora", lora_id))
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

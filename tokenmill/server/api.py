@@ -17,7 +17,7 @@ from tokenmill.engine.frontend.engine_client import EngineClient
 from tokenmill.server import protocol
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
-from tokenmill.server.routes import admin, chat, completions, responses, tokenize
+from tokenmill.server.routes import admin, chat, completions, lora, responses, tokenize
 from tokenmill.server.serving import Serving, ServingConfig
 from tokenmill.startup_timer import mark
 from tokenmill.version import __version__
@@ -44,7 +44,7 @@ def build_app(engine: EngineClient, served_model_name: str | None = None,
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes,
                        metrics_auth=metrics_auth)
     install_error_handlers(app)
-    for module in (admin, tokenize, completions, chat, responses):
+    for module in (admin, tokenize, completions, chat, responses, lora):
         app.include_router(module.router)
     app.state.serving = serving
     app.state.engine = engine

@@ -9,6 +9,7 @@ requests stream and finish. Each app has its own registry.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,6 +68,13 @@ class _EngineStatsCollector(Collector):
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.", st.num_running)
+        if getattr(st, "max_lora", 0):  # vLLM's: the adapters in labels, the time as value
+            g = GaugeMetricFamily(f"{self.prefix}:lora_requests_info", "Running stats on "
+                                  "LoRA requests.", labels=["max_lora", "waiting_lora_adapters",
+                                                            "running_lora_adapters"])
+            g.add_metric([str(st.max_lora), st.waiting_lora_adapters,
+                          st.running_lora_adapters], time.time())
+            yield g
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
                     st.kv_cache_usage)

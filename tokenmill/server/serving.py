@@ -93,9 +93,22 @@ class Serving:
 
     # ---- request validation and rendering ------------------------------------------
 
+    def lora_names(self) -> list[str]:
+        manager = getattr(self.engine.engine, "lora", None)
+        return list(manager.served) if manager is not None else []
+
     def check_model(self, name: str | None) -> None:
+        from tokenmill.server.routes.lora import current_lora
+
+        current_lora.set(None)
+        manager = getattr(self.engine.engine, "lora", None)
+        if name is not None and manager is not None and name not in self.model_names:
+            lora = manager.lookup(name)
+            if lora is not None:  # the request runs under this adapter
+                current_lora.set(lora)
+                return
         if name is not None and name not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
+            served = ", ".join(repr(n) for n in [*self.model_names, *self.lora_names()])
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{served}", param="model", code="model_not_found")
 
@@ -224,6 +237,13 @@ class Serving:
                      arrival_time: float | None = None) -> RequestStream:
         await check_compiles(self.grammars, params.structured_outputs)
         try:
+            from tokenmill.server.routes.lora import current_lora
+
+            lora = current_lora.get()
+            if lora is not None:  # only clients that serve adapters take the argument
+                return await self.engine.add_request(request_id, prompt, params,
+                                                     arrival_time=arrival_time,
+                                                     lora_request=lora)
             return await self.engine.add_request(request_id, prompt, params,
                                                  arrival_time=arrival_time)
         except QueueFullError as e:

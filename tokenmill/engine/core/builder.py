@@ -86,6 +86,7 @@ class EngineParts:
     validator: RequestValidator
     speculator: Any  # engine/speculative: None unless --speculative
     attention_groups: AttentionGroups  # sliding / global layers and their KV bytes
+    lora: Any = None  # engine/core/lora_manager.LoRAManager: None unless --enable-lora
 
 
 def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
@@ -114,7 +115,8 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_tokens,
                         max_model_len=rank.max_model_len,
-                        enable_chunked_prefill=config.enable_chunked_prefill),
+                        enable_chunked_prefill=config.enable_chunked_prefill,
+                        max_loras=config.max_loras if config.enable_lora else 0),
         block_manager)
     eos = eos_token_ids(loaded.config, tokenizer)
     grammars = GrammarCache(tokenizer, loaded.config.vocab_size, eos)
@@ -129,6 +131,13 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     config.async_scheduling = resolve_async_scheduling(  # None: per device
         config.async_scheduling, runner.device.type, config.tensor_parallel_size,
         config.speculative)
+    lora = None
+    if config.enable_lora:
+        from tokenmill.engine.core.lora_manager import LoRAManager
+
+        # never evict an adapter a queued or running sequence runs under
+        lora = LoRAManager(runner.model, loaded.config, config, lambda: {
+            s.lora_int_id for s in (*scheduler.running, *scheduler.waiting)}, loaded.dtype)
     if config.cache.prefault:  # the pool was zeroed by build_rank_model
         block_manager.mark_all_touched()
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
@@ -149,7 +158,7 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         stop_checker=StopChecker(eos, rank.max_model_len, detokenizer),
         validator=RequestValidator(tokenizer, loaded.config.vocab_size, rank.max_model_len,
                                    rank.context_note, block_manager.max_tokens_that_fit),
-        speculator=speculator, attention_groups=groups)
+        speculator=speculator, attention_groups=groups, lora=lora)
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core.append import Emitted, append_tokens
 from tokenmill.engine.core.builder import build_engine_parts
+from tokenmill.engine.core.lora_manager import resolve_lora, run_under
 from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.overlap import OverlapStepper
 from tokenmill.engine.core.phase_timer import PhaseTimer
@@ -55,8 +56,7 @@ class LLMEngine:
         self.heap = HeapTrimmer()  # engine/runner/heap_trim.py: RSS flat under mixed lengths
         self.requests: dict[str, EngineRequest] = {}
         self._compiling: dict[str, EngineRequest] = {}  # constrained requests waiting for a grammar
-        # seq_id of a request's first sample -> its prompt logprobs so far
-        self.prompt_logprobs: dict[int, list] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # first sample's seq_id -> logprobs so far
         self.stats = EngineStats(num_total_blocks=self.block_manager.num_total_blocks,
                                  kv_cache_bytes=self.runner.kv_cache_bytes)
 
@@ -64,10 +64,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: object = None) -> None:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         admitted = self.validator.admit(prompt, params or SamplingParams())
+        lora_request = resolve_lora(self.lora, lora_request, admitted.params)
         params, ids = admitted.params, admitted.prompt_token_ids
         grammar = None
         if params.structured_outputs is not None:
@@ -79,6 +80,7 @@ class LLMEngine:
         share_prompt = params.n > 1 and self.block_manager.enable_prefix_caching
         req = EngineRequest.start(request_id, admitted, now, grammar, share_prompt)
         self.requests[request_id] = req
+        run_under(req.seqs, lora_request)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[req.seqs[0].seq_id] = [None]  # the first token has no context
         if grammar is not None and not grammar.done():
@@ -244,5 +246,4 @@ class LLMEngine:
         return None if self.workers is None else self.workers.dead_worker()
 
     def get_stats(self) -> EngineStats:
-        return self.stats.refresh(self.scheduler, self.block_manager, self.speculator,
-                                  self.runner.model)
+        return self.stats.refresh(self.scheduler, self.block_manager, self.speculator, self.runner)

@@ -157,6 +157,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < seq.num_tokens - prefix.num_tokens:
                 break  # the whole prompt in one step, or wait for a step with room
+            if not self._adapter_fits(seq):
+                break  # --max-loras adapters already run: FIFO, wait for one to finish
             if not bm.allocate_slots(seq, num_new, prefix):
                 break  # FIFO: no one overtakes the head of the queue
             self.waiting.popleft()
@@ -166,6 +168,13 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        lora_id = seq.lora_int_id
+        if not lora_id or not self.config.max_loras:
+            return True
+        running = {s.lora_int_id for s in self.running} - {0}
+        return lora_id in running or len(running) < self.config.max_loras
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new_tokens: int) -> ScheduledSeq:

@@ -26,6 +26,13 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0
     num_steps: int = 0
+    # the most LoRA adapters one step ran, and the most in a step that also ran the base
+    max_loras_in_step: int = 0
+    max_loras_in_step_with_base: int = 0
+    # vLLM's lora_requests_info: --max-loras (0: LoRA off), adapter names, comma-joined
+    max_lora: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
     num_prefill_tokens: int = 0  # tokens run through the model as prefill (incl. recompute)
     num_decode_tokens: int = 0
     # MoE: routed-expert weight bytes read (rank 0, CPU path; models/moe.py)
@@ -69,6 +76,11 @@ class EngineStats:
         (the sequences' computed counts are not advanced yet)."""
         self.num_steps += 1
         self.iteration_tokens.observe(sum(item.num_new_tokens for item in batch.scheduled))
+        ids = {item.seq.lora_int_id for item in batch.scheduled}
+        adapters = len(ids - {0})
+        self.max_loras_in_step = max(self.max_loras_in_step, adapters)
+        if 0 in ids:
+            self.max_loras_in_step_with_base = max(self.max_loras_in_step_with_base, adapters)
         for item in batch.scheduled:
             seq = item.seq
             if item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -77,7 +89,7 @@ class EngineStats:
                 self.num_prefill_tokens += item.num_new_tokens
 
     def refresh(self, scheduler: Any, block_manager: Any, speculator: Any,
-                model: Any = None) -> EngineStats:
+                runner: Any = None) -> EngineStats:
         """The gauges read afresh from the scheduler, the block manager and the
         speculator (the counters are kept as the steps run)."""
         bm = block_manager
@@ -91,13 +103,22 @@ class EngineStats:
         self.prefix_cache_queries = bm.prefix_cache_queries
         self.prefix_cache_hits = bm.prefix_cache_hits
         self.num_preemptions = scheduler.num_preemptions
+        model = getattr(runner, "model", None)
         if getattr(model, "is_moe", False):
             from tokenmill.models.moe import expert_bytes_read
 
             self.moe_expert_bytes = expert_bytes_read(model)
+        self.max_lora = scheduler.config.max_loras
+        if self.max_lora:
+            self.running_lora_adapters = _adapter_names(scheduler.running)
+            self.waiting_lora_adapters = _adapter_names(scheduler.waiting)
         if speculator is not None:
             spec = speculator.stats
             self.spec_proposed_tokens = spec.num_proposed_tokens
             self.spec_accepted_tokens = spec.num_accepted_tokens
             self.spec_verified_steps = spec.num_verified_steps
         return self
+
+
+def _adapter_names(seqs: Any) -> str:
+    return ",".join(sorted({s.lora_request.lora_name for s in seqs if s.lora_request}))

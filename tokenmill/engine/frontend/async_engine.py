@@ -48,6 +48,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     stream: RequestStream
+    lora_request: Any = None
 
 
 @dataclass
@@ -97,7 +98,8 @@ class AsyncEngine(Admission):
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: Any = None
+                          ) -> RequestStream:
         """Hand a request to the engine; returns once the engine has taken it.
 
         Raises ValueError (engine validation, with `.param`), QueueFullError or
@@ -110,7 +112,8 @@ class AsyncEngine(Admission):
             if not self._accepting or not self._loop_alive():
                 raise EngineUnavailableError(self._dead_reason or "the server is shutting down")
             self._refuse_if_full_locked()
-            self._inbox.adds.append(_Add(request_id, prompt, params, arrival, stream))
+            self._inbox.adds.append(_Add(request_id, prompt, params, arrival, stream,
+                                         lora_request))
             self._num_seqs_in_flight += stream.num_seqs
         self._wake.set()
         try:
@@ -202,7 +205,8 @@ class AsyncEngine(Admission):
                 continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params,
-                                        arrival_time=add.arrival_time)
+                                        arrival_time=add.arrival_time,
+                                        lora_request=add.lora_request)
             except ValueError as e:
                 self._release(add.stream, Accepted(e))
                 continue

@@ -41,8 +41,10 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.runner.cuda_graph import DecodeGraphs
 from tokenmill.engine.runner.fused_decode import FusedDecode
+from tokenmill.engine.runner.lora_rows import log_lora_module_path, lora_groups
 from tokenmill.engine.runner.staging import HostStaging
 from tokenmill.kvcache.pool import KVPool
+from tokenmill.models.lora import lora_batch
 from tokenmill.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 
 
@@ -66,6 +68,8 @@ class StepInputs:
     # step's sampled ids (src); never under tensor parallelism (rank 0 alone samples)
     placeholder_dst: list[int] = field(default_factory=list)
     placeholder_src: list[int] = field(default_factory=list)
+    # each sequence's LoRA adapter id (0: the base); empty when no sequence has one
+    lora_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +141,9 @@ class ModelRunner:
             if self.graphs is None else None
         # rank 0 under tensor parallelism: broadcasts each step (WorkerGroup.send_step)
         self.driver: Any = None
+        # this step's LoRA rows per adapter id, for the metadata they were built with
+        self._lora: dict[int, torch.Tensor] | None = None
+        self._lora_meta: AttentionMetadata | None = None
         self._last_step: tuple[AttentionMetadata, StepInputs] | None = None
 
     @property
@@ -203,9 +210,11 @@ class ModelRunner:
             if item.sample:
                 logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens,
                                         query_start[-1]))
+        lora_ids = [item.seq.lora_int_id for item in batch]
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, query_lens,
                           [item.seq.block_table for item in batch], fresh, logit_rows,
-                          placeholder_dst=dst, placeholder_src=src)
+                          placeholder_dst=dst, placeholder_src=src,
+                          lora_ids=lora_ids if any(lora_ids) else [])
 
     def stage_inputs(self, inputs: StepInputs) -> StagedBatch:
         """A laid-out step's ints, written into a staging buffer."""
@@ -213,7 +222,8 @@ class ModelRunner:
         tables_of = inputs.block_tables
         num_seqs = len(seq_lens)
         dst, src = inputs.placeholder_dst, inputs.placeholder_src
-        graphed = (self.graphs is not None and len(input_ids) == num_seqs == len(logit_rows)
+        graphed = (self.graphs is not None and not inputs.lora_ids
+                   and len(input_ids) == num_seqs == len(logit_rows)
                    and self.graphs.bucket_for(num_seqs) is not None)
         if graphed:  # decode only: every sequence runs and samples one token
             assert self.graphs is not None
@@ -275,7 +285,13 @@ class ModelRunner:
             seq_lens_list=staged.seq_lens,
         )
         fused = self.fused_decode
-        if fused is None or not fused.takes(staged.query_lens, staged.logit_rows):
+        self._lora = lora_groups(staged.inputs, dev.device) if staged.inputs.lora_ids else None
+        if self._lora is not None:
+            self._lora_meta = meta
+            if fused is not None and fused.takes(staged.query_lens, staged.logit_rows):
+                log_lora_module_path()
+        if (fused is None or self._lora is not None
+                or not fused.takes(staged.query_lens, staged.logit_rows)):
             meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
         # else the fused step needs none (should it refuse the step, the first layer plans)
         self._record(meta, staged)
@@ -317,6 +333,11 @@ class ModelRunner:
                  logit_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
+        groups = self._lora if self._lora_meta is meta else None
+        if groups is not None:  # adapters: the module path (LoRALinear adds the deltas)
+            with attention_metadata(meta), lora_batch(groups):
+                hidden = self.model(ids, pos)
+            return self._logits(hidden, logit_rows)
         fused = self.fused_decode
         if fused is not None and fused.takes(meta.query_lens_list, logit_rows):
             result = fused.run(ids, pos, meta)
@@ -325,6 +346,9 @@ class ModelRunner:
                 return logits if logits is not None else self.model.compute_logits(hidden)
         with attention_metadata(meta):
             hidden = self.model(ids, pos)  # (T, hidden)
+        return self._logits(hidden, logit_rows)
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:
         if not logit_rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)

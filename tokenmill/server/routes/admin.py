@@ -44,6 +44,10 @@ async def server_info_route(serving: ServingDep) -> dict:
 
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(serving: ServingDep) -> p.ModelList:
-    return p.ModelList(data=[p.ModelCard(id=name, root=serving.root_model_name,
-                                         max_model_len=serving.max_model_len)
-                             for name in serving.model_names])
+    manager = getattr(serving.engine.engine, "lora", None)
+    adapters = [p.ModelCard(id=name, root=req.lora_path, parent=serving.model_name,
+                            max_model_len=serving.max_model_len)
+                for name, req in (manager.served.items() if manager is not None else [])]
+    return p.ModelList(data=[*[p.ModelCard(id=name, root=serving.root_model_name,
+                                           max_model_len=serving.max_model_len)
+                               for name in serving.model_names], *adapters])

@@ -1,0 +1,137 @@
+"""LoRA on a model's linears: the base linear once for the whole batch, then the
+low-rank products grouped by adapter.
+
+`apply_lora(model)` wraps each decoder layer's qkv_proj, o_proj, gate_up_proj and
+down_proj (whatever linear sits there: dense or a quantized one swapped in by
+tokenmill.quant) in a `LoRALinear`. Fused qkv / gate_up stay fused: an adapter
+holds one A/B pair per sub-projection (q, k, v / gate, up), each adding into its
+slice of the fused output. Adapters are installed by integer id; a step says
+which rows run under which adapter with `lora_batch({id: rows})`, and each
+wrapped linear then runs, per adapter, one (rows, in) @ A_cat^T product for all
+of its sub-projections and one (rows, r) @ B^T per sub-projection, added into the
+output with index_add_ (rows of other adapters and of the base are untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers import silu_and_mul
+
+# the PEFT module names each wrapped linear serves, in its output order
+SUB_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+TARGET_MODULES = tuple(m for subs in SUB_PROJECTIONS.values() for m in subs)
+
+# this step's rows per adapter id (0, the base, is never listed); None: no adapter
+_groups: dict[int, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def lora_batch(groups: dict[int, torch.Tensor] | None) -> Iterator[None]:
+    """Run the model with `groups`: adapter id -> int64 row indices of the flat batch."""
+    global _groups
+    previous, _groups = _groups, groups or None
+    try:
+        yield
+    finally:
+        _groups = previous
+
+
+@dataclass
+class _Weights:
+    a_cat: torch.Tensor  # (sum of ranks, in): every sub-projection's A, stacked
+    # per sub-projection with weights: (output column start, size, rank slice start,
+    # rank, B (size, rank) already multiplied by the scaling)
+    parts: list[tuple[int, int, int, int, torch.Tensor]]
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus any installed adapters' low-rank deltas on its sub-projections."""
+
+    def __init__(self, base: nn.Module, sizes: list[int], names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.base = base
+        self.sizes = sizes  # output columns of each sub-projection, in order
+        self.names = names
+        self.adapters: dict[int, _Weights] = {}
+
+    def install(self, lora_id: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                ) -> None:
+        """pairs: sub-projection name -> (A (r, in), B scaled (out_sub, r)); names absent
+        from pairs get no delta."""
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        a_list, parts, r0 = [], [], 0
+        for name, start, size in zip(self.names, starts, self.sizes):
+            if name not in pairs:
+                continue
+            a, b = pairs[name]
+            a_list.append(a)
+            parts.append((start, size, r0, a.shape[0], b))
+            r0 += a.shape[0]
+        if parts:
+            self.adapters[lora_id] = _Weights(torch.cat(a_list, 0), parts)
+
+    def remove(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return y if _groups is None else self._add_deltas(x, y, _groups)
+
+    def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """A quantized down_proj's fused silu(gate) * up then down (quant/fused_mlp.py):
+        the adapter's delta reads the same activation, computed once more here."""
+        y = self.base.silu_mul_forward(h)
+        return y if _groups is None else self._add_deltas(silu_and_mul(h), y, _groups)
+
+    def _add_deltas(self, x: torch.Tensor, y: torch.Tensor,
+                    groups: dict[int, torch.Tensor]) -> torch.Tensor:
+        for lora_id, rows in groups.items():
+            w = self.adapters.get(lora_id)
+            if w is None:
+                continue
+            xa = x.index_select(0, rows).to(w.a_cat.dtype) @ w.a_cat.t()  # (n, sum r)
+            for start, size, r0, r, b in w.parts:
+                delta = (xa[:, r0:r0 + r] @ b.t()).to(y.dtype)
+                y.narrow(1, start, size).index_add_(0, rows, delta)
+        return y
+
+
+def apply_lora(model: nn.Module) -> list[tuple[int, str, LoRALinear]]:
+    """Wrap every decoder layer's linears (once); (layer index, module name, wrapper)."""
+    wrapped = []
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, subs in SUB_PROJECTIONS.items():
+                mod = getattr(parent, name, None)
+                if mod is None:
+                    continue
+                if not isinstance(mod, LoRALinear):
+                    sizes = _split_sizes(parent, name, int(mod.out_features))
+                    mod = LoRALinear(mod, sizes, subs)
+                    setattr(parent, name, mod)
+                wrapped.append((i, name, mod))
+    return wrapped
+
+
+def _split_sizes(parent: nn.Module, name: str, out: int) -> list[int]:
+    if name == "qkv_proj":
+        return [parent.q_size, parent.kv_size, parent.kv_size]
+    if name == "gate_up_proj":
+        return [out // 2, out // 2]
+    return [out]
+
+
+def lora_linears(model: nn.Module) -> list[tuple[int, LoRALinear]]:
+    return [(i, m) for i, layer in enumerate(model.model.layers)
+            for m in layer.modules() if isinstance(m, LoRALinear)]

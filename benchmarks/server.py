@@ -1,6 +1,6 @@
 """A real `tokenmill serve` process on a free loopback port, for the served benchmarks
-(W2, W5, structured output, data parallel). tests/ has its own copy for the tests:
-benchmarks import nothing from tests/."""
+(W2, W5, structured output, data parallel), and for the tests (tests/serving.py
+imports it: benchmarks import nothing from tests/)."""
 
 from __future__ import annotations
 

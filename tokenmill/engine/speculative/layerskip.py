@@ -33,6 +33,7 @@ class _View:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+    lora_int_id: int = 0  # speculation runs without adapters (--enable-lora refuses it)
 
 
 @dataclass

@@ -223,8 +223,11 @@ def test_serve_with_two_ranks_answers_like_one_and_a_killed_rank_is_503_not_a_ha
 def test_serve_with_three_ranks_of_smollm2_answers_like_one_and_an_idle_dead_rank_is_503(
         smollm2_reference):
     _, expected, _ = smollm2_reference
+    # the 503 answer a dead rank gives is the --keep-serving-after-engine-death behaviour;
+    # by default the server now exits so that a supervisor restarts it
     srv = start_server("smollm2-135m", "--tensor-parallel-size", "3", "--dtype", "float32",
-                       "--num-kv-blocks", "64", "--max-num-seqs", "4")
+                       "--num-kv-blocks", "64", "--max-num-seqs", "4",
+                       "--keep-serving-after-engine-death")
     try:
         assert _complete_texts(srv) == expected
         (core,) = child_pids(srv.proc.pid)

@@ -30,7 +30,8 @@ class _CountingEngine:
     def get_stats(self) -> EngineStats:
         return EngineStats()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None,
+                    lora_request=None) -> None:
         self.live[request_id] = 0
 
     def abort_request(self, request_id) -> None:

@@ -47,9 +47,12 @@ def _step(runner: ModelRunner, ids: list[int], start: int, table: list[int],
     return runner.forward(ids_t, pos, meta, rows)
 
 
-def test_a_qkv_of_mixed_gguf_types_keeps_the_module_path(tmp_path):
+def test_a_qkv_of_mixed_gguf_types_runs_the_fused_step(tmp_path):
+    """A Q4 q/k beside a Q8_0 v (llama-quantize's files mix them): each part keeps its
+    records (issue 56) and the fused step still serves the layer, with the module
+    path's logits."""
     runner = _runner(tmp_path, {}, q8_0=("embed_tokens", "v_proj", "down_proj"))
-    assert runner.fused_decode is None
+    _decode_both_ways(runner, runner.fused_decode)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # 2: a kv head's query heads split in two

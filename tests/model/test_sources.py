@@ -28,7 +28,7 @@ def test_embedded_default_resolves_to_the_packaged_gguf():
 
 
 def test_unknown_model_name_lists_known_names():
-    with pytest.raises(ModelSourceError, match=r"'llama-9000'.*smollm2-135m.*download") as e:
+    with pytest.raises(ModelSourceError, match=r"'llama-9000'.*smollm2-135m.*Hub id") as e:
         resolve_model("llama-9000")
     assert isinstance(e.value, ValueError)
 

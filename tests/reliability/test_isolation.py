@@ -109,12 +109,12 @@ def _close(a, b) -> bool:
 # tp2 in `make test` hung once in gloo's process-group creation (rank 0 in this process
 # and its worker both waiting in ProcessGroupGloo's constructor, 2026-12-06, after the
 # three other configurations ran in the same process); until that is understood it runs
-# on request: TOKENMILL_TEST_TP_ISOLATION=1. TP=2 = TP=1 in float32 stays covered by
+# on request: TOKENMILL_TEST_TP_INPROCESS=1. TP=2 = TP=1 in float32 stays covered by
 # tests/distributed/test_tensor_parallel.py.
-_TP_ISOLATION = os.environ.get("TOKENMILL_TEST_TP_ISOLATION") == "1"
+_TP_ISOLATION = os.environ.get("TOKENMILL_TEST_TP_INPROCESS") == "1"
 _CONFIG_PARAMS = [
     pytest.param(n, marks=[pytest.mark.slow, pytest.mark.skipif(
-        not _TP_ISOLATION, reason="set TOKENMILL_TEST_TP_ISOLATION=1 (a gloo init hang)")])
+        not _TP_ISOLATION, reason="set TOKENMILL_TEST_TP_INPROCESS=1 (a gloo init hang)")])
     if n == "tp2" else n for n in CONFIGS]
 
 

@@ -94,6 +94,16 @@ def test_counters_and_histograms_move_by_exactly_what_was_served(server):
         expected[f"tokenmill:{name}_count"] = 3
     # one gap between consecutive outputs: a token per step, so max_tokens - 1 per request
     expected["tokenmill:inter_token_latency_seconds_count"] = 4 + 6 + 5
+    # the names vLLM's dashboard reads (issue 60): one observation per request ...
+    for name in ("request_decode_time_seconds", "request_generation_tokens",
+                 "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_max_num_generation_tokens", "request_params_n",
+                 "request_params_max_tokens"):
+        expected[f"tokenmill:{name}_count"] = 3
+    # ... time per output token as the inter-token gaps, and one per step (18 steps: each
+    # request ran alone, a prefill step and one step a token after it)
+    expected["tokenmill:time_per_output_token_seconds_count"] = 4 + 6 + 5
+    expected["tokenmill:iteration_tokens_total_count"] = 5 + 7 + 6
     got = {k: v for k, v in d.items() if not k.endswith(("_sum", "_bucket", "_created"))
            and "_bucket{" not in k}
     assert got == expected

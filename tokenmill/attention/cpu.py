@@ -131,7 +131,7 @@ CASCADE_NATIVE = os.environ.get("TOKENMILL_CASCADE_NATIVE", "1") not in ("0", "f
                                                                        "off")
 # ... taken over paged_decode reading each sequence's whole table only from this many
 # shared blocks and sequences: the same FLOPs either way, and its 16 query lanes part
-# empty below ~8 x 3 queries (benchmarks/cascade_decode.py --sweep-blocks, SmolLM2's
+# empty below ~8 x 3 queries (benchmarks/kernels/cascade_decode.py --sweep-blocks, SmolLM2's
 # heads, block size 16, 1 thread, under load: 16 seqs 0.97x at 4 blocks, 1.06x at 8,
 # 1.45x at 64; 8 seqs 0.97x at 8, 1.03x at 16; 2-4 seqs 0.6-0.9x at any length)
 MIN_CASCADE_BLOCKS = 8

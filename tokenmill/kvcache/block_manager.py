@@ -266,7 +266,7 @@ class BlockManager:
         empty table), as adjacent as the pool allows: decode attention reads a sequence's
         blocks in table order, and on a CPU adjacent blocks come from memory faster than
         scattered ones (1.33-1.43x on a Zen 3; long-context decode steps ~1.1x:
-        benchmarks/kv_adjacency.py).
+        benchmarks/kernels/kv_adjacency.py).
         Each block is the one after the block taken before it where that one is free;
         the blocks that do not continue the table are put in ascending order (the prefix
         cache's LRU hands out a freed sequence's blocks tail first)."""

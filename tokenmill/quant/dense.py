@@ -3,7 +3,7 @@
 `F.linear` hands oneDNN a plain (N, K) weight and oneDNN reorders it into its
 blocked layout on every call; reordering once at load (what inductor's
 freezing pass does) makes the same matmul 1.2-2x faster on the 2-core
-AVX512-BF16 EPYC (benchmarks/linear_kernels.py, `bf16_packed`), with identical
+AVX512-BF16 EPYC (benchmarks/kernels/linear_kernels.py, `bf16_packed`), with identical
 results. Where torch has no oneDNN (or the op fails), the plain weight is kept.
 
 On a CPU without native bf16 (no AVX512-BF16 or AMX: AVX2 machines) oneDNN's bf16

@@ -8,7 +8,7 @@ zeros and accumulate in fp32, so a result equals the dequantized reference
 within bf16 rounding (of the input, the scales and zeros, and the output).
 
 At larger batches a bf16 matmul beats the low-bit kernels on AVX512-BF16 CPUs
-(benchmarks/linear_kernels.py), so a quantized linear may also hold a dense
+(benchmarks/kernels/linear_kernels.py), so a quantized linear may also hold a dense
 weight (dense.py: packed for oneDNN) and use it for inputs of at least
 `dense_min_rows` rows.
 

@@ -21,7 +21,7 @@ lm_head. Methods:
 With a bfloat16 model, each quantized linear also keeps the model's own bf16
 weight, packed for oneDNN (dense.py), and uses it for inputs of
 `dense_min_rows` rows or more, where a bf16 matmul is faster
-(benchmarks/linear_kernels.py). That costs the bf16 weights' memory (~265 MiB
+(benchmarks/kernels/linear_kernels.py). That costs the bf16 weights' memory (~265 MiB
 for SmolLM2-135M, its LM head included: the packed copy is not the tied
 embedding's tensor). With `dense_min_rows=None`, or a float32 model (fp32
 matmuls lose to the bf16 low-bit kernels at every batch measured), the float
@@ -69,7 +69,7 @@ from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear, gguf
 METHODS = ("none", "gguf", "gguf-a8", "gguf-a16", "gguf-triton", "int4", "int8", "fp8")
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # rows from which oneDNN's packed bf16 matmul beats the int4 kernel on the 2-core
-# AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/linear_kernels.py, weights
+# AVX512-BF16 EPYC, quiet. One step's linears (benchmarks/kernels/linear_kernels.py, weights
 # from memory): int4 wins at 1-4 rows (15.4 vs 19.9 ms at 4), packed bf16 from 8
 # (23.8 vs 28.9 ms). Whole engine decode steps at 200 tokens of context: 4 rows
 # int4 29.3 vs packed 33.6 ms, 6 rows 36.4 vs 37.8, 8 rows a tie (41.0 vs 41.6).

@@ -31,7 +31,7 @@ one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_
 tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend,
 no tensor parallelism, Llama layers without q/k norm (and without biases but a bf16
 model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
-for benchmarks/decode_latency.py); `enabled` does the same for one engine at run time.
+for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ on that file and the positions scored."""
 
 from __future__ import annotations
 
+FOOTNOTE = ("Rows scored at the gate's 256-row prompt steps run every GGUF linear on its "
+            "large-batch weight (packed bf16 unless the path changes it), so a plain "
+            "`gguf-a8` row there is the default's arithmetic; `(decode rows)` rows run "
+            "the path's own per-row kernel (docs/accuracy_gate.md).")
+
 
 def _latest_gate_results(results: list[dict]) -> list[dict]:
     latest: dict[tuple[str, str], dict] = {}
@@ -35,7 +40,7 @@ def verdict_table(results: list[dict]) -> str:
                 continue
             if f["label"] not in paths:
                 paths.append(f["label"])
-            verdict = cfg.get("verdict", "?")
+            verdict = cfg.get("verdict") or _from_notes(r, f["label"])
             ratio = cfg.get("ppl_ratio")
             ppl = f", PPL x{ratio:.4f}" if isinstance(ratio, float) else ""
             cells[(f["label"], column)] = (f"**{verdict}** {_kld(f)}{ppl}"
@@ -45,7 +50,17 @@ def verdict_table(results: list[dict]) -> str:
     lines = ["| path | " + " | ".join(files) + " |", "|---|" + "---|" * len(files)]
     for p in paths:
         lines.append(f"| {p} | " + " | ".join(cells.get((p, c), "-") for c in files) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", FOOTNOTE])
+
+
+def _from_notes(result: dict, label: str) -> str:
+    """A verdict from the notes of results recorded before figures carried it
+    ("LABEL: PASS (...)")."""
+    for note in result.get("notes", []):
+        head = f"{label}: "
+        if note.startswith(head) and note[len(head):].split(" ")[0] in ("PASS", "FAIL"):
+            return note[len(head):].split(" ")[0]
+    return "?"
 
 
 def _kld(f: dict) -> str:

@@ -241,7 +241,7 @@ def test_verdict_table_has_a_cell_per_path_per_file():
             fig("default", "tokenmill", 0.002, "PASS", model="b.gguf")]),
     ]).splitlines()
     assert table[0].count("a.gguf") == 1 and "b.gguf" in table[0]
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:]}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:] if line.startswith("|")}
     assert list(rows) == ["llama.cpp (anchor)", "default", "gguf-a8 kernel"]
     assert rows["default"].count("**PASS** 0.00") == 2
     assert "**FAIL** 0.00500 [0.00450, 0.00550], PPL x1.0010 | - |" in rows["gguf-a8 kernel"]

@@ -31,3 +31,19 @@ def test_same_values_as_gguf(path, monkeypatch):
         seen[t.qtype.name] = np.array_equal(gguf_dequant.dequantize(rows, t.qtype),
                                             gguf_dequantize(rows, t.qtype), equal_nan=True)
     assert all(seen.values()) and len(seen) >= 2, seen
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_torch_path_same_values_as_gguf(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qt = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 128)) * 3).astype(np.float32)
+    w[0, :32] = 0  # an all-zero block: d = 0
+    w[1, :32] = 1e4  # large scales
+    raw = quantize(w, qt)
+    assert np.array_equal(gguf_dequant.dequantize_torch(raw, qt).numpy(),
+                          gguf_dequantize(raw, qt))
+    assert gguf_dequant.dequantize_torch(raw, GGMLQuantizationType.Q6_K) is None

@@ -36,6 +36,7 @@ from tokenmill.loaders.errors import ModelLoadError
 from tokenmill.loaders.gguf_checks import GGUFLayout, TensorInfo, check_gguf
 from tokenmill.loaders.gguf_moe import MOE_BLOCK_NAMES, moe_config
 from tokenmill.quant.gguf_dequant import dequantize as dequantize_blocks
+from tokenmill.quant.gguf_dequant import dequantize_torch
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -118,6 +119,10 @@ class GGUFTensor:
 
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
+        fast = dequantize_torch(self._rows(), self.qtype)  # Q4_0 / Q4_1 / Q8_0
+        if fast is not None:
+            fast = fast.reshape(self.shape)
+            return fast + self.value_offset if self.value_offset else fast
         arr = dequantize_blocks(self._rows(), self.qtype).reshape(self.shape)
         if self.value_offset:
             arr = arr + np.float32(self.value_offset)

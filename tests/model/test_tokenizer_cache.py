@@ -43,7 +43,9 @@ def _behaviour(t) -> dict:
         "special": (t.bos_token_id, t.eos_token_id, t.pad_token_id, t.unk_token_id,
                     sorted(t.all_special_ids), len(t)),
         "chat": t.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-        "chat_ids": t.apply_chat_template(chat, add_generation_prompt=True),
+        "chat_ids": t.encode(t.apply_chat_template(chat, tokenize=False,
+                                                   add_generation_prompt=True),
+                             add_special_tokens=False),
     }
 
 

@@ -173,10 +173,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
         cover = getattr(module, "shard_cover", None)  # a stacked tensor fills many shards
         loaded.setdefault(f"{module_name}.{param_kind}", set()).update(
             cover(shard_id) if cover else {shard_id})
-        # stacked (3-d) expert blocks are not kept: the experts run dequantized for now
+        # stacked experts (E, rows, cols) keep their blocks too: per expert, the rows of
+        # its part in the stack (quant/moe_experts.py runs them natively)
         if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight" \
-                and len(tensor.shape) == 2:
-            row_offset = module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows") else 0
+                and len(tensor.shape) in (2, 3):
+            if len(tensor.shape) == 3:
+                stacked_rows = getattr(module, "stacked_rows", None)
+                if stacked_rows is None or stacked_rows(shard_id) is None:
+                    continue
+                row_offset = stacked_rows(shard_id)
+            else:
+                row_offset = (module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows")
+                              else 0)
             shards = module.__dict__.setdefault("gguf_quantized", [])
             shards.append(QuantizedWeight(tensor.qtype, tensor.raw_blocks(), tensor.shape,
                                           row_offset))

@@ -82,6 +82,12 @@ class StackedExpertWeight(nn.Module):
             return None
         return (self.split_dim + (expert is None), self.split_start, self.split_len)
 
+    def stacked_rows(self, shard_id: tuple[int | None, str]) -> int | None:
+        """First row in each expert's stack of a checkpoint tensor holding one part of all
+        E experts (a GGUF `ffn_*_exps`), whose blocks the loader keeps; None for others."""
+        expert, part = shard_id
+        return self.parts[part][0] if expert is None and part in self.parts else None
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int | None, str]) -> None:
         expert, part = shard_id
@@ -174,4 +180,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 def expert_bytes_read(model: nn.Module) -> int:
     """Routed-expert weight bytes this rank's MoE layers have read so far (CPU path;
     0 for a dense model): the measured side of the active-expert floor."""
-    return sum(m.traffic.bytes_read for m in model.modules() if isinstance(m, Experts))
+    # float Experts and the GGUF records' experts (quant/moe_experts.py) count alike
+    return sum(m.traffic.bytes_read for m in model.modules()
+               if isinstance(getattr(m, "traffic", None), ExpertTraffic))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import gguf
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from tests.moe.conftest import make_hf_moe, write_moe_gguf
 from tokenmill.engine.runner.weights import load_engine_model
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.loaders import load_model, resolve_model
+from tokenmill.loaders.gguf import open_gguf
 from tokenmill.models.moe import Experts, expert_bytes_read
 from tokenmill.quant import moe_experts
 from tokenmill.quant.moe_experts import GEMM16_MIN_ROWS, RecordExperts
@@ -51,7 +51,7 @@ def _logits(model, ids):
 
 
 def _expert_file_bytes(path):
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     return sum(int(t.n_bytes) for t in reader.tensors if "_exps" in t.name)
 
 
@@ -185,3 +185,21 @@ def test_batch1_decode_reads_only_the_routed_experts(qwen3moe_q8):
     assert all(b == per_expert for m in rec for b in m.expert_bytes)
     # the prompt (3 tokens) and 8 decode steps: at most k experts a token, per layer
     assert 8 * top_k * per_expert * len(rec) <= read <= 11 * top_k * per_expert * len(rec)
+
+
+def test_experts_on_records_are_never_dequantized_at_load(qwen3moe_q8, monkeypatch):
+    """The float stacks of experts that run in records are never written (the load's
+    peak stays near the file's bytes): no stacked expert tensor is dequantized."""
+    from tokenmill.loaders import model_loader
+    from tokenmill.loaders.gguf import GGUFTensor
+
+    def refuse(*args):
+        raise AssertionError("a stacked expert tensor was dequantized")
+
+    dequantize = GGUFTensor.load
+    monkeypatch.setattr(GGUFTensor, "load", lambda self: refuse() if len(self.shape) == 3
+                        else dequantize(self))
+    monkeypatch.setattr(model_loader, "_dequantized", refuse)
+    model = _load(qwen3moe_q8[0])
+    assert any(isinstance(m, RecordExperts) for m in model.modules())
+    assert _logits(model, torch.arange(6)).isfinite().all()

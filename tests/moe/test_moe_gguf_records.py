@@ -203,3 +203,29 @@ def test_experts_on_records_are_never_dequantized_at_load(qwen3moe_q8, monkeypat
     model = _load(qwen3moe_q8[0])
     assert any(isinstance(m, RecordExperts) for m in model.modules())
     assert _logits(model, torch.arange(6)).isfinite().all()
+
+
+def test_the_avx2_build_runs_the_experts_records(engine_model, monkeypatch):
+    """An AVX-512 machine builds and runs the AVX2 (x86-64-v3) kernel too: the same
+    experts' records through it, per-row (few tokens) and gemm16 (many), give the VNNI
+    build's outputs within the activations' rounding."""
+    from tests.model.conftest import load_for_march
+
+    model = engine_model("mixtral_kquant")
+    rec = next(m for m in model.modules() if isinstance(m, RecordExperts))
+    avx2 = load_for_march(q4q8_gemv._lib, "x86-64-v3")
+    assert avx2.tm_q4q8_isa() == 1
+    monkeypatch.setattr(q4q8_gemv._lib, "get", lambda name: getattr(avx2, name))
+    on_avx2 = RecordExperts(list(zip(rec.gate_up_records, rec.gate_up_formats, strict=True)),
+                            list(zip(rec.down_records, rec.down_formats, strict=True)),
+                            rec.hidden, rec.intermediate, 16, {})
+    for tokens in (1, 3, 2 * GEMM16_MIN_ROWS):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, rec.hidden, generator=gen).bfloat16()
+        ids = torch.tensor([[1, rec.num_experts - 1]] * tokens)
+        weights = torch.rand(tokens, 2, generator=gen)
+        got = on_avx2(x, weights, ids).float()
+        monkeypatch.undo()
+        want = rec(x, weights, ids).float()
+        monkeypatch.setattr(q4q8_gemv._lib, "get", lambda name: getattr(avx2, name))
+        assert (got - want).norm() <= 2e-3 * want.norm(), tokens

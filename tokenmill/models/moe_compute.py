@@ -82,6 +82,12 @@ def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_exper
     all its tokens and the others not at all. `expert_bytes[e]`: what expert e's weights
     occupy (the traffic count)."""
     tokens_n, top_k = ids.shape
+    if tokens_n == 1:  # batch-1 decode: the k experts in slot order, no sort
+        chosen = ids[0].tolist()  # distinct (top-k)
+        if traffic is not None:
+            traffic.record(1, top_k, sum(expert_bytes[e] for e in chosen))
+        pairs = torch.cat([expert_mlp(e, x) for e in chosen])  # (k, H), row = slot
+        return (pairs * weights[0].to(x.dtype).unsqueeze(-1)).sum(dim=0, keepdim=True)
     order, counts = sort_by_expert(ids, num_experts)
     token_of = order // top_k  # (T * k,) the token of each sorted pair
     # each pair's output lands in its own row, then a token's k rows are summed: no

@@ -64,9 +64,10 @@ def render(latest: dict[tuple[str, str, str], dict]) -> str:
     if not rows:
         return "No stored results yet: `python -m benchmarks run w3 --peers llama` makes one."
     machines = sorted({_machine(r) for r in latest.values()})
+    header = ("| machine class | benchmark | model | metric | tokenmill | peer, same run | "
+              "ratio (> 1 = tokenmill better) | date, commit |")
     return "\n".join([
-        "| machine class | benchmark | model | metric | tokenmill | peer, same run | "
-        "ratio (> 1 = tokenmill better) | date, commit |",
+        header,
         "|---|---|---|---|---|---|---|---|", *rows, "",
         "Machines: " + "; ".join(machines) + "."])
 

@@ -38,6 +38,10 @@ def _model(r: dict) -> str:
     return "-"
 
 
+def _label(label: str) -> str:
+    return "" if label == "tokenmill default" else f", {label}"
+
+
 def _row(r: dict) -> str:
     machine = f"**{r['machine']['class']}**"
     when = f"{r['date'][:10]} `{r['commit']}`"
@@ -46,15 +50,15 @@ def _row(r: dict) -> str:
         peer = _figure(r, x["peer"], x["metric"])
         if ours and peer:
             unit = ours["unit"]
-            return (f"| {machine} | {r['title']} | {_model(r)} | {x['metric']} | "
-                    f"{_num(ours['median'])} {unit} ({x['tokenmill']}) | "
+            return (f"| {machine} | {r['title']} | {_model(r)} | "
+                    f"{x['metric']}: {_num(ours['median'])} {unit}{_label(x['tokenmill'])} | "
                     f"{_num(peer['median'])} {unit} ({x['peer']}) | **{x['ratio']:.2f}x** | "
                     f"{when} |")
     ours = next((f for f in r["figures"] if f["engine"] == "tokenmill"), None)
     if ours is None:
         return ""
-    return (f"| {machine} | {r['title']} | {_model(r)} | {ours['metric']} | "
-            f"{_num(ours['median'])} {ours['unit']} ({ours['label']}) | - | - | {when} |")
+    return (f"| {machine} | {r['title']} | {_model(r)} | {ours['metric']}: "
+            f"{_num(ours['median'])} {ours['unit']}{_label(ours['label'])} | - | - | {when} |")
 
 
 def render(latest: dict[tuple[str, str, str], dict]) -> str:
@@ -64,11 +68,10 @@ def render(latest: dict[tuple[str, str, str], dict]) -> str:
     if not rows:
         return "No stored results yet: `python -m benchmarks run w3 --peers llama` makes one."
     machines = sorted({_machine(r) for r in latest.values()})
-    header = ("| machine class | benchmark | model | metric | tokenmill | peer, same run | "
-              "ratio (> 1 = tokenmill better) | date, commit |")
+    header = "| machine class | benchmark | model | tokenmill | peer, same run | ratio | date, commit |"
     return "\n".join([
         header,
-        "|---|---|---|---|---|---|---|---|", *rows, "",
+        "|---|---|---|---|---|---|---|", *rows, "",
         "Machines: " + "; ".join(machines) + "."])
 
 

@@ -1,4 +1,5 @@
-"""The commands README's quick start and the getting-started page show still run.
+"""The commands README's quick start and the getting-started page show still run
+(and every other page's shell lines still parse).
 
 Long-running ones (serve, bench, chat) are run to `--help`: the command must exist and
 every flag the page gives it must be in its help, so renaming or dropping a documented
@@ -21,6 +22,7 @@ import pytest
 from tests.docs.doc_commands import ROOT, Command, _env, check, commands, shell_lines
 
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
+EVERY_PAGE = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_the_pages_show_the_quick_start():
@@ -31,7 +33,7 @@ def test_the_pages_show_the_quick_start():
     assert {"serve", "bench", "roofline", "explain", "generate"} <= subcommands, subcommands
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", EVERY_PAGE, ids=lambda p: p.name)
 def test_documented_commands_still_parse(page):
     problems = [p for cmd in commands(page) for p in check(cmd)]
     assert not problems, "\n".join(problems)

@@ -44,12 +44,13 @@ def trim_available() -> bool:
     return _function("malloc_trim") is not None
 
 
-def trim() -> bool:
-    """malloc_trim(0); True when there was one to call."""
+def trim(pad: int = 0) -> bool:
+    """malloc_trim(pad): keep `pad` bytes at the heap's top; True when there was one
+    to call."""
     fn = _function("malloc_trim")
     if fn is None:
         return False
-    fn(0)
+    fn(pad)
     return True
 
 

@@ -31,7 +31,7 @@ IDLE_MIN_GAP_S = 1.0  # a server idle between sparse requests trims at most this
 ENV = "TOKENMILL_MALLOC_TRIM_S"
 
 
-def _malloc_trim() -> Callable[[], bool] | None:
+def _malloc_trim() -> Callable[[int], bool] | None:
     return malloc.trim if malloc.trim_available() else None
 
 
@@ -76,7 +76,7 @@ class HeapTrimmer:
             return False
         if self._clock() - self._last < (self.interval_s if busy else IDLE_MIN_GAP_S):
             return False
-        self._trim()
+        self._trim(0)
         self._last = self._clock()
         self.trims += 1
         return True

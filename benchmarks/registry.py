@@ -50,6 +50,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("served-rss", "feature", _F + "served_rss",
               "served RSS / PSS of the engine core and tree vs llama-server, same file", True,
               ("--model",)),
+    Benchmark("heap-growth", "feature", _F + "heap_growth",
+              "the C heap by request wave with malloc_trim off: RSS, mallinfo2, objects"),
     Benchmark("data-parallel", "feature", _F + "data_parallel",
               "2 replicas behind vllm-router, by routing policy"),
     Benchmark("async-scheduling", "feature", _F + "async_scheduling",

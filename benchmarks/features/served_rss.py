@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="context: tokenmill's --max-model-len, llama-server's -c")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     ap.add_argument("--skip-peers", action="store_true", help="tokenmill only")
-    ap.add_argument("--no-record", action="store_true", help="print, write no result")
+    ap.add_argument("--no-result", action="store_true", help="print, write no result")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more argument for `tokenmill serve` (repeatable)")
     args = ap.parse_args(argv)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'MET' if core_rss <= strict else 'MISSED'} ({(core_rss - strict) / MIB:+.0f} MiB)")
     if isinstance(peer, str):
         print(f"llama-server SKIPPED: {peer}")
-    if args.no_record:
+    if args.no_result:
         return 0
 
     config = {"model": model.name, "ctx": args.ctx, "file_bytes": file_bytes}

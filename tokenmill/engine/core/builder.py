@@ -33,6 +33,7 @@ from tokenmill.kvcache.attention_groups import (
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import ModelSource, load_tokenizer, resolve_model
+from tokenmill.loaders.deferred_tokenizer import DeferredTokenizer
 from tokenmill.structured import GrammarCache, LogitsConstraints
 
 logger = logging.getLogger("tokenmill.engine.core.llm_engine")  # start-up lines read as the engine's
@@ -105,7 +106,12 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     loaded, runner = rank.loaded, rank.runner
     if workers is not None:
         workers.attach(runner, rank.parameter_bytes)
-    tokenizer = load_tokenizer(source)
+    if not detokenize and source.kind == "gguf" and loaded.config.eos_token_id is not None:
+        # the core process: the front end tokenizes; the tokenizer built from this
+        # file's metadata has its eos (tokenizer.ggml.eos_token_id) as the config does
+        tokenizer: Any = DeferredTokenizer(source)
+    else:
+        tokenizer = load_tokenizer(source)
     block_size = config.cache.block_size
     block_manager = BlockManager(rank.num_blocks, block_size, config.cache.enable_prefix_caching)
     kv_events = KVEventStream.start(config.cache.kv_events, block_manager, device.type)
@@ -168,6 +174,8 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
         ids.add(eos)
     elif eos:
         ids.update(eos)
+    if isinstance(tokenizer, DeferredTokenizer):  # the config's eos is the tokenizer's
+        return ids
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -194,8 +202,8 @@ def log_expected_rss(baseline_bytes: int, model: torch.nn.Module, device: torch.
     logger.info("expected steady-state RSS %.0f MiB = baseline %.0f MiB + weights "
                 "%.0f MiB + runtime %.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool "
                 "is touched as it fills, or at once with --kv-cache-prefault; under "
-                "load a working heap for the batch shapes comes on top, README: "
-                "memory arithmetic)",
+                "load a working heap for the batch shapes comes on top, docs/serving.md: "
+                "Memory)",
                 (baseline_bytes + weights_host + runtime + kv) / 2**20,
                 baseline_bytes / 2**20, weights_host / 2**20, runtime / 2**20,
                 kv / 2**20, now / 2**20)

@@ -100,6 +100,9 @@ class EngineCore:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
         self.outbox.send(m.encoder.encode(self.ready()))
         mark("core: ready sent")
+        warm = getattr(self.engine.tokenizer, "warm", None)
+        if warm is not None:  # a DeferredTokenizer: load it now, off the start-up path
+            warm()
         while True:
             busy = self.engine.has_unfinished_requests()
             acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)

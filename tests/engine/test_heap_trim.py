@@ -68,7 +68,7 @@ def test_glibc_malloc_trim_is_found_and_runs():
     trim = heap_trim._malloc_trim()
     if trim is None:
         pytest.skip("not glibc: nothing to trim with")
-    assert trim(0) in (0, 1)
+    assert trim(0) is True
 
 
 def test_engine_trims_when_it_goes_idle(llm):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import os
 import re
 import struct
@@ -31,6 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
+from numpy.lib.array_utils import byte_bounds
 
 from tokenmill.loaders.errors import ModelLoadError
 from tokenmill.loaders.gguf_checks import GGUFLayout, TensorInfo, check_gguf
@@ -117,13 +119,29 @@ class GGUFTensor:
             raw = raw.reshape(self.shape[0], -1)
         return raw if self.row_order is None else raw[self.row_order]
 
+    def _copy_rows(self) -> torch.Tensor:
+        """`_rows()` copied once, straight into memory torch owns (uint8)."""
+        raw = self.raw
+        if len(self.shape) > 1 and raw.ndim == 1:
+            raw = raw.reshape(self.shape[0], -1)
+        raw = raw.view(np.uint8)
+        n = raw.shape[0] if self.row_order is None else len(self.row_order)
+        out = torch.empty((n, *raw.shape[1:]), dtype=torch.uint8)
+        if self.row_order is None:
+            np.copyto(out.numpy(), raw)
+        else:
+            np.take(raw, self.row_order, axis=0, out=out.numpy())
+        return out
+
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
         fast = dequantize_torch(self._rows(), self.qtype)  # Q4_0 / Q4_1 / Q8_0
+        drop_file_pages(self.raw)
         if fast is not None:
             fast = fast.reshape(self.shape)
             return fast + self.value_offset if self.value_offset else fast
         arr = dequantize_blocks(self._rows(), self.qtype).reshape(self.shape)
+        drop_file_pages(self.raw)
         if self.value_offset:
             arr = arr + np.float32(self.value_offset)
         return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
@@ -134,8 +152,8 @@ class GGUFTensor:
         """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch;
         ModelLoadError naming the tensor where their size disagrees with shape x type (the
         native kernels trust these sizes)."""
-        # np.array, not torch.tensor: torch.tensor copied a memmap's view ~70x slower
-        blocks = torch.from_numpy(np.array(self._rows(), copy=True).view(np.uint8))
+        blocks = self._copy_rows()
+        drop_file_pages(self.raw)
         if len(self.shape) < 2:
             return blocks
         block, block_bytes = GGML_QUANT_SIZES[self.qtype]
@@ -174,6 +192,28 @@ class GGUFTensor:
         a, b = start // block * block_bytes, (start + length) // block * block_bytes
         raw = self.raw[..., a:b]
         return GGUFTensor(self.hf_name, self.qtype, raw, (*shape[:-1], length), self.row_order)
+
+
+def drop_file_pages(view: np.ndarray) -> None:
+    """Unmap from this process the pages of the file under `view` (a slice of a
+    GGUFReader's memory map), once they are copied out: otherwise every page read at
+    load stays in the process's RSS until the map closes, a whole second copy of the
+    file at the load's peak. The page cache keeps them, so a later read is a minor
+    fault. Nothing for an array that is not a view of a memory map."""
+    owner = view
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    mapping = owner.base
+    if not isinstance(mapping, mmap.mmap) or view.size == 0:
+        return
+    start = owner.__array_interface__["data"][0]
+    lo, hi = byte_bounds(view)
+    page = mmap.PAGESIZE
+    a = (lo - start) // page * page
+    b = min(len(mapping), -(-(hi - start) // page) * page)
+    if 0 <= a < b:
+        with contextlib.suppress(OSError, ValueError):  # advice only: never fail a load
+            mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 @contextlib.contextmanager

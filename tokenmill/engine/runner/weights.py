@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from tokenmill.cpuinfo import has_native_bf16
+from tokenmill.engine.runner.heap_trim import trim_heap
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.loaders.gguf import release_gguf_readers
 from tokenmill.quant import quantize_model, resolve_method, vnni
@@ -62,9 +63,11 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
                       device: torch.device, load_format: str = "auto",
                       batched_linears: str = "auto") -> tuple[LoadedModel, str]:
     """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
+    # quantized linears' float weights are filled only where used (deferred_weights.py):
+    # a ~1B Q4_K_M file peaked at 4.8 GB dequantizing them all, for 1.2 GB resident after
     with _one_thread(device):
         loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
-                            load_format=load_format)
+                            load_format=load_format, defer_quantized=True)
         mark("weights read")
         method = resolve_method(quantization, loaded.model, dtype)
         float_copy = float_copy_bytes(loaded.model)
@@ -74,6 +77,7 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
         mark(f"linears packed as {method} (kernel cache checked)")
     if source.kind == "gguf":  # every weight is copied out: unmap the file's tensor pages
         release_gguf_readers()
+    trim_heap()  # the load's freed temporaries (blocks, repack buffers) back to the OS
     # what the weights occupy and in which form: logged, and on /server_info
     loaded.model.weight_forms = weight_report(loaded.model, summary, large, float_copy)
     log_report(loaded.model.weight_forms)

@@ -71,7 +71,8 @@ class _DeltaTracker:
         return m.RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens,
                               metrics.first_scheduled_time if metrics else None,
                               metrics.first_token_time if metrics else None,
-                              out.prompt_logprobs if first else None)
+                              out.prompt_logprobs if first else None,
+                              out.kv_transfer_params if out.finished else None)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

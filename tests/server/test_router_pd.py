@@ -90,13 +90,14 @@ def test_pd_through_vllm_router_equals_one_instance(pd):
     assert list(got) == reference
     streamed = _complete(router, PROMPTS[0], stream=True)[0]
     assert streamed == reference[0]
-    chat = httpx.post(f"{router}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "max_tokens": 8, "temperature": 0,
-        "messages": [{"role": "user", "content": "Say hello."}]})
+    chat_body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                 "messages": [{"role": "user", "content": "Say hello."}]}
+    # the reference first: afterwards the pulled blocks sit in the decode instance's
+    # prefix cache, and a hit computes the prompt's tail in another batch shape
+    chat_ref = httpx.post(f"{decode.base_url}/v1/chat/completions", timeout=120,
+                          json=chat_body).json()
+    chat = httpx.post(f"{router}/v1/chat/completions", timeout=120, json=chat_body)
     assert chat.status_code == 200, chat.text
-    chat_ref = httpx.post(f"{decode.base_url}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "max_tokens": 8, "temperature": 0,
-        "messages": [{"role": "user", "content": "Say hello."}]}).json()
     assert chat.json()["choices"][0]["message"] == chat_ref["choices"][0]["message"]
     pulled = _metric(decode.base_url, "kv_transfer_received_tokens_total") - received
     assert pulled == sum(prompt_tokens) + prompt_tokens[0] + chat_ref["usage"]["prompt_tokens"]

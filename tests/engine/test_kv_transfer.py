@@ -105,10 +105,17 @@ def test_pd_greedy_output_equals_one_engine(pairs, key):
     assert consumer.stats.kv_transfer_fallbacks == 0
     assert_no_leak(producer)
     assert_no_leak(consumer)
-    # the pulled blocks were registered under the prefix cache's hashes: a repeat hits
+    # pulled blocks are registered under the prefix cache's hashes: a prompt this engine
+    # never computed itself hits them afterwards
+    fresh = ["A fresh prompt, never computed by the decode engine: " + " ".join(
+        f"word{i}" for i in range(24))]
+    _decode(consumer, "h", _prefill(producer, "h", fresh), fresh)
+    _drain_pins(producer)
     hits = consumer.block_manager.prefix_cache_hits
-    _decode(consumer, "again", {}, PROMPTS[1:2])
-    assert consumer.block_manager.prefix_cache_hits > hits
+    _decode(consumer, "h2", {}, fresh)
+    n_fresh = len(consumer.tokenizer.encode(fresh[0]))
+    assert consumer.block_manager.prefix_cache_hits - hits == (n_fresh - 1) // 16 * 16 > 0
+    assert consumer.stats.kv_transfer_fallbacks == 0
 
 
 def test_unknown_request_falls_back_and_leaks_nothing(pair):

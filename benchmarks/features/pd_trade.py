@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if ROUTER is None and set(args.layouts) - {"a"}:
         sys.exit("vllm-router is not installed: pip install vllm-router==0.1.17")
-    os.sched_setaffinity(0, _cpus(args.client_cpus))
     print(f"PD trade · {machine()} · client+router on CPUs {args.client_cpus}")
+    os.sched_setaffinity(0, _cpus(args.client_cpus))
     print("layout                         ITL p50  ITL p99  TTFT p50  long TTFT p50  out tok/s")
     names = {"a": "(a) 1 instance, 2 cores", "b": "(b) 1P + 1D, 1 core each",
              "c": "(c) 2 replicas, round robin"}

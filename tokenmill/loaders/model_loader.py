@@ -10,6 +10,7 @@ the slice this rank holds, and only that slice is read.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,27 +166,58 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
             part = getattr(module, "checkpoint_slice", lambda *_: None)(shard_id, param_kind)
             if part is not None:  # this tensor-parallel rank's slice, still unread
                 tensor = tensor.narrow(*part)
-            value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
-            param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
+            if _deferred_experts(module, tensor, shard_id):
+                pass  # blocks kept below; dequantized only if the experts run in float
+            else:
+                value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+                param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
+                del value
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
-        del value
         cover = getattr(module, "shard_cover", None)  # a stacked tensor fills many shards
         loaded.setdefault(f"{module_name}.{param_kind}", set()).update(
             cover(shard_id) if cover else {shard_id})
-        # stacked (3-d) expert blocks are not kept: the experts run dequantized for now
+        # stacked experts (E, rows, cols) keep their blocks too: per expert, the rows of
+        # its part in the stack (quant/moe_experts.py runs them natively)
         if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight" \
-                and len(tensor.shape) == 2:
-            row_offset = module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows") else 0
+                and len(tensor.shape) in (2, 3):
+            if len(tensor.shape) == 3:
+                stacked_rows = getattr(module, "stacked_rows", None)
+                if stacked_rows is None or stacked_rows(shard_id) is None:
+                    continue
+                row_offset = stacked_rows(shard_id)
+            else:
+                row_offset = (module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows")
+                              else 0)
             shards = module.__dict__.setdefault("gguf_quantized", [])
-            shards.append(QuantizedWeight(tensor.qtype, tensor.raw_blocks(), tensor.shape,
-                                          row_offset))
+            blocks = tensor.raw_blocks()
+            shards.append(QuantizedWeight(tensor.qtype, blocks, tensor.shape, row_offset))
             shards.sort(key=lambda w: w.row_offset)
+            if len(tensor.shape) == 3:  # the float stack, if ever needed, from these bytes
+                module.defer(shard_id, tensor.shape, functools.partial(
+                    _dequantized, blocks, tensor.qtype, tuple(tensor.shape)))
     _check_all_loaded(model, params, loaded)
     if tied and hasattr(model, "lm_head"):
         embed = model.get_submodule("model.embed_tokens")
         if "gguf_quantized" in embed.__dict__:
             model.lm_head.gguf_quantized = embed.gguf_quantized
+
+
+def _deferred_experts(module: nn.Module, tensor: Any, shard_id: Any) -> bool:
+    """Whether this is a GGUF stack of quantized experts (E, rows, cols) whose float
+    stack waits: most runs keep the experts in records (quant/moe_experts.py), and a
+    dequantized stack (3.5x the file's bytes) written now would raise the load's peak
+    memory for nothing. The stacked weight fills itself on first use otherwise."""
+    from tokenmill.loaders.gguf import GGUFTensor
+
+    return (isinstance(tensor, GGUFTensor) and tensor.is_quantized and len(tensor.shape) == 3
+            and hasattr(module, "defer") and module.stacked_rows(shard_id) is not None)
+
+
+def _dequantized(blocks: torch.Tensor, qtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(shape))
 
 
 def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter],

@@ -12,7 +12,8 @@ lm_head. Methods:
         AVX512-VNNI, having passed the accuracy gate that gguf-a8 fails
         (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)").
         With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
-        inside the down projection's native call
+        inside the down projection's native call, and an MoE file's experts run their
+        own records (moe_experts.py)
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
   fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
@@ -49,7 +50,8 @@ from torch import nn
 
 from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
-from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, vnni, widened
+from tokenmill.models.moe import Experts
+from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, moe_experts, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -140,6 +142,11 @@ def quantize_model(model: nn.Module, method: str,
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
                               batched_linears)
+        if GGUF_ACTIVATIONS.get(method) in ("int8", "int16"):  # MoE experts on records
+            moe_experts.swap_in(model, 8 if GGUF_ACTIVATIONS[method] == "int8" else 16,
+                                summary)
+        else:
+            moe_experts.kept_float_reasons(model, summary)
         _fuse_silu_into_down(model)
         _packed_into_huge_pages(model)
         if batched_linears == "int16":  # the int16 records widened (widened.py)
@@ -154,6 +161,9 @@ def quantize_model(model: nn.Module, method: str,
             if (name.rpartition(".")[2] in TARGET_MODULES and shards
                     and any(s.qtype not in RECORD_TYPES for s in shards)):
                 summary.kept_float[name] = _no_native_reason(module, True)
+            why = moe_experts.no_records_reason(module) if isinstance(module, Experts) else None
+            if why is not None and why.startswith("GGUF type"):
+                summary.kept_float[name] = why
     if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)
@@ -247,6 +257,8 @@ def resolve_method(requested: str | None, model: nn.Module,
         return "gguf-triton"
     fast = vnni.fast()
     for name, module in model.named_modules():
+        if fast and isinstance(module, Experts) and moe_experts.no_records_reason(module) is None:
+            return "gguf-a16"  # an MoE file's experts in records (moe_experts.py)
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
                 and _gguf_shards(module, RECORD_TYPES if fast else GGUF_NATIVE_TYPES)
                 is not None):

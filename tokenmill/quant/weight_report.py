@@ -1,6 +1,7 @@
 """What the weights occupy and in which form, printed at start-up and on /server_info.
 
-Per tensor class (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head): how many linears
+Per tensor class (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head; an MoE's
+experts.gate_up and experts.down, counted per expert): how many linears
 run which GGUF types in which record form (gguf_records.FORMS), the records' bytes; the
 float copies kept for large batches and why; the linears left float and why (a GGUF
 type with no native kernel is named with its tensors); the other float parameters
@@ -16,6 +17,7 @@ from torch import nn
 
 from tokenmill.quant.embedding import GGUFEmbedding
 from tokenmill.quant.linear import QuantizedLinear
+from tokenmill.quant.moe_experts import RecordExperts
 
 logger = logging.getLogger(__name__)
 _MIB = 2**20
@@ -34,6 +36,9 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
             types = getattr(module, "gguf_types", None)
             classes[name.rpartition(".")[2]][f"{types} as {form}" if types else form] += 1
             lowbit_ptrs.update(b.data_ptr() for b in module.buffers())
+        elif isinstance(module, RecordExperts):  # MoE experts: counted per expert
+            for cls, forms in module.forms.items():
+                classes[cls].update(forms)
         elif isinstance(module, GGUFEmbedding):
             embedding_bytes = module.blocks.nbytes
     seen: set[int] = set()

@@ -48,6 +48,8 @@ def server_info(llm: Any) -> dict[str, Any]:
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
         "attention_layers": _attention_layers(llm),
+        # prefill/decode disaggregation: this instance's kv_role, or None
+        "kv_transfer": getattr(getattr(cache, "kv_transfer", None), "kv_role", None),
     }
 
 

@@ -168,7 +168,7 @@ def test_types_without_records_are_none():
 
 # --- whole files -----------------------------------------------------------------------
 
-def _write_mixed(path, types_by_tensor):
+def _write_mixed(path, types_by_tensor, tied=False):
     from tests.model import test_gguf_types as t
 
     rng = np.random.default_rng(0)
@@ -186,7 +186,9 @@ def _write_mixed(path, types_by_tensor):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(t.VOCAB)
-    shapes = {"token_embd.weight": (t.VOCAB, t.HIDDEN), "output.weight": (t.VOCAB, t.HIDDEN)}
+    shapes = {"token_embd.weight": (t.VOCAB, t.HIDDEN)}
+    if not tied:  # a tied file has no output.weight: the LM head is the embedding
+        shapes["output.weight"] = (t.VOCAB, t.HIDDEN)
     for i in range(t.LAYERS):
         shapes.update({f"blk.{i}.attn_q.weight": (t.HIDDEN, t.HIDDEN),
                        f"blk.{i}.attn_k.weight": (t.KV_HEADS * head_dim, t.HIDDEN),
@@ -315,6 +317,64 @@ def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding
     table = torch.from_numpy(gguf.quants.dequantize(embed.blocks.numpy(), Q.Q4_K)).bfloat16()
     assert torch.equal(embed(ids), table.reshape(t.VOCAB, t.HIDDEN)[ids])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def _load(path, float_copy_limit):
+    from tokenmill.engine.runner.weights import load_engine_model
+    from tokenmill.loaders import resolve_model
+    from tokenmill.quant import model as quant_model
+
+    quant_model.FLOAT_COPY_LIMIT_BYTES, saved = float_copy_limit, \
+        quant_model.FLOAT_COPY_LIMIT_BYTES
+    try:
+        return load_engine_model(resolve_model(str(path)), "auto", None,
+                                 torch.device("cpu"))[0].model
+    finally:
+        quant_model.FLOAT_COPY_LIMIT_BYTES = saved
+
+
+@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeypatch,
+                                                               embed_type):
+    """A tied file past the float-copy limit: the embedding's rows come from the LM
+    head's records (no second copy in blocks), the resident bytes drop by the blocks'
+    size, and the rows are gguf's dequantization (exactly where the records are exact,
+    Q8_0; within the requantized form's half step for Q6_K)."""
+    from tests.model import test_gguf_types as t
+    from tokenmill.quant import model as quant_model
+    from tokenmill.quant.embedding import GGUFEmbedding, RecordsEmbedding
+
+    path = tmp_path / "tied.gguf"
+    _write_mixed(path, lambda name, j: embed_type if name == "token_embd.weight"
+                 else MIXED[j % len(MIXED)], tied=True)
+    ids = torch.randint(0, t.VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    once = _load(path, 0)
+    embed = once.model.embed_tokens
+    assert isinstance(embed, RecordsEmbedding)
+    report = once.weight_forms
+    assert report["embedding_bytes"] == 0 and "LM head" in report["embedding"]
+    blocks = gguf.GGUFReader(str(path)).get_tensor(0)
+    assert blocks.name == "token_embd.weight"
+    table = torch.from_numpy(gguf.quants.dequantize(np.asarray(blocks.data), embed_type)
+                             ).reshape(t.VOCAB, t.HIDDEN)
+    rows = embed(ids).float()
+    if embed_type == Q.Q8_0:
+        assert torch.equal(embed(ids), table.bfloat16()[ids])
+    else:  # requantized per block of 32: half a step of max|w| / 127, then bf16
+        step = table.reshape(t.VOCAB, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 127
+        assert ((rows - table[ids]).abs() <= 0.51 * step[ids] + table[ids].abs() / 128).all()
+    # the same file kept as before (the embedding in its own blocks beside the head)
+    monkeypatch.setattr(quant_model, "embedding_from_head", lambda *a: False)
+    twice = _load(path, 0)
+    assert isinstance(twice.model.embed_tokens, GGUFEmbedding)
+    before = twice.weight_forms
+    assert before["resident_bytes"] - report["resident_bytes"] == before["embedding_bytes"] \
+        == blocks.n_bytes
+    with torch.no_grad():
+        a = once.compute_logits(once(ids, torch.arange(9)))
+        b = twice.compute_logits(twice(ids, torch.arange(9)))
+    if embed_type == Q.Q8_0:  # the same rows: the same logits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_blocks_that_cannot_hold_the_shape_are_a_load_error_naming_the_tensor():

@@ -32,6 +32,14 @@ RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544}  # per group of 16 rows and bloc
 BITS = (8, 16)  # activation precisions, see q4q8_gemv.c
 
 
+def segments(packed: torch.Tensor, fmt: int, in_features: int
+             ) -> list[tuple[int, int, int, torch.Tensor]]:
+    """A weight's records as runs of groups of one format: (first group, groups, format,
+    records) each."""
+    groups = packed.numel() // ((in_features // 32) * RECORD_BYTES[fmt])
+    return [(0, groups, fmt, packed)]
+
+
 def available() -> bool:
     return _lib.get("tm_q4q8_linear") is not None
 

@@ -51,7 +51,7 @@ from tokenmill.kernels import bf16_gemv
 from tokenmill.kernels import decode_step as native
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from tokenmill.quant.embedding import GGUFEmbedding
+from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
 from tokenmill.quant.widened import WidenedWeight
@@ -175,7 +175,7 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
             or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
         return "rotary tables or head_dim the kernel does not take"
-    if not (isinstance(inner.embed_tokens, GGUFEmbedding)
+    if not (isinstance(inner.embed_tokens, LookupEmbedding)
             or _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden)) \
             or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):
         return "embedding or final norm not bf16"
@@ -234,7 +234,7 @@ class FusedDecode:
         _, num_blocks, block_size, _ = (pool.data if self.kv_fmt else pool).shape
         rotary = inner.rotary_emb
         # an embedding in GGUF blocks: each step's rows dequantized into a table of its own
-        self.gguf_embed = isinstance(inner.embed_tokens, GGUFEmbedding)
+        self.gguf_embed = isinstance(inner.embed_tokens, LookupEmbedding)
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,

@@ -50,9 +50,11 @@ def _step(runner: ModelRunner, ids: list[int], start: int, table: list[int],
 
 def test_a_qkv_of_mixed_gguf_types_runs_the_fused_step(tmp_path):
     """A Q4 q/k beside a Q8_0 v (llama-quantize's files mix them): each part keeps its
-    records (issue 56) and the fused step still serves the layer, with the module
+    own record format (issue 56) and the fused step still serves the layer, with the module
     path's logits."""
     runner = _runner(tmp_path, {}, q8_0=("embed_tokens", "v_proj", "down_proj"))
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.vnni_format == q4q8_gemv.FORMAT_MIXED  # q, k 4-bit beside an 8-bit v
     _decode_both_ways(runner, runner.fused_decode)
 
 

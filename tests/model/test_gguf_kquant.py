@@ -112,22 +112,42 @@ def test_q4_k_and_q5_0_records_keep_about_the_file_bytes():
         assert packed.numel() <= limit * shard.blocks.numel()
 
 
-def test_fused_shards_of_different_types_take_one_form():
-    """A fused qkv of Q5_0 q/k and a Q8_0 v (llama-quantize's Q4_K_M of SmolLM2), and
-    a gate_up of Q4_K and Q6_K: one record set each, every shard's rows in place."""
-    for types in ((Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K)):
-        shards, ws, row = [], [], 0
-        for i, t in enumerate(types):
-            s, w = _shard(t, 48 + 16 * i, 256, seed=i, row_offset=row)
-            shards.append(s)
-            ws.append(w)
-            row += s.shape[0]
-        packed, fmt, _ = gguf_records.repack_shards(shards)
-        assert fmt == q4q8_gemv.FORMAT_Q8
-        w = torch.cat(ws)
-        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-        _check(q4q8_gemv.linear(x, packed, row, fmt, torch.float32, 16), x, w, list(types),
-               16)
+def _fused(types, rows, k=256):
+    shards, ws, row = [], [], 0
+    for i, (t, n) in enumerate(zip(types, rows, strict=True)):
+        s, w = _shard(t, n, k, seed=i, row_offset=row)
+        shards.append(s)
+        ws.append(w)
+        row += n
+    return shards, torch.cat(ws), row
+
+
+# (types, rows of each part, the format the fused records take)
+FUSED = [((Q.Q5_0, Q.Q5_0, Q.Q8_0), (48, 64, 80), q4q8_gemv.FORMAT_Q8),  # one form
+         ((Q.Q4_K, Q.Q6_K), (48, 64), q4q8_gemv.FORMAT_MIXED),  # gate_up: q4 | q8
+         ((Q.Q4_K, Q.Q4_K, Q.Q6_K), (64, 32, 40), q4q8_gemv.FORMAT_MIXED),  # qkv, ragged v
+         ((Q.Q6_K, Q.Q4_0, Q.Q8_0, Q.Q4_1), (32, 16, 16, 16), q4q8_gemv.FORMAT_MIXED),
+         ((Q.Q4_K, Q.Q6_K), (40, 64), q4q8_gemv.FORMAT_Q8)]  # q4 rows end mid-group
+
+
+@pytest.mark.parametrize(("types", "rows", "fmt"), FUSED)
+def test_fused_shards_of_different_types_keep_each_parts_form(types, rows, fmt):
+    """A fused qkv of Q5_0 q/k and a Q8_0 v (llama-quantize's Q4_K_M of SmolLM2) is one
+    Q8 record set; Q4_K parts beside Q6_K ones keep their 4-bit records (per-part
+    formats), unless a part's rows end inside a group of 16. Every shard's rows in
+    place, per-row and batched kernels alike."""
+    shards, w, n = _fused(types, rows)
+    packed, got_fmt, _ = gguf_records.repack_shards(shards)
+    assert got_fmt == fmt
+    if fmt == q4q8_gemv.FORMAT_MIXED:  # each part its own bytes: no part widened to Q8
+        alone = sum(gguf_records.repack_shards([s])[0].numel() for s in shards)
+        assert packed.numel() <= alone + q4q8_gemv.MIXED_HEADER + 16 * 8 * 544
+    for m in (3, 29):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = q4q8_gemv.linear(x, packed, n, got_fmt, torch.float32, 16)
+        _check(y, x, w, list(types), 16)
+        assert torch.equal(q4q8_gemv.gemm16(x, packed, n, got_fmt, torch.float32), y)
+    assert q4q8_gemv.linear(x, packed[:-1], n, got_fmt) is None  # a short buffer: refused
 
 
 def test_batched_kernel_gives_the_per_row_kernels_bits():
@@ -145,19 +165,23 @@ def test_the_avx2_build_runs_the_new_types_records():
 
     lib = load_for_march(q4q8_gemv._lib, "x86-64-v3")
     assert lib.tm_q4q8_isa() == 1
-    for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K):
-        shard, w = _shard(qtype, 100, 256)
-        packed, fmt, _ = gguf_records.repack_shards([shard])
+    cases = [([qtype], *_shard(qtype, 100, 256)) for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K)]
+    shards, w, _ = _fused(*FUSED[2][:2])  # per-part formats: 64 + 32 rows q4, 4 q8
+    cases.append((list(FUSED[2][0]), shards, w))
+    for types, shard, w in cases:
+        packed, fmt, _ = gguf_records.repack_shards(shard if isinstance(shard, list)
+                                                    else [shard])
+        n = w.shape[0]
         for rows in (1, 3, 5, 29):
             x = (2 * torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
                  ).bfloat16()
-            y = torch.empty(rows, 100)
+            y = torch.empty(rows, n)
             fn = lib.tm_q4q8_gemm16 if rows == 29 else lib.tm_q4q8_linear
-            args = (x.data_ptr(), rows, 256, packed.data_ptr(), 100, fmt)
+            args = (x.data_ptr(), rows, 256, packed.data_ptr(), n, fmt)
             rc = fn(*args, y.data_ptr(), 1, 2) if rows == 29 else fn(*args, 16, y.data_ptr(),
                                                                     1, 1)
             assert rc == 0
-            _check(y, x, w, [qtype], 16)
+            _check(y, x, w, types, 16)
 
 
 def test_types_without_records_are_none():

@@ -68,7 +68,38 @@
 #define PF_RECORDS 6                /* records ahead the first pass over a group prefetches */
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_MIXED = 3 }; /* 2 is decode_step.c's FMT_BF16 */
+
+/* FMT_MIXED: a fused linear whose parts keep their own formats (a q/k in Q4 beside a v
+ * in Q8): a header of MIXED_HEADER bytes, int32 parts (1..MIXED_PARTS), then per part
+ * int32 end group (exclusive) and int32 format (FMT_Q4 or FMT_Q8); then each part's
+ * records in turn, groups of one part all in its format (its rows a multiple of 16 but
+ * the last's). The header's sizes are written and checked by q4q8_gemv.py. */
+#define MIXED_HEADER 64
+#define MIXED_PARTS 7
+
+static inline int64_t record_bytes(int64_t format) {
+    return format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+}
+
+/* group g's records (nb blocks) in w, and the format they are in */
+static inline const uint8_t *group_records(const uint8_t *w, int64_t format, int64_t g,
+                                           int64_t nb, int64_t *fmt) {
+    if (format != FMT_MIXED) {
+        *fmt = format;
+        return w + g * nb * record_bytes(format);
+    }
+    int32_t h[1 + 2 * MIXED_PARTS];
+    memcpy(h, w, sizeof h);
+    const uint8_t *p = w + MIXED_HEADER;
+    int64_t g0 = 0, i = 0;
+    for (; i < h[0] - 1 && g >= h[1 + 2 * i]; i++) { /* past part i */
+        p += (h[1 + 2 * i] - g0) * nb * record_bytes(h[2 + 2 * i]);
+        g0 = h[1 + 2 * i];
+    }
+    *fmt = h[2 + 2 * i];
+    return p + (g - g0) * nb * record_bytes(*fmt);
+}
 
 int64_t tm_q4q8_has_vnni(void) { return TM_VNNI; }
 /* the integer dot products this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C */
@@ -613,8 +644,7 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
                                 int64_t format, int64_t bits, const int8_t *q, const float *d,
                                 const float *s, const int32_t *sum, void *y, int64_t y_f32) {
     const int64_t nb = K / QK, plane = M * K;
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
-    const uint8_t *wg = w + g * nb * record;
+    const uint8_t *wg = group_records(w, format, g, nb, &format);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int64_t mr = M - m0 < MR ? M - m0 : MR;
         const int8_t *qm = q + m0 * K;
@@ -859,7 +889,6 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
                                int64_t M, const int16_t *v, const float *d, const float *s,
                                void *y, int64_t y_f32, int nth) {
     const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
     const int64_t tiles = (M + GEMM_MT - 1) / GEMM_MT;
     /* with 2+ tiles a thread, an item is (a few groups, a run of tiles), group-major:
      * the tiles' activations stay in L1 across the few groups, their widened panels in
@@ -897,9 +926,11 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
         if (t0 >= t1) continue;
         const int64_t g0 = gb * gsize, g1 = g0 + gsize < groups ? g0 + gsize : groups;
         if (gb != widened) {
-            for (int64_t g = g0; g < g1; g++)
-                widen_group(w + g * nb * record, format, nb,
-                            panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+            for (int64_t g = g0; g < g1; g++) {
+                int64_t f;
+                const uint8_t *wg = group_records(w, format, g, nb, &f);
+                widen_group(wg, f, nb, panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+            }
             widened = gb;
         }
         for (int64_t tile = t0; tile < t1; tile++) {
@@ -908,10 +939,11 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
             const float *dm = d + m0 * nb, *sm = s + m0 * nb;
             for (int64_t g = g0; g < g1; g++) {
                 const int16_t *pg = panel + (g - g0) * nb * PANEL_BLOCK_VALUES;
-                const uint8_t *wg = w + g * nb * record;
+                int64_t f;
+                const uint8_t *wg = group_records(w, format, g, nb, &f);
                 float out[GEMM_MT * ROWS];
                 switch (mt) {
-#define TM_TILE(n) gemm16_tile(pg, wg, nb, K, format, vm, dm, sm, n, out)
+#define TM_TILE(n) gemm16_tile(pg, wg, nb, K, f, vm, dm, sm, n, out)
                 case 1: TM_TILE(1); break;
                 case 2: if (GEMM_MT > 2) TM_TILE(2); break;
                 case 3: if (GEMM_MT > 3) TM_TILE(3); break;

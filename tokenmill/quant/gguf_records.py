@@ -13,8 +13,10 @@ form. One form per type (FORMS), chosen to keep the file's bytes and numerics:
     IQ4_NL, IQ4_XS     32 (|error| <= the block's max / 254, Q8_0's own rounding, about a
                        sixteenth of Q6_K's): 34 bytes a block for 24-26
 
-A fused linear whose shards take different forms (a Q4_K gate beside a Q6_K up) takes
-the Q8 form for all of them (its Q4-form shards requantized). Types not listed (IQ2_XXS,
+A fused linear whose shards take different forms (a Q4_K q and k beside a Q6_K v) keeps
+each in its own (q4q8_gemv.c's FMT_MIXED: a header naming each part's groups and
+format), where every shard but the last fills whole groups of 16 rows; otherwise it
+takes the Q8 form for all of them (its Q4-form shards requantized). Types not listed (IQ2_XXS,
 Q2_K, ...) have no record form: their linears stay float (the caller says so by name).
 """
 
@@ -63,7 +65,14 @@ def repack_shards(shards: Sequence[Any]) -> tuple[torch.Tensor, int, str] | None
         packed = vnni.repack_gguf(blocks, next(iter(types)), (rows, shards[0].shape[1]))
         return None if packed is None else (*packed, FORMS[next(iter(types))])
     parts = [_parts(QType(s.qtype), s.blocks.numpy(), s.shape) for s in shards]
-    if len({p[0] for p in parts}) > 1:  # Q4 and Q8 forms fused: Q8 for all
+    if len({p[0] for p in parts}) > 1 and all(s.shape[0] % q4q8_gemv.ROWS == 0
+                                              for s in shards[:-1]):
+        # Q4 and Q8 forms fused: each part in its own (q4q8_gemv.c's FMT_MIXED)
+        records, fmt = q4q8_gemv.mixed(
+            [_records(p, 0 if i < len(parts) - 1 else -s.shape[0] % q4q8_gemv.ROWS)
+             for i, (p, s) in enumerate(zip(parts, shards, strict=True))], shards[0].shape[1])
+        return records, fmt, ", ".join(sorted({FORMS[t] for t in types}))
+    if len({p[0] for p in parts}) > 1:  # parts not on group boundaries: Q8 for all
         parts = [p if p[0] == "q8" else _q8_from_q4(*p[1:]) for p in parts]
     kind = parts[0][0]
     pad = -sum(p[1].shape[0] for p in parts) % q4q8_gemv.ROWS
@@ -76,6 +85,15 @@ def repack_shards(shards: Sequence[Any]) -> tuple[torch.Tensor, int, str] | None
         return vnni._q4_records(qs, d.half(), m.half()), q4q8_gemv.FORMAT_Q4, form
     u, d = (vnni._pad(t, pad) for t in cat)
     return vnni._repack_q8(u, d.half()), q4q8_gemv.FORMAT_Q8, form
+
+
+def _records(parts: tuple[Any, ...], pad: int) -> tuple[torch.Tensor, int]:
+    """One shard's parts (_parts) -> its records and format, `pad` zero rows added."""
+    t = [vnni._pad(torch.as_tensor(np.ascontiguousarray(p)) if isinstance(p, np.ndarray)
+                   else p, pad) for p in parts[1:]]
+    if parts[0] == "q4":
+        return vnni._q4_records(t[0], t[1].half(), t[2].half()), q4q8_gemv.FORMAT_Q4
+    return vnni._repack_q8(t[0], t[1].half()), q4q8_gemv.FORMAT_Q8
 
 
 def _parts(qtype: QType, blocks: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, ...]:

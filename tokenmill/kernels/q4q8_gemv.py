@@ -28,8 +28,10 @@ _lib = Library("q4q8_gemv", {
 
 FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
 FORMAT_MIXED = 3  # parts of a fused linear, each in its own layout (a header, then each's)
+FORMAT_Q5, FORMAT_Q6 = 4, 5  # Q4 records with a plane of 1 or 2 high bits a weight
 ROWS = 16  # output rows per repacked group
-RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544}  # per group of 16 rows and block of 32
+# per group of 16 rows and block of 32
+RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544, FORMAT_Q5: 384, FORMAT_Q6: 448}
 BITS = (8, 16)  # activation precisions, see q4q8_gemv.c
 MIXED_HEADER, MIXED_PARTS = 64, 7
 

@@ -1,8 +1,8 @@
 """Rows of a weight read back from its kernel records (q4q8_gemv.c's layouts), in fp32.
 
 What a tied token embedding looks up when the LM head's records are its only copy
-(embedding.RecordsEmbedding): the weights the kernel multiplies, w = d q + m (Q4) or
-w = d q (Q8), each a few fp32 operations on fp16 d, m, exactly as the records hold
+(embedding.RecordsEmbedding): the weights the kernel multiplies, w = d q + m (Q4, and
+Q5 / Q6 with their high bits) or w = d q (Q8), each a few fp32 operations on fp16 d, m, exactly as the records hold
 them. A lookup reads only its rows' records (vectorized gathers, no table).
 """
 
@@ -64,4 +64,17 @@ def _rows(records: torch.Tensor, fmt: int, k: int, ids: np.ndarray) -> np.ndarra
 
 
 def _high_bits(rec: np.ndarray, fmt: int, r: np.ndarray) -> np.ndarray | float:
-    return 0.0
+    """A Q5 / Q6 record's high bits of row r's 32 quants, as values to add (n, nb, 32)
+    (q4q8_gemv.c add_high512's layout); 0 for Q4."""
+    hb = {q4q8_gemv.FORMAT_Q5: 1, q4q8_gemv.FORMAT_Q6: 2}.get(fmt, 0)
+    if not hb:
+        return 0.0
+    per = 16 * hb  # plane bytes a chunk
+    k = np.arange(QK // 2)
+    i = 4 * r[:, None] + (k % 4)[None, :]  # (n, 16): the byte of the chunk k // 4
+    idx = 320 + per * (k // 4)[None, :] + i % per
+    raw = np.take_along_axis(rec, np.broadcast_to(idx[:, None, :], (len(r), rec.shape[1], 16)),
+                             axis=2)
+    e = (raw >> (2 * hb * (i // per))[:, None, :].astype(np.uint8)) & ((1 << 2 * hb) - 1)
+    high = np.concatenate([e & ((1 << hb) - 1), e >> hb], axis=-1)
+    return (high.astype(np.float32) * 16)

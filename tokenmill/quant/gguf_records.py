@@ -197,7 +197,20 @@ def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
 
 def _q6_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
     """Q6_K super-blocks (n * nb / 8, 210) -> Q6 parts requantized per block of 32 (see
-    the module docstring); None if a scale overflows fp16."""
+    the module docstring), a bounded number of super-blocks at a time (the fp32
+    temporaries of a 49,152 x 2,048 embedding would be GBs); None if a scale overflows
+    fp16."""
+    at_once = _ROWS_AT_ONCE * 16
+    parts = [_q6_k_blocks(b[i:i + at_once]) for i in range(0, len(b), at_once)]
+    if any(p is None for p in parts):
+        return None
+    q, d, m = (np.concatenate([np.asarray(p[i]) for p in parts]) for i in range(3))
+    return "q6", q.reshape(n, nb, 32), torch.from_numpy(d).reshape(n, nb), \
+        torch.from_numpy(m).reshape(n, nb)
+
+
+def _q6_k_blocks(b: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor] | None:
+    """Q6_K super-blocks (S, 210) -> q (S * 8, 32) uint8, d, m (S * 8,) fp32 of fp16."""
     ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
     qh = (b[:, 128:192].reshape(-1, 2, 1, 32)
           >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1))
@@ -225,9 +238,7 @@ def _q6_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
     err_b = (qb * db[:, None] + mb[:, None] - w).abs().amax(-1)
     pick_a = err_a <= err_b
     qv = torch.where(pick_a[:, None], qa, qb).to(torch.uint8).numpy()
-    d = torch.where(pick_a, da, db)
-    m = torch.where(pick_a, ma, mb)
-    return "q6", qv.reshape(n, nb, 32), d.reshape(n, nb), m.reshape(n, nb)
+    return qv, torch.where(pick_a, da, db), torch.where(pick_a, ma, mb)
 
 
 def _requantized(qtype: QType, rows: np.ndarray, n: int, k: int) -> tuple[Any, ...]:

@@ -15,6 +15,10 @@
  *   Q8 (Q8_0):      w = d * q, q int8, record of 544 bytes:
  *     qs[8][16][4]: chunk c, row r, byte j holds q[4c + j] + 128 (as uint8)
  *     d[16]: fp16
+ *   Q5, Q6 (Q5_0, Q5_1, Q5_K; Q6_K): a Q4 record with q in 0..31 or 0..63, its nibbles
+ *     as Q4's, then a plane of hb = 1 or 2 high bits a weight (64 hb bytes: 384 and 448
+ *     bytes a record), chunk c's 16 hb bytes at 320 + 16 hb c (add_high512 below)
+ *   MIXED: the parts of a fused linear, each in its own format (group_records below)
  * A block's dot product is an exact int32 sum of products (vpdpbusd: unsigned
  * weight bytes times signed activation bytes, 16 rows per instruction), scaled
  * in fp32:  Q4: d dx sum(q v) + m dx sum(v);  Q8: d dx (sum((q+128) v) - 128 sum(v)).

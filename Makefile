@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: install serve test test-fast lint report clean asan
+.PHONY: install serve test test-fast lint report docs clean asan
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,12 @@ lint: install
 report: install
 	$(PY) -m benchmarks report
 
+# The documentation site (mkdocs-material, mkdocs.yml) into site/; nothing fetched at build
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site
 
 # The native kernels under AddressSanitizer (issue 64): built -fsanitize=address into
 # their own cache, driven by the kernel tests with libasan preloaded (leaks off:

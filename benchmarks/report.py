@@ -5,6 +5,8 @@ carries its model when it is not the default): every figure with its spread and
 runs, the ratios to the peers of the same run, the command, the commit and the date.
 The page depends on the results alone (no clock, sorted throughout), so the same
 folder always gives the same bytes; `--check` fails if BENCHMARKS.md is stale.
+It also writes README.md's one table of current numbers between its markers
+(`benchmarks/readme_numbers.py`), which `--check` holds the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from benchmarks import readme_numbers
 from benchmarks.registry import BENCHMARKS
 from benchmarks.results import RESULTS_DIR, SCHEMA, ResultError, load_all
 
@@ -70,6 +73,14 @@ def _result_section(r: dict) -> list[str]:
     return out + [""]
 
 
+def latest_results(results: list[dict]) -> dict[tuple[str, str, str], dict]:
+    """The latest result per (workload, machine class, name)."""
+    latest: dict[tuple[str, str, str], dict] = {}
+    for r in sorted(results, key=lambda r: (r["date"], r["name"])):
+        latest[(r["workload"], r["machine"]["class"], r["name"])] = r  # later wins
+    return latest
+
+
 def render(results: list[dict]) -> str:
     """The page for these results: the same list gives the same text."""
     lines = [HEADER]
@@ -77,9 +88,7 @@ def render(results: list[dict]) -> str:
         return "\n".join(lines) + EMPTY
     order = {b.name: i for i, b in enumerate(BENCHMARKS)}
     titles = {b.name: b.summary for b in BENCHMARKS}
-    latest: dict[tuple[str, str, str], dict] = {}
-    for r in sorted(results, key=lambda r: (r["date"], r["name"])):
-        latest[(r["workload"], r["machine"]["class"], r["name"])] = r  # later wins
+    latest = latest_results(results)
     workloads = sorted({k[0] for k in latest}, key=lambda w: (order.get(w, len(order)), w))
     for w in workloads:
         first = next(r for k, r in sorted(latest.items()) if k[0] == w)
@@ -95,21 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__)
     ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="the results folder")
     ap.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md",
+                    help="the README whose numbers table (between its markers) is regenerated")
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if OUTPUT differs from what would be generated")
     args = ap.parse_args(argv)
     try:
-        page = render(load_all(args.results))
-    except ResultError as e:
+        results = load_all(args.results)
+        page = render(results)
+        readme_now = args.readme.read_text() if args.readme.exists() else ""
+        readme = readme_numbers.splice(readme_now, readme_numbers.render(latest_results(results)))
+    except (ResultError, readme_numbers.MarkerError) as e:
         print(f"report: {e}", file=sys.stderr)
         return 1
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != page:
-            print(f"report: {args.output} is stale; run python -m benchmarks report",
+        page_now = args.output.read_text() if args.output.exists() else ""
+        stale = [str(path) for path, now, want in ((args.output, page_now, page),
+                                                   (args.readme, readme_now, readme))
+                 if now != want]
+        if stale:
+            print(f"report: {' and '.join(stale)} stale; run python -m benchmarks report",
                   file=sys.stderr)
             return 1
         return 0
     args.output.write_text(page)
-    print(f"report: wrote {args.output} from {args.results}")
+    if readme != readme_now:
+        args.readme.write_text(readme)
+    print(f"report: wrote {args.output} and {args.readme}'s numbers from {args.results}")
     return 0

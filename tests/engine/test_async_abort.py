@@ -1,4 +1,4 @@
-"""README: "a client that disconnects has its request aborted within one engine step".
+"""docs/serving.md: "a client that disconnects has its request aborted within one engine step".
 The loop drains aborts before every step, so once `abort` returns the request is in at
 most the one step already running; no model: a fake engine records which requests
 each step ran."""

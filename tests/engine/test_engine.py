@@ -13,7 +13,7 @@ from tokenmill import LLM, SamplingParams
 
 @pytest.mark.slow
 def test_batching_and_preemption_do_not_change_greedy_outputs():
-    """README: greedy output on the fp32 path does not depend on the batch. Batch
+    """docs/cpu-kernels.md: greedy output on the fp32 path does not depend on the batch. Batch
     composition moves fp32 logits only in the last bits (up to ~2e-5 measured, from
     different matmul shapes), far below any greedy margin of these prompts, so every
     output must be token-identical to the same prompt run alone, the preempted

@@ -1,4 +1,4 @@
-"""Every GGUF weight type README names, loaded whole: a tiny Llama (hidden 256, so a
+"""Every GGUF weight type docs/models.md names, loaded whole: a tiny Llama (hidden 256, so a
 K-quant super-block of 256 fits every row) written in one type, its logits compared with
 transformers' GGUF loader on the same file.
 

@@ -151,11 +151,11 @@ def test_numeric_fields_at_their_bounds_are_accepted(server):
     assert 0 < committed <= metric(server.base_url, ":kv_cache_pool_bytes")
 
 
-def test_limits_are_in_the_readme():
+def test_limits_are_in_the_serving_page():
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## Limits and failure behaviour", 1)[1]
+    page = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    section = page.split("## Limits and failure behaviour", 1)[1].split("\n## ", 1)[0]
     for limit in (p.MAX_N, p.MAX_LOGPROBS, p.MAX_STOP_SEQUENCES, p.MAX_STOP_CHARS,
                   p.MAX_MESSAGES):
         assert str(limit) in section, limit

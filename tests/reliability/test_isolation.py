@@ -158,7 +158,7 @@ def test_each_request_gets_its_tokens_alone_under_float32(tiny, name):
             if name == "ngram" and params[i].temperature > 0:
                 # a seeded request's draws depend on which of its steps got drafts
                 # (rejection sampling), and a step with any prompt chunk in it
-                # speculates for no one: batch-dependent by design (README, limits);
+                # speculates for no one: batch-dependent by design (docs/serving.md, limits);
                 # the leak test below still covers these requests
                 continue
             assert _key(together[i]) == _key(alone[i]), f"request {i} ({name}) differs alone"

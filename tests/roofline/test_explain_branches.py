@@ -1,6 +1,6 @@
-"""`tokenmill explain` lands in each branch README names, with the levers it promises.
+"""`tokenmill explain` lands in each branch docs/roofline.md names, with the levers it promises.
 
-README's worked example is asserted line for line (fixed `fake_cpu` figures, so the
+docs/roofline.md's worked example is asserted line for line (fixed `fake_cpu` figures, so the
 numbers do not depend on the machine); synthetic results then put a run in each other
 branch: memory-bound (bigger batch, int8/int4 weights, fp8 KV, speculative decoding at
 batch <= 4), compute-bound, prefill-bound, and the prefix-caching rule (TTFT > 20% of E2E).

@@ -1,4 +1,4 @@
-"""README's Llama-3-8B-on-H100 worked example as golden numbers, each term derived by hand
+"""docs/roofline.md's Llama-3-8B-on-H100 worked example as golden numbers, each term derived by hand
 from the architecture (32 layers, hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336,
 vocab 128256, untied embeddings) so a wrong formula cannot agree with itself."""
 
@@ -49,7 +49,7 @@ def test_decode_rows(capsys):
         assert row["flops_per_step"] == batch * (2 * (LAYERS * LAYER_LINEAR + EMBED) + attention)
         assert row["bound"] == "memory"
         assert row["step_floor_ms"] == pytest.approx(step_bytes(batch) / BANDWIDTH * 1e3)
-    # README's table
+    # docs/roofline.md's table
     assert rows[1]["bytes_per_step"] / 1e9 == pytest.approx(15.18, abs=0.005)
     assert rows[1]["flops_per_step"] / 1e9 == pytest.approx(15.7, abs=0.05)
     assert rows[1]["step_floor_ms"] == pytest.approx(4.53, abs=0.005)

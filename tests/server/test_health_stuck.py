@@ -1,5 +1,5 @@
 """`GET /health` is 200 while the engine loop steps and 503 once a step has run longer
-than `stuck_after_s` (README: "200 while the engine loop is alive and stepping, 503
+than `stuck_after_s` (docs/serving.md: "200 while the engine loop is alive and stepping, 503
 otherwise"), and 200 again when the step returns. A fake engine whose step blocks
 stands in for a hung kernel; no model is loaded."""
 

@@ -1,4 +1,4 @@
-"""Server flags README documents, on a server of their own: --served-model-name,
+"""Server flags docs/serving.md documents, on a server of their own: --served-model-name,
 --max-request-size, and the API key from TOKENMILL_API_KEY."""
 
 import httpx

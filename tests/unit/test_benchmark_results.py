@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report, results
+from benchmarks import readme_numbers, report, results
 from benchmarks.results import Figure, ResultError, machine_class
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "benchmark_results"
@@ -23,17 +23,24 @@ FIXTURES = Path(__file__).resolve().parents[1] / "data" / "benchmark_results"
 def _folder(tmp_path: Path) -> Path:
     folder = tmp_path / "results"
     shutil.copytree(FIXTURES, folder)
+    readme = tmp_path / "README.md"  # report also writes README's table: never the real one here
+    readme.write_text(f"# x\n\n{readme_numbers.START}\n{readme_numbers.END}\n\ntail\n")
     return folder
+
+
+def _args(folder: Path, out: Path, *more: str) -> list[str]:
+    return ["--results", str(folder), "--output", str(out),
+            "--readme", str(folder.parent / "README.md"), *more]
 
 
 def test_report_regenerates_the_same_page_from_the_same_results(tmp_path):
     folder = _folder(tmp_path)
     out = tmp_path / "BENCHMARKS.md"
-    assert report.main(["--results", str(folder), "--output", str(out)]) == 0
+    assert report.main(_args(folder, out)) == 0
     first = out.read_bytes()
-    assert report.main(["--results", str(folder), "--output", str(out)]) == 0
+    assert report.main(_args(folder, out)) == 0
     assert out.read_bytes() == first
-    assert report.main(["--results", str(folder), "--output", str(out), "--check"]) == 0
+    assert report.main(_args(folder, out, "--check")) == 0
     page = first.decode()
     # per workload, per machine class; the command, the commit and the ratios of that run
     assert page.index("## W3 single-stream decode") < page.index("## W4 prefill")
@@ -45,11 +52,38 @@ def test_report_regenerates_the_same_page_from_the_same_results(tmp_path):
     assert "tokenmill does not support" in page  # the refusal is shown, not dropped
 
 
+def test_readme_carries_one_generated_table_of_the_latest_headlines(tmp_path):
+    folder = _folder(tmp_path)
+    out, readme = tmp_path / "BENCHMARKS.md", tmp_path / "README.md"
+    assert report.main(_args(folder, out)) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n") and text.endswith("\ntail\n")  # only between the markers
+    table = text.split(readme_numbers.START)[1].split(readme_numbers.END)[0]
+    w3 = json.loads((folder / "2026-12-06-avx512-vnni-w3.json").read_text())
+    ratio = w3["ratios"][0]
+    row = next(line for line in table.splitlines() if w3["title"] in line)
+    assert f"**{ratio['ratio']:.2f}x**" in row and ratio["peer"] in row and w3["commit"] in row
+    assert f"**{w3['machine']['class']}** = {w3['machine']['cpu']}" in table  # the machine named
+    assert report.main(_args(folder, out, "--check")) == 0
+    # a hand edit inside the table is stale; so is a README without the markers
+    readme.write_text(text.replace(f"**{ratio['ratio']:.2f}x**", "**9.99x**"))
+    assert report.main(_args(folder, out, "--check")) == 1
+    readme.write_text("# no markers\n")
+    assert report.main(_args(folder, out)) == 1
+
+
+def test_the_repository_readme_table_is_current():
+    """README.md's table is what the committed results give (as `make lint` checks)."""
+    root = Path(__file__).resolve().parents[2]
+    assert report.main(["--check", "--output", str(root / "BENCHMARKS.md"),
+                        "--readme", str(root / "README.md")]) == 0
+
+
 def test_check_fails_on_a_stale_page(tmp_path):
     folder = _folder(tmp_path)
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\nhand-edited\n")
-    assert report.main(["--results", str(folder), "--output", str(out), "--check"]) == 1
+    assert report.main(_args(folder, out, "--check")) == 1
 
 
 def test_the_latest_result_of_a_name_and_class_is_the_one_shown(tmp_path):
@@ -90,7 +124,7 @@ def test_a_result_missing_a_required_field_is_refused_by_name(tmp_path, drop, na
     pattern = re.escape(f"{path.name}: ") + ".*" + re.escape(named)
     with pytest.raises(ResultError, match=pattern):
         results.load(path)
-    assert report.main(["--results", str(folder), "--output", str(tmp_path / "B.md")]) == 1
+    assert report.main(_args(folder, tmp_path / "B.md")) == 1
     assert not (tmp_path / "B.md").exists()
     with pytest.raises(ResultError, match="missing required field"):
         results.write(data, tmp_path / "out")

@@ -1,4 +1,4 @@
-"""The benchmark's numbers, defined exactly (the same words are in `--help` and the README).
+"""The benchmark's numbers, defined exactly (the same words are in `--help` and docs/bench.md).
 
 All inputs are `RequestRecord`s with times in seconds from the run's start; latencies
 come out in milliseconds, throughputs per second of the run's duration (first planned

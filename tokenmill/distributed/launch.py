@@ -72,7 +72,7 @@ def env_default(name: str, fallback: str) -> str:
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     """--tensor-parallel-size and torchrun's rendezvous flags (their env names as defaults)."""
-    g = parser.add_argument_group("tensor parallelism (README: Tensor parallelism)")
+    g = parser.add_argument_group("tensor parallelism (docs/tensor-parallel.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (heads, MLP and vocabulary), one "
                    "process each: gloo on CPUs, NCCL on GPUs (default 1)")

@@ -194,8 +194,8 @@ def log_expected_rss(baseline_bytes: int, model: torch.nn.Module, device: torch.
     logger.info("expected steady-state RSS %.0f MiB = baseline %.0f MiB + weights "
                 "%.0f MiB + runtime %.0f MiB + KV pool %.0f MiB (now %.0f MiB; the pool "
                 "is touched as it fills, or at once with --kv-cache-prefault; under "
-                "load a working heap for the batch shapes comes on top, README: "
-                "memory arithmetic)",
+                "load a working heap for the batch shapes comes on top, docs/serving.md: "
+                "Memory)",
                 (baseline_bytes + weights_host + runtime + kv) / 2**20,
                 baseline_bytes / 2**20, weights_host / 2**20, runtime / 2**20,
                 kv / 2**20, now / 2**20)

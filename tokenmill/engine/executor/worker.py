@@ -145,7 +145,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenmill worker",
-                                 description="a tensor-parallel worker (see README)")
+                                 description="a tensor-parallel worker (see docs/tensor-parallel.md)")
     add_worker_args(ap)
     return run_from_args(ap.parse_args(argv))
 

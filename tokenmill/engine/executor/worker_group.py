@@ -161,7 +161,7 @@ def start_workers(config: EngineConfig, source: ModelSource,
         return None
     if launch.node_rank != 0:
         raise ValueError(f"--node-rank {launch.node_rank}: the engine runs on node 0; start "
-                         "the other nodes with `tokenmill worker` (README: Tensor parallelism)")
+                         "the other nodes with `tokenmill worker` (docs/tensor-parallel.md)")
     launch = launch.with_port()
     own_device = rank_device(device, launch, 0)
     threads = cpu_threads_per_rank(launch)

@@ -61,7 +61,7 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.dense import DenseWeight
-from tokenmill.quant.embedding import embedding_from_blocks
+from tokenmill.quant.embedding import embedding_from_blocks, embedding_from_head
 from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.gguf_records import RECORD_TYPES
@@ -177,7 +177,9 @@ def quantize_model(model: nn.Module, method: str,
     if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)
-        if embedding_from_blocks(model, shards):
+        if embedding_from_head(model, shards):  # tied: the LM head's records, once
+            summary.embedding = "the LM head's records (tied), rows read on lookup"
+        elif embedding_from_blocks(model, shards):
             summary.embedding = f"{shards[0].qtype.name} blocks, rows dequantized on lookup"
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.quant.embedding import GGUFEmbedding
+from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.linear import QuantizedLinear
 from tokenmill.quant.moe_experts import RecordExperts
 
@@ -39,8 +39,8 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         elif isinstance(module, RecordExperts):  # MoE experts: counted per expert
             for cls, forms in module.forms.items():
                 classes[cls].update(forms)
-        elif isinstance(module, GGUFEmbedding):
-            embedding_bytes = module.blocks.nbytes
+        elif isinstance(module, LookupEmbedding):
+            embedding_bytes = module.resident_bytes()
     seen: set[int] = set()
     other = 0
     for p in model.parameters():  # embedding, norms, float linears (a tied head once)
@@ -65,6 +65,8 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         "embedding": getattr(summary, "embedding", "float"),
         "embedding_bytes": embedding_bytes,
         "other_float_bytes": other,
+        # what the weights occupy in all (a tied embedding's rows in the head's records)
+        "resident_bytes": summary.lowbit_bytes + summary.dense_bytes + embedding_bytes + other,
     }
 
 
@@ -72,9 +74,10 @@ def log_report(report: dict[str, Any]) -> None:
     """The start-up lines: one for the forms, a warning per GGUF type left float."""
     forms = "; ".join(f"{cls}: " + ", ".join(f"{form} x{n}" for form, n in sorted(v.items()))
                       for cls, v in report["linears"].items())
-    logger.info("weights (%s): %s; records %.1f MiB, float copies %.1f MiB (%s), other "
+    logger.info("weights (%s): %s; %.1f MiB in all: records %.1f MiB, float copies %.1f MiB (%s), other "
                 "float parameters %.1f MiB; embedding %s", report["method"],
-                forms or "no low-bit linears", report["lowbit_bytes"] / _MIB,
+                forms or "no low-bit linears", report["resident_bytes"] / _MIB,
+                report["lowbit_bytes"] / _MIB,
                 report["float_copy_bytes"] / _MIB, report["float_copy"],
                 report["other_float_bytes"] / _MIB, report["embedding"]
                 + (f" ({report['embedding_bytes'] / _MIB:.1f} MiB)" if report["embedding_bytes"]

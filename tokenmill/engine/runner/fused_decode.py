@@ -60,7 +60,7 @@ from tokenmill.models.gemma3 import (
 )
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from tokenmill.quant.embedding import GGUFEmbedding
+from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
 from tokenmill.quant.widened import WidenedWeight
@@ -218,7 +218,7 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
                 or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024 \
                 or rotary.cos_cache.shape != rotaries[0].cos_cache.shape:
             return "rotary tables or head_dim the kernel does not take"
-    if not (isinstance(inner.embed_tokens, GGUFEmbedding)
+    if not (isinstance(inner.embed_tokens, LookupEmbedding)
             or _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden)) \
             or not _plain_norm(inner.norm) or not _bf16(inner.norm.weight, hidden):
         return "embedding or final norm not bf16"
@@ -289,7 +289,7 @@ class FusedDecode:
         rotary = inner.rotary_emb
         # an embedding in GGUF blocks, or Gemma's scaled by sqrt(hidden): each step's rows
         # (dequantized, scaled as the module path does) into a table of its own
-        self.gguf_embed = isinstance(inner.embed_tokens, GGUFEmbedding)
+        self.gguf_embed = isinstance(inner.embed_tokens, LookupEmbedding)
         self.embed_scale = (torch.tensor(inner.embed_scale, dtype=torch.bfloat16) if gemma
                             else None)
         self.row_embed = self.gguf_embed or gemma

@@ -29,6 +29,7 @@ LAYERS = [
     "startup_timer",  # start-up phase marks (standard library only)
     "cpuinfo",  # what this CPU can do
     "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
+    "config_phi3",  # Phi-3's config.json spellings (LongRoPE, partial rotary) -> ModelConfig
     "config",  # the engine's dataclasses
     "sampling_params",  # what a request asks for
     "lora_request",  # which LoRA adapter a request runs under

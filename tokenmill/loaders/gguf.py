@@ -229,6 +229,10 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def _arch(reader: GGUFReader, path: Path) -> str:
     arch = _field(reader, "general.architecture")
+    if arch == "phi3":  # attn_qkv / ffn_up hold fused parts; only the HF loader splits them
+        raise ModelLoadError(f"GGUF file {path} has architecture 'phi3', which tokenmill "
+                             "loads from Hugging Face checkpoints only (Phi3ForCausalLM); "
+                             "GGUF phi3 is not supported yet")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF file {path} has architecture {arch!r}, which tokenmill does "
                              f"not support; it loads {', '.join(GGUF_ARCHITECTURES)}")

@@ -6,6 +6,8 @@ refused by name."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -42,10 +44,15 @@ def _config(kind: str):
     return Phi3Config(**common, max_position_embeddings=256, sliding_window=WINDOW)
 
 
-def _write(kind: str, root) -> tuple[str, torch.nn.Module]:
-    from transformers import Phi3ForCausalLM
-
+@functools.cache
+def _tokenizer():
     from tokenmill.loaders import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("smollm2-135m"))
+
+
+def _write(kind: str, root, tokenizer: bool = True) -> tuple[str, torch.nn.Module]:
+    from transformers import Phi3ForCausalLM
 
     torch.manual_seed(0)
     model = Phi3ForCausalLM(_config(kind)).eval()
@@ -58,7 +65,8 @@ def _write(kind: str, root) -> tuple[str, torch.nn.Module]:
                 p.mul_(4.0)  # peaked next-token distributions: greedy ties are unlikely
     path = root / kind
     model.save_pretrained(path)
-    load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(path)
+    if tokenizer:
+        _tokenizer().save_pretrained(path)
     return str(path), model
 
 
@@ -82,8 +90,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[in
         ids = []
         for _ in range(steps):
             ids.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values,
-                        use_cache=True)
+            out = model(torch.tensor([[ids[-1]]]), cache=out.past_key_values, use_cache=True)
     return ids
 
 
@@ -122,13 +129,18 @@ def test_prompt_logits_match_transformers(phi3):
     assert (wrong - expected).abs().max() > 1e-2
 
 
+_HF_GREEDY: dict[str, list[list[int]]] = {}
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_greedy_tokens_match_transformers(phi3, backend):
     from tokenmill import LLM, SamplingParams
 
-    _, path, hf_model = phi3
+    kind, path, hf_model = phi3
     steps = 32
-    expected = [_hf_greedy(hf_model, p, steps) for p in _prompts()]
+    if kind not in _HF_GREEDY:  # once per checkpoint, for both backends
+        _HF_GREEDY[kind] = [_hf_greedy(hf_model, p, steps) for p in _prompts()]
+    expected = _HF_GREEDY[kind]
     # every prompt in one step (a chunked LongRoPE prompt rotates its first chunks short:
     # models/phi3.py); 8-token blocks, so windows cross block edges
     llm = LLM(path, dtype="float32", attention_backend=backend, block_size=8,
@@ -165,7 +177,7 @@ def test_unsupported_config_fields_are_refused_by_name(over, field):
 
 
 def test_a_fused_tensor_of_the_wrong_size_names_it(tmp_path):
-    path, _ = _write("window", tmp_path)
+    path, _ = _write("window", tmp_path, tokenizer=False)
     from safetensors.torch import load_file, save_file
 
     file = next(p for p in (tmp_path / "window").iterdir() if p.suffix == ".safetensors")
@@ -175,3 +187,20 @@ def test_a_fused_tensor_of_the_wrong_size_names_it(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(Exception, match="qkv_proj"):
         load_model(path, dtype="float32")
+
+
+def test_a_gguf_phi3_file_is_refused_by_name(tmp_path):
+    import gguf
+
+    from tokenmill.loaders.errors import ModelLoadError
+
+    path = tmp_path / "phi3.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="'phi3'.*Hugging Face checkpoints only"):
+        load_model(str(path))

@@ -204,3 +204,25 @@ def test_a_gguf_phi3_file_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="'phi3'.*Hugging Face checkpoints only"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_bf16_rotation_matches_fp32_with_long_factors(partial):
+    """bf16 on the CPU takes the fused native rotary (full width) at the long table's rows;
+    it agrees with the fp32 rotation to bf16 rounding, and the long rows differ from
+    the short ones."""
+    from tokenmill.models.phi3 import Phi3RotaryEmbedding
+
+    rot = int(16 * partial)
+    cfg = ModelConfig.from_hf_dict(_hf_dict(
+        original_max_position_embeddings=ORIGINAL, partial_rotary_factor=partial,
+        rope_scaling={"type": "longrope", "short_factor": _factors(rot // 2, 1),
+                      "long_factor": _factors(rot // 2, 2)}))
+    rotary = Phi3RotaryEmbedding(cfg)
+    x = torch.randn(40, 6, 16, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(40)
+    want = rotary.rotate(positions, x.clone())
+    got = rotary.rotate(positions, x.to(torch.bfloat16).clone()).float()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+    short = rotary.rotate(positions[:20], x[:20].clone())  # length 20 <= ORIGINAL: short
+    assert (short - want[:20]).abs().max() > 1e-2

@@ -27,6 +27,7 @@ from tokenmill.loaders.model_source import (
     load_model_config,
     resolve_model,
 )
+from tokenmill.models.deferred_weights import defer
 
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -71,10 +72,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", load_format: str = "auto") -> LoadedModel:
+               device: str | torch.device = "cpu", load_format: str = "auto",
+               defer_quantized: bool = False) -> LoadedModel:
     """load_format "dummy" (vLLM's name): the checkpoint's config, random weights made
     on the device; what a speed check at real shapes needs (benchmarks/gpu_check.py)
-    without shipping or reading 16 GB of weights."""
+    without shipping or reading 16 GB of weights. defer_quantized: a GGUF linear's
+    quantized weight is not dequantized into its float parameter until something
+    calls `models.deferred_weights.materialize` on it (the engine's path: most such
+    linears run on their blocks and never need the float values)."""
     from tokenmill.models.registry import get_model_class
 
     if load_format not in LOAD_FORMATS:
@@ -92,7 +97,7 @@ def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "aut
         from tokenmill.loaders.gguf import gguf_errors, iter_gguf_tensors
 
         with gguf_errors(source.path, "load the weights of"), _naming(source.path):
-            load_weights(model, iter_gguf_tensors(source.path))
+            load_weights(model, iter_gguf_tensors(source.path), defer_quantized)
     else:
         from tokenmill.loaders.safetensors import iter_safetensors
 
@@ -127,12 +132,15 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 param.add_(1.0)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any],
+                 defer_quantized: bool = False) -> None:
     """Copy checkpoint tensors into the model's parameters.
 
     `weights` yields (hf_name, tensor) pairs or GGUFTensor objects. A GGUF tensor
     is dequantized one at a time; if it was quantized, its raw blocks are kept on
-    the owning module as `module.gguf_quantized: list[QuantizedWeight]`.
+    the owning module as `module.gguf_quantized: list[QuantizedWeight]`. With
+    `defer_quantized`, such a 2-d weight is not dequantized now: its parameter is
+    deferred (models/deferred_weights.py) and filled only if someone asks.
     """
     from tokenmill.loaders.gguf import GGUFTensor, QuantizedWeight
 
@@ -166,12 +174,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
             part = getattr(module, "checkpoint_slice", lambda *_: None)(shard_id, param_kind)
             if part is not None:  # this tensor-parallel rank's slice, still unread
                 tensor = tensor.narrow(*part)
+            keeps_blocks = (isinstance(tensor, GGUFTensor) and tensor.is_quantized
+                            and param_kind == "weight" and len(tensor.shape) == 2)
             if _deferred_experts(module, tensor, shard_id):
                 pass  # blocks kept below; dequantized only if the experts run in float
+            elif defer_quantized and keeps_blocks:
+                defer(param, functools.partial(_fill, param, tensor, shard_id, name))
             else:
-                value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
-                param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
-                del value
+                _fill(param, tensor, shard_id, name)
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
         cover = getattr(module, "shard_cover", None)  # a stacked tensor fills many shards
@@ -201,6 +211,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
         embed = model.get_submodule("model.embed_tokens")
         if "gguf_quantized" in embed.__dict__:
             model.lm_head.gguf_quantized = embed.gguf_quantized
+
+
+def _fill(param: nn.Parameter, tensor: Any, shard_id: Any, name: str) -> None:
+    """Write one checkpoint tensor (a torch tensor, or a GGUFTensor dequantized now)
+    into `param` (its shard `shard_id` of a fused one)."""
+    try:
+        value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+        param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
+    except ValueError as e:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
 
 
 def _deferred_experts(module: nn.Module, tensor: Any, shard_id: Any) -> bool:

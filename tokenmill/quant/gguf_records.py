@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
-from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import vnni
+from tokenmill.quant.gguf_dequant import dequantize as dequantize_blocks
 
 QK = 32
 EXACT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # vnni.repack_gguf's
@@ -126,7 +126,7 @@ def _requantized(qtype: QType, rows: np.ndarray, n: int, k: int) -> tuple[Any, .
     u = np.empty((n, k // QK, QK), np.uint8)
     d = torch.empty((n, k // QK))
     for r0 in range(0, n, _ROWS_AT_ONCE):
-        w = gguf_dequantize(rows[r0:r0 + _ROWS_AT_ONCE], qtype).reshape(-1, k // QK, QK)
+        w = dequantize_blocks(rows[r0:r0 + _ROWS_AT_ONCE], qtype).reshape(-1, k // QK, QK)
         u[r0:r0 + len(w)], d[r0:r0 + len(w)] = _q8(torch.from_numpy(np.asarray(w, np.float32)))
     return "q8", u, d
 

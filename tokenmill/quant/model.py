@@ -48,8 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import malloc
 from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
+from tokenmill.models.deferred_weights import materialize, materialize_all
 from tokenmill.models.moe import Experts
 from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, moe_experts, vnni, widened
 from tokenmill.quant.codes import (
@@ -122,6 +124,7 @@ def quantize_model(model: nn.Module, method: str,
                           if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8")
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
+    freed = 0  # bytes of GGUF blocks freed since the last malloc trim
     if method != "none":
         for name, module in list(model.named_modules()):
             leaf = name.rpartition(".")[2]
@@ -132,16 +135,23 @@ def quantize_model(model: nn.Module, method: str,
                         f"{FP8_DIM_MULTIPLE}, not {tuple(module.weight.shape)}")
                     continue
                 parent = name.rpartition(".")[0]
+                materialize(module.weight)
                 fp8 = Fp8Linear(module.weight, getattr(module, "bias", None))
                 model.get_submodule(parent).register_module(leaf, fp8)
                 summary.quantized.append(name)
                 summary.lowbit_bytes += fp8.lowbit_bytes()
             elif method == "gguf-triton" and leaf in TARGET_MODULES:
+                materialize(module.weight)  # its large-batch path keeps the float weight
                 gguf_triton.swap_in(model, name, module, summary)
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
                               batched_linears)
+                if module is not model.get_submodule(name):  # replaced: this list still
+                    freed += _drop_blocks(module)  # holds it; free its blocks now
+                if freed >= huge_pages.TRIM_EVERY_BYTES:  # and the heap pages they held
+                    malloc.trim()
+                    freed = 0
         if GGUF_ACTIVATIONS.get(method) in ("int8", "int16"):  # MoE experts on records
             moe_experts.swap_in(model, 8 if GGUF_ACTIVATIONS[method] == "int8" else 16,
                                 summary)
@@ -171,8 +181,15 @@ def quantize_model(model: nn.Module, method: str,
             summary.embedding = f"{shards[0].qtype.name} blocks, rows dequantized on lookup"
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
+    materialize_all(model)  # the float weights still in use: linears kept float, norms...
     summary.dense_bytes = dense_copy_bytes(model)
     return summary
+
+
+def _drop_blocks(module: nn.Module) -> int:
+    """Forget a replaced module's GGUF blocks; their bytes."""
+    shards = module.__dict__.pop(_GGUF_BLOCKS_ATTR, None) or []
+    return sum(s.blocks.numel() for s in shards)
 
 
 def _packed_into_huge_pages(model: nn.Module) -> None:
@@ -180,9 +197,7 @@ def _packed_into_huge_pages(model: nn.Module) -> None:
     owners = [m for m in model.modules()
               if isinstance(getattr(m, "vnni_packed", None), torch.Tensor)
               and m.vnni_packed.device.type == "cpu"]
-    moved = huge_pages.gather([m.vnni_packed for m in owners])
-    for module, packed in zip(owners, moved or [], strict=False):
-        module.vnni_packed = packed
+    huge_pages.move_into([(m, "vnni_packed") for m in owners])
 
 
 def _records_for_batches(model: nn.Module, min_rows: int | None,
@@ -318,6 +333,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     weight: torch.Tensor = module.weight
     bias: torch.Tensor | None = getattr(module, "bias", None)
     if weight.device.type != "cpu":
+        materialize(weight)
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
     # int16 and mlp-int8: the records themselves, after (_records_for_batches)
@@ -325,6 +341,8 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         batched_linears == "mlp-int8" and name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
                   and not on_records)
+    if keep_dense or method not in GGUF_ACTIVATIONS:  # the float values are read here
+        materialize(weight)
 
     dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
     if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
@@ -334,6 +352,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         on_kernel = GGUF_ACTIVATIONS[method] != "bf16"
         shards = _gguf_shards(module, RECORD_TYPES if on_kernel else GGUF_NATIVE_TYPES)
         if shards is None:
+            materialize(weight)
             summary.kept_float[name] = _no_native_reason(module, on_kernel)
             return
         new = gguf_int4_linear(shards, bias, dense, dense_min_rows, GGUF_ACTIVATIONS[method])
@@ -351,6 +370,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
             and not (isinstance(new, Int4Linear) and new.activations
                      in (("int16",) if batched_linears == "int16" else ("int8", "int16")))):
         # not on the kernel (no exact record form): the float weight, as for bf16
+        materialize(weight)
         new.dense, new.dense_min_rows = DenseWeight(weight), dense_min_rows
     parent, _, leaf = name.rpartition(".")
     model.get_submodule(parent).register_module(leaf, new)

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",  # its text part only (models/gemma3.py)
+    "Phi3ForCausalLM",  # models/phi3.py
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
@@ -48,6 +49,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Phi-4-mini: RoPE on the first partial_rotary_factor * head_dim dims only
+    partial_rotary_factor: float = 1.0
     # Mixture-of-Experts (models/moe.py); num_experts 0: a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -95,6 +98,10 @@ class ModelConfig:
             from tokenmill.config_gemma3 import gemma3_config
 
             return gemma3_config(cls, cfg)
+        if cfg.get("model_type") == "phi3" or (archs and archs[0] == "Phi3ForCausalLM"):
+            from tokenmill.config_phi3 import phi3_config
+
+            return phi3_config(cls, cfg)
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

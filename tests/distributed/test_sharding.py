@@ -100,3 +100,38 @@ def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name(extra):
 
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(model="smollm2-135m", tensor_parallel_size=2, **extra)
+
+
+def test_an_already_fused_checkpoint_tensor_gives_each_rank_its_rows_of_every_part(
+        monkeypatch):
+    """Phi-3's qkv_proj / gate_up_proj (shard FUSED): rank r's fused rows are the rows it
+    would take from separate q, k, v (gate, up) tensors."""
+    from tokenmill.distributed import parallel_state
+    from tokenmill.models.parallel_layers import (
+        FUSED,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+    )
+
+    head_dim, heads, kv_heads = 4, 4, 2
+    q = torch.randn(heads * head_dim, 8)
+    k, v = torch.randn(kv_heads * head_dim, 8), torch.randn(kv_heads * head_dim, 8)
+    gate, up = torch.randn(12, 8), torch.randn(12, 8)
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "_state",
+                            parallel_state.ParallelState(rank=rank, world_size=2))
+        fused, split = (QKVParallelLinear(8, head_dim, heads, kv_heads, bias=False)
+                        for _ in range(2))
+        fused.weight.weight_loader(fused.weight, torch.cat((q, k, v)), FUSED)
+        for shard, t in (("q", q), ("k", k), ("v", v)):
+            _, start, rows = split.checkpoint_slice(shard, "weight")
+            split.weight.weight_loader(split.weight, t[start:start + rows], shard)
+        assert fused.checkpoint_slice(FUSED, "weight") is None
+        assert fused.shard_cover(FUSED) == {"q", "k", "v"}
+        assert torch.equal(fused.weight, split.weight)
+        mlp = MergedColumnParallelLinear(8, [12, 12])
+        mlp.weight.weight_loader(mlp.weight, torch.cat((gate, up)), FUSED)
+        half = slice(rank * 6, rank * 6 + 6)
+        assert torch.equal(mlp.weight, torch.cat((gate[half], up[half])))
+        with pytest.raises(ValueError, match="fused tensor of 23 rows"):
+            mlp.weight.weight_loader(mlp.weight, torch.cat((gate, up))[:23], FUSED)

@@ -115,3 +115,36 @@ def test_phi3_presets():
     assert set(mini.layer_windows) == {2047}
     medium = ModelArch.from_config(preset_config("phi-3-medium"))
     assert round(medium.total_params() / 1e9, 1) == 14.0 and medium.num_kv_heads == 10
+
+
+@pytest.mark.parametrize("name, layers, kv_heads, head_dim, window", [
+    ("gemma-3-1b", 26, 1, 256, 512),
+    ("gemma-3-4b", 34, 4, 256, 1024),
+    ("gemma-3-12b", 48, 8, 256, 1024),
+    ("gemma-3-27b", 62, 16, 128, 1024),
+])
+def test_gemma3_presets_cap_local_layers_at_their_window(name, layers, kv_heads, head_dim,
+                                                         window):
+    """5 local : 1 global: at a 32k context a local layer holds `window` tokens of K and V,
+    a global one all 32k (bf16: 2 bytes each)."""
+    arch = ModelArch.from_config(preset_config(name))
+    n_global = layers // 6
+    assert sum(w is None for w in arch.layer_windows) == n_global
+    per_token_layer = 2 * kv_heads * head_dim * 2
+    context = 32768
+    expected = (n_global * context + (layers - n_global) * window) * per_token_layer
+    assert arch.kv_bytes_at_context(context, 2) == expected
+    # below the window every layer holds the whole context
+    assert arch.kv_bytes_at_context(window, 2) == layers * window * per_token_layer
+
+
+def test_phi3_128k_and_phi4_mini_presets():
+    mini_128k = ModelArch.from_config(preset_config("phi-3-mini-128k"))
+    assert mini_128k.total_params() == ModelArch.from_config(
+        preset_config("phi-3-mini")).total_params()
+    # its window (262144) is past the context: no layer is capped
+    assert mini_128k.kv_bytes_at_context(131072, 2) == mini_128k.kv_bytes_per_token(2) * 131072
+    phi4 = ModelArch.from_config(preset_config("phi4-mini"))
+    assert round(phi4.total_params() / 1e9, 2) == 3.84  # tied 200k embedding counted once
+    assert (phi4.num_kv_heads, phi4.head_dim) == (8, 128)
+    assert phi4.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2

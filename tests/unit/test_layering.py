@@ -30,6 +30,7 @@ LAYERS = [
     "cpuinfo",  # what this CPU can do
     "malloc",  # glibc's heap: trim, mallinfo2
     "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
+    "config_phi3",  # Phi-3's config.json spellings (LongRoPE, partial rotary) -> ModelConfig
     "config",  # the engine's dataclasses
     "sampling_params",  # what a request asks for
     "lora_request",  # which LoRA adapter a request runs under

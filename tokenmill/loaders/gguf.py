@@ -317,6 +317,10 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 def _arch(layout: GGUFLayout, path: Path) -> str:
     arch = layout.metadata.get("general.architecture")
+    if arch == "phi3":  # attn_qkv / ffn_up hold fused parts; only the HF loader splits them
+        raise ModelLoadError(f"GGUF file {path} has architecture 'phi3', which tokenmill "
+                             "loads from Hugging Face checkpoints only (Phi3ForCausalLM); "
+                             "GGUF phi3 is not supported yet")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF file {path} has architecture {arch!r}, which tokenmill does "
                              f"not support; it loads {', '.join(GGUF_ARCHITECTURES)}")

@@ -31,7 +31,8 @@ from tokenmill.models.parallel_layers import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary  # shared by all layers; registered once on the model
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5)
+                              scale=self.head_dim ** -0.5, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -85,10 +86,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -104,13 +106,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary: nn.Module | None = None,
+                 sliding_window: int | None = None) -> None:
+        """rotary: any module with RotaryEmbedding's `rotate` (Phi-3's LongRoPE), default
+        the plain one; sliding_window: every layer's (Phi-3), default none."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling)
+        if rotary is None:
+            rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                     config.rope_theta, config.rope_scaling)
         self.rotary_emb = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, sliding_window)  # type: ignore[arg-type]
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -69,20 +69,46 @@ def _rank0_only(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any 
         param.data.zero_()
 
 
+# the shard id of a checkpoint tensor that is already fused (Phi-3's qkv_proj and
+# gate_up_proj): all the parts, each whole, in the fused layer's order
+FUSED = "fused"
+
+
 class _ColumnParallelFused(FusedLinear):
     """Several checkpoint tensors as one column-parallel matmul: for each shard id,
-    (first row, rows) of the checkpoint tensor this rank reads."""
+    (first row, rows) of the checkpoint tensor this rank reads, and that tensor's rows
+    in all (`full_rows`: where each part starts in an already fused checkpoint tensor)."""
 
     def __init__(self, in_features: int, checkpoint_rows: dict[Any, tuple[int, int]],
-                 bias: bool) -> None:
+                 bias: bool, full_rows: dict[Any, int]) -> None:
         super().__init__(in_features, {k: n for k, (_, n) in checkpoint_rows.items()}, bias)
         self.checkpoint_rows = checkpoint_rows
+        self.full_rows = full_rows
 
     def checkpoint_slice(self, shard_id: Any, param_kind: str) -> tuple[int, int, int] | None:
-        if get_tp().world_size == 1:
-            return None
+        if get_tp().world_size == 1 or shard_id == FUSED:
+            return None  # a fused tensor is read whole; weight_loader takes this rank's rows
         start, rows = self.checkpoint_rows[shard_id]
         return 0, start, rows
+
+    def shard_cover(self, shard_id: Any) -> set[Any]:
+        """The shards one checkpoint tensor fills (model_loader checks all are loaded)."""
+        return set(self.shard_offsets) if shard_id == FUSED else {shard_id}
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any) -> None:
+        if shard_id != FUSED:
+            return super().weight_loader(param, loaded_weight, shard_id)
+        total = sum(self.full_rows.values())
+        if loaded_weight.shape[0] != total:
+            raise ValueError(f"a fused tensor of {loaded_weight.shape[0]} rows; the parts "
+                             f"{dict(self.full_rows)} need {total}")
+        offset = 0
+        for part, full in self.full_rows.items():
+            start, rows = self.checkpoint_rows[part]
+            super().weight_loader(param, loaded_weight[offset + start: offset + start + rows],
+                                  part)
+            offset += full
 
 
 class QKVParallelLinear(_ColumnParallelFused):
@@ -95,7 +121,9 @@ class QKVParallelLinear(_ColumnParallelFused):
         kv_start, kv_heads = kv_head_shard(num_kv_heads, tp)
         super().__init__(hidden_size, {"q": (q_start * head_dim, q_heads * head_dim),
                                        "k": (kv_start * head_dim, kv_heads * head_dim),
-                                       "v": (kv_start * head_dim, kv_heads * head_dim)}, bias)
+                                       "v": (kv_start * head_dim, kv_heads * head_dim)}, bias,
+                         {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                          "v": num_kv_heads * head_dim})
         self.num_heads, self.num_kv_heads = q_heads, kv_heads  # this rank's
 
 
@@ -107,7 +135,7 @@ class MergedColumnParallelLinear(_ColumnParallelFused):
                  what: str = "intermediate_size") -> None:
         tp = get_tp()
         super().__init__(in_features, {i: tp.shard(n, what) for i, n in enumerate(out_sizes)},
-                         bias)
+                         bias, dict(enumerate(out_sizes)))
 
 
 def kv_head_shard(num_kv_heads: int, tp: ParallelState) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from torch import nn
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MoeForCausalLM
+from tokenmill.models.phi3 import Phi3ForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +15,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
 }

@@ -226,6 +226,42 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # the 128k releases: LongRoPE over an original 4k context; their sliding_window
+    # (262144) is past the context, so every layer sees all of it
+    "phi-3-mini-128k": {
+        "_name_or_path": "microsoft/Phi-3-mini-128k-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": 262144,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    # Phi-4-mini: GQA 24/8, rotary on 75% of each head, a 200k vocabulary tied to the head
+    "phi-4-mini": {
+        "_name_or_path": "microsoft/Phi-4-mini-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 200064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": 262144,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 ALIASES = {
@@ -243,6 +279,10 @@ ALIASES = {
     "phi-3-mini-4k-instruct": "phi-3-mini",
     "phi3-medium": "phi-3-medium",
     "phi-3-medium-4k-instruct": "phi-3-medium",
+    "phi3-mini-128k": "phi-3-mini-128k",
+    "phi-3-mini-128k-instruct": "phi-3-mini-128k",
+    "phi4-mini": "phi-4-mini",
+    "phi-4-mini-instruct": "phi-4-mini",
     "smollm2": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
     "llama3-8b": "llama-3-8b",

@@ -67,7 +67,7 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def fill(self, staged: torch.Tensor, n: int, max_seq_len: int) -> AttentionMetadata:
+    def fill(self, staged: torch.Tensor, n: int, seq_lens: Seq[int]) -> AttentionMetadata:
         """Copy one staged decode batch (`stage_rows`' layout: its bucket's ids, positions,
         slots, seq_lens, then block-table rows, padding included, already on the
         device) into the static buffers; the bucket's metadata."""
@@ -81,8 +81,11 @@ class DecodeGraphs:
         self.block_tables[:b].copy_(staged[4 * b:4 * b + b * width].view(b, width))
         meta = self.metas[b]
         if b not in self.graphs:
-            # eager: host-side bounds may follow this step (nothing bakes them in)
-            meta.max_seq_len = max_seq_len
+            # eager: host-side bounds may follow this step (nothing bakes them in); the
+            # windowed paths (attention/window.py) read each row's length from the list
+            # (padded rows: one key, their output unread)
+            meta.max_seq_len = max(seq_lens)
+            meta.seq_lens_list = [*seq_lens, *[1] * (b - n)]
         return meta
 
     def stage_rows(self, input_ids: Seq[int], positions: Seq[int], slots: Seq[int],

@@ -258,7 +258,7 @@ class ModelRunner:
         t, n, bs = staged.num_tokens, len(staged.seq_lens), self.block_size
         if staged.graphed:
             assert self.graphs is not None
-            meta = self.graphs.fill(dev, n, max(staged.seq_lens))
+            meta = self.graphs.fill(dev, n, staged.seq_lens)
             self._record(meta, staged)
             b = meta.num_seqs
             if patch is not None:

@@ -112,7 +112,9 @@ def test_a_batch_gives_the_module_paths_tokens_and_logits(llm, reference, monkey
     assert fused_ids == module_ids
     for a, b in zip(fused_logits, module_logits, strict=True):
         assert torch.equal(a, b)
-    # the quantized bf16 path keeps the fp32 reference's greedy tokens on most prompts
-    # (6 of 8 over 64 tokens when measured; the others part at near-ties)
+    # the quantized bf16 path keeps the fp32 reference's greedy tokens over 32 steps on
+    # half the prompts or more; the others part at near-ties. Measured: 5 of 8 with the
+    # file's 9 Q6_K tensors as 8-bit records, 4 of 8 with them as 6-bit records (issue
+    # 56's smaller form; the KLD gate, not this count, judges its accuracy)
     expected = [reference[f"p{i}_greedy"].tolist()[:STEPS] for i in range(len(prompts))]
-    assert sum(a == b for a, b in zip(fused_ids, expected, strict=True)) >= 5
+    assert sum(a == b for a, b in zip(fused_ids, expected, strict=True)) >= 4

@@ -4,6 +4,7 @@ the runtime load/unload routes and unknown names behave as in-process."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -62,6 +63,18 @@ def test_serve_with_an_engine_core_process_routes_adapters_by_name(tiny):  # noq
             assert r.json()["model"] == job[0]
         # the adapters change the output, so a base answer under an adapter's name fails
         assert expected[("a0", 0)] != expected[("base", 0)]
+        # streamed: every chunk, the usage one included, names the adapter
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": "a1", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert {e["model"] for e in events} == {"a1"} and events[-1]["usage"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) \
+            == expected[("a1", 1)]
+        # the core's step stats reach the front end's metrics (vLLM's adapter gauge)
+        assert ':lora_requests_info{max_lora="3"' in httpx.get(f"{url}/metrics").text
 
         unknown = complete("nope", 0)
         assert unknown.status_code == 404

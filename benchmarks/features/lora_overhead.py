@@ -49,7 +49,7 @@ SHAPES = {"q_proj": ("self_attn", HIDDEN, Q), "k_proj": ("self_attn", HIDDEN, KV
           "down_proj": ("mlp", FFN, HIDDEN)}
 
 
-def write_adapter(path: Path, rank: int, seed: int) -> None:
+def write_adapter(path: Path, rank: int, seed: int, b_std: float = 0.01) -> None:
     """A PEFT LoRA adapter directory (what peft's save_pretrained writes) on every
     projection of every layer; weights small enough to keep the text coherent-ish."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +59,7 @@ def write_adapter(path: Path, rank: int, seed: int) -> None:
             key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) \
                 * fan_in ** -0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({

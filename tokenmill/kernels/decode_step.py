@@ -22,7 +22,10 @@ class LayerRecord(ctypes.Structure):
                 ("gate_up", _PTR), ("down", _PTR), ("qkv_fmt", _I64), ("o_fmt", _I64),
                 ("gate_up_fmt", _I64), ("down_fmt", _I64), ("k_cache", _PTR),
                 ("v_cache", _PTR), ("qkv_bias", _PTR), ("o_bias", _PTR), ("gate_up_bias", _PTR),
-                ("down_bias", _PTR), ("k_scale", _PTR), ("v_scale", _PTR)]
+                ("down_bias", _PTR), ("k_scale", _PTR), ("v_scale", _PTR),
+                # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
+                # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
+                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4)]
 
 
 class ModelRecord(ctypes.Structure):

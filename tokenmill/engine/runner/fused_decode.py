@@ -30,7 +30,9 @@ kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache or an 8-
 one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_q8 and
 tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend,
 no tensor parallelism, Llama layers without q/k norm (and without biases but a bf16
-model's, as Qwen2's q/k/v). TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+model's, as Qwen2's q/k/v). A batch-1 step under a LoRA adapter takes it too, the
+adapter's low-rank products added inside the call (`run(..., lora_id)`); several rows
+with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
 """
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -72,25 +73,42 @@ def main(argv: list[str] | None = None) -> int:
                     "chunk reading the first half from the KV cache; default) or by a "
                     "decode step per position (the serving decode path; ~20x slower)")
     ap.add_argument("--no-llama", action="store_true", help="tokenmill's side only")
+    ap.add_argument("--keep-reference", action="store_true",
+                    help="keep the fp32 reference's log-probs in the work folder (2.2 GB "
+                    "at 45 chunks of SmolLM2) and reuse them on a later run of the same "
+                    "file, text and chunks: paths can then be scored in several runs")
+    ap.add_argument("--tag", default="",
+                    help="appended to the recorded result's name (kld-gate-MODEL-TAG), so a "
+                    "run of some paths does not replace another run's result on the file")
+    ap.add_argument("--note", action="append", default=[],
+                    help="a line for the recorded result's notes (repeatable)")
     ap.add_argument("--output", help="write the results as JSON")
+    ap.add_argument("--verdicts", action="store_true",
+                    help="run nothing: print the rule's verdict per path per file from "
+                    "the recorded results (benchmarks/results/*kld-gate*)")
     args = ap.parse_args(argv)
+    if args.verdicts:
+        from benchmarks.accuracy_gate.verdicts import verdict_table
+        from benchmarks.results import load_all
+        print(verdict_table(load_all()))
+        return 0
 
     from benchmarks.common import machine
 
     cfg = GateConfig(model=args.model, texts=tuple(Path(t) for t in args.text) if args.text
                      else TEXTS, paths=parse_paths(args.paths), max_chunks=args.max_chunks,
                      use_llama=not args.no_llama, resamples=args.resamples,
-                     mode=args.mode)
+                     mode=args.mode, keep_reference=args.keep_reference)
     result = run(cfg)
     print(render(result))
+    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+           "machine": machine(), "command": " ".join(["python -m benchmarks.kld_gate",
+                                                       *map(shlex.quote, argv or sys.argv[1:])]),
+           "notes": args.note, "tag": args.tag, "gate": result}
     if args.output:
-        doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
-               "machine": machine(), "command": " ".join(["benchmarks/kld_gate.py",
-                                                           *(argv or sys.argv[1:])]),
-               "gate": result}
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(doc, indent=2, default=str))
-    record(doc)
+    print(f"recorded {record(doc)}")
     return 0
 
 
@@ -101,7 +119,9 @@ def record(doc: dict) -> Path:
     from benchmarks import results
 
     gate = doc["gate"]
-    figures, notes = [], []
+    figures, notes = [], list(doc.get("notes", []))
+    notes.append(f"{gate['positions']} positions ({gate['chunks']} chunks of {gate['n_ctx']}), "
+                 f"tokens: {gate.get('tokens_source')}; {gate.get('tokenizer_agreement', '')}")
     for row in gate["rows"]:
         engine = "llama.cpp" if row.get("anchor") else "tokenmill"
         for key, metric, unit, higher in (("kld_mean", "mean KLD", "nats", False),
@@ -110,17 +130,23 @@ def record(doc: dict) -> Path:
             fig = row.get(key)
             if not fig:
                 continue
+            config = {"model": Path(str(gate.get("file", gate["model"]))).name,
+                      "positions": row.get("positions"), "ci95": [fig["low"], fig["high"]],
+                      "flags": row.get("flags", "")}
+            if key == "kld_mean" and "passes" in row:  # the rule's inputs, for verdicts.py
+                config["verdict"] = {True: "PASS", False: "FAIL", None: "none"}[row["passes"]]
+                config["ppl_ratio"] = row["ppl_ratio"]["value"]
             figures.append(results.Figure(
                 label=row["path"], engine=engine, metric=metric, unit=unit,
-                runs=[fig["value"]], higher_is_better=higher,
-                config={"model": Path(str(gate.get("file", gate["model"]))).name,
-                        "positions": row.get("positions"), "ci95": [fig["low"], fig["high"]],
-                        "flags": row.get("flags", "")}))
+                runs=[fig["value"]], higher_is_better=higher, config=config))
         if "passes" in row:
-            notes.append(f"{row['path']}: {'PASS' if row['passes'] else 'FAIL'} "
-                         f"({row.get('why', '')}; {row.get('positions')} positions)")
+            verdict = {True: "PASS", False: "FAIL", None: "no verdict"}[row["passes"]]
+            used = ", ".join(f"{k} {v:g}%" for k, v in (row.get("routes") or {}).items())
+            notes.append(f"{row['path']}: {verdict} ({row.get('why', '')}; PPL ratio "
+                         f"{row['ppl_ratio']['value']:.4f}; linear rows: {used or '-'})")
     result = results.build("kld-gate", "KLD accuracy gate against llama-perplexity",
-                           figures, variant=Path(str(gate["model"])).stem, notes=notes,
+                           figures, variant="-".join(filter(None, (
+                               Path(str(gate["model"])).stem, doc.get("tag")))), notes=notes,
                            command=doc["command"])
     result.update(date=doc["date"], commit=str(doc["commit"])[:7])
     return results.write(result)

@@ -44,8 +44,18 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
+def _value(v) -> str:
+    """A configuration value as the page shows it: floats (and lists of them, as an
+    interval's ends) to 3 significant figures like the figures themselves."""
+    if isinstance(v, float):
+        return _num(v)
+    if isinstance(v, list) and v and all(isinstance(x, float) for x in v):
+        return "[" + ", ".join(_num(x) for x in v) + "]"
+    return str(v)
+
+
 def _config(cfg: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) or "-"
+    return ", ".join(f"{k}={_value(v)}" for k, v in sorted(cfg.items())) or "-"
 
 
 def _result_section(r: dict) -> list[str]:

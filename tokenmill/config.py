@@ -190,6 +190,84 @@ class KVEventsConfig:
         return cls(**raw)
 
 
+KV_CONNECTORS = ("ZmqConnector",)  # tokenmill/kvcache/transfer: ZMQ over TCP
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# connectors vLLM users may name that tokenmill does not implement, and why
+_REFUSED_CONNECTORS = {
+    "mooncake": "the Mooncake transfer engine is not supported (vllm-router's "
+                "--kv-connector mooncake mode is refused too); use 'ZmqConnector'",
+    "nixl": "NIXL (GPU RDMA) is not implemented; tokenmill's transport is 'ZmqConnector' "
+            "(ZMQ over TCP), which vllm-router's default nixl mode routes to unchanged",
+}
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config, for prefill/decode disaggregation
+    (docs/scale-out.md). kv_port None: the producer binds a free port and announces
+    it in each request's kv_transfer_params, so one pair on a host needs no ports."""
+
+    kv_role: str
+    kv_connector: str = "ZmqConnector"
+    kv_ip: str = "127.0.0.1"  # where the producer listens and what it announces
+    kv_port: int | None = None
+    engine_id: str | None = None  # None: a random id per start
+    # a producer frees a finished request's blocks this long after it if nobody pulled
+    # them; a consumer waits this long for a pull before prefilling itself
+    pin_timeout_s: float = 60.0
+    pull_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv-transfer-config: kv_role must be one of "
+                             f"{', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        refused = next((why for key, why in _REFUSED_CONNECTORS.items()
+                        if key in str(self.kv_connector).lower()), None)
+        if refused is not None:
+            raise ValueError(f"kv-transfer-config: kv_connector {self.kv_connector!r}: {refused}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv-transfer-config: unknown kv_connector {self.kv_connector!r}; "
+                             f"known: {', '.join(KV_CONNECTORS)}")
+        if self.kv_port is not None and not (isinstance(self.kv_port, int)
+                                             and 0 <= self.kv_port <= 65535):
+            raise ValueError(f"kv-transfer-config: kv_port must be a port number 0-65535, "
+                             f"got {self.kv_port!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv-transfer-config: kv_ip must be a host name or address, "
+                             f"got {self.kv_ip!r}")
+        for name in ("pin_timeout_s", "pull_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"kv-transfer-config: {name} must be a positive number "
+                                 f"of seconds, got {value!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise TypeError("kv-transfer-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv-transfer-config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "kv_role" not in raw:
+            raise ValueError("kv-transfer-config: kv_role is required (kv_producer, "
+                             "kv_consumer or kv_both)")
+        return cls(**raw)
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -201,6 +279,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # vLLM's --kv-events-config: publish the prefix cache's changes for routers
     kv_events: KVEventsConfig | None = None
+    # vLLM's --kv-transfer-config: prefill/decode disaggregation (kvcache/transfer)
+    kv_transfer: KVTransferConfig | None = None
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     # --kv-cache-prefault: write the whole pool at start-up, so its pages are resident
     # (RSS at its steady state from the start, no first-touch page faults under load)

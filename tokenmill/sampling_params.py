@@ -95,6 +95,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated
     # bad_words as token-id sequences, filled in by the engine's tokenizer
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's: prefill/decode disaggregation (engine/core/kv_transfer.py), as the router sends it
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -71,8 +71,10 @@ def table(rows: list[dict]) -> str:
         mark = "n/a" if ok is None else ("PASS" if ok else "FAIL")
         if r.get("anchor"):
             mark = "anchor"
+        used = ", ".join(f"{k} {v:g}%" for k, v in (r.get("routes") or {}).items())
+        engine = f"{r['engine']}; linear rows: {used}" if used else r["engine"]
         lines.append(
-            f"| {r['path']} | {r['engine']} | {_ci(r['kld_mean'], '.5f')} | "
+            f"| {r['path']} | {engine} | {_ci(r['kld_mean'], '.5f')} | "
             f"{_ci(r['kld_p99'], '.4f')} | {_ci(r['same_top_pct'], '.2f')} | "
             f"{_ci(r['ppl_ratio'], '.4f')} | {r['ppl']:.4f} | {mark} |")
     return "\n".join(lines)

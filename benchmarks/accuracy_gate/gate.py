@@ -20,6 +20,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 
 from benchmarks.accuracy_gate import figures, llama_runs
 from benchmarks.accuracy_gate.chunks import Chunking
@@ -36,12 +37,15 @@ TEXTS = (DATA / "opticks_book1.txt", DATA / "pride_and_prejudice_ch1_8.txt")
 # The paths judged (issue 57): label -> engine flags. "" is today's default. In
 # prefill mode a step holds n_ctx/2 = 256 rows, so gguf-a16 and gguf-a8 both run their
 # linears on the packed bf16 weights (rows >= VNNI_DENSE_MIN_ROWS, 20): the same
-# arithmetic. Their own kernels (the per-row int16 / int8-activation ones, what batch-1
-# decode runs) are judged with 16-token steps, the path's flag overriding the budget.
+# arithmetic, the prompt's. Their own kernels (the per-row int16 / int8-activation
+# ones, what their decode steps run) are judged with the scored half in 16-row steps
+# (the gate's --scored-step-rows, tokenmill_runs.py); routes.py records which ran.
+# mlp-int8 / w8a8 change only the large-batch linears (prompts; decode below 20 rows
+# runs gguf-a16's kernel), so the 256-row steps are where they show.
 PATHS = {
     "default": "",
-    "gguf-a16 kernel (16-row steps)": "--quantization gguf-a16 --max-num-batched-tokens 16",
-    "gguf-a8 kernel (16-row steps)": "--quantization gguf-a8 --max-num-batched-tokens 16",
+    "gguf-a16 kernel (decode rows)": "--quantization gguf-a16 --scored-step-rows 16",
+    "gguf-a8 kernel (decode rows)": "--quantization gguf-a8 --scored-step-rows 16",
     "mlp-int8": "--batched-linears mlp-int8",
     "w8a8": "--batched-linears w8a8",
     "int8 KV": "--kv-cache-dtype int8",
@@ -61,6 +65,7 @@ class GateConfig:
     resamples: int = 1000
     threads: int = 2
     mode: str = "prefill"                        # tokenmill_runs: prefill | decode
+    keep_reference: bool = False                 # keep (and reuse) the fp32 reference
 
 
 def log(msg: str) -> None:
@@ -184,21 +189,36 @@ def run(cfg: GateConfig) -> dict:
                      "llama_printed": report}
         result["rows"].append(llama_row)
 
-    store = ReferenceStore(work_dir() / f"reference-{model_file.stem}-{digest}.npy",
-                           n_rows, _vocab(model_file))
+    ref_path = work_dir() / f"reference-{model_file.stem}-{digest}-c{len(chunks)}.npy"
     cross = None
     if llama is not None:
         cross = Comparison(base.rows, targets,
                            ref_transform=lambda r: decode_llama_rows(r, base.n_vocab))
-
-    def sink(rows, logp):
-        store(rows, logp)
+    reference, desc = _kept_reference(ref_path, n_rows, _vocab(model_file)) \
+        if cfg.keep_reference else (None, "")
+    if reference is not None:
+        log(f"reference: reusing {ref_path.name} ({desc})")
+        secs = 0.0
         if cross is not None:
-            cross(rows, logp)
+            for lo in range(0, n_rows, per_chunk):
+                rows = np.arange(lo, min(n_rows, lo + per_chunk))
+                cross(rows, torch.from_numpy(np.array(reference[rows])))
+    else:
+        _done(ref_path).unlink(missing_ok=True)
+        store = ReferenceStore(ref_path, n_rows, _vocab(model_file))
 
-    desc, secs = score(cfg.model, REFERENCE_FLAGS, chunks, chunking, sink, cfg.mode)
-    store.check_complete()
-    log(f"reference ({desc}) in {secs:.0f} s")
+        def sink(rows, logp):
+            store(rows, logp)
+            if cross is not None:
+                cross(rows, logp)
+
+        desc, secs, _ = score(cfg.model, REFERENCE_FLAGS, chunks, chunking, sink, cfg.mode)
+        store.check_complete()
+        reference = store.logp
+        if cfg.keep_reference:
+            reference.flush()
+            _done(ref_path).write_text(desc)
+        log(f"reference ({desc}) in {secs:.0f} s")
     result["reference"] = {"flags": REFERENCE_FLAGS, "engine": desc, "seconds": secs}
     if cross is not None:
         row = {"path": "tokenmill fp32 vs llama.cpp f32", "engine": desc, "anchor": True,
@@ -206,23 +226,39 @@ def run(cfg: GateConfig) -> dict:
         result["references_agree"] = row
     try:
         for label, flags in cfg.paths.items():
-            comp = Comparison(store.logp, targets)
+            comp = Comparison(reference, targets)
             try:
-                desc, secs = score(cfg.model, flags, chunks, chunking, comp, cfg.mode)
+                desc, secs, used = score(cfg.model, flags, chunks, chunking, comp, cfg.mode)
             except (ValueError, RuntimeError) as exc:
                 log(f"{label}: not run ({exc})")
                 result["rows"].append({"path": label, "flags": flags, "error": str(exc)})
                 continue
             row = {"path": label, "flags": flags, "engine": desc, "seconds": secs,
-                   **figures.summarize(comp.figures(), per_chunk, cfg.resamples)}
+                   "routes": used, **figures.summarize(comp.figures(), per_chunk, cfg.resamples)}
             row["passes"], row["why"] = figures.verdict(row, llama_row)
             log(f"{label} ({desc}) in {secs:.0f} s: KLD {row['kld_mean']['value']:.5f}, "
                 f"same top {row['same_top_pct']['value']:.2f}%, "
-                f"PPL ratio {row['ppl_ratio']['value']:.4f}: {row['why']}")
+                f"PPL ratio {row['ppl_ratio']['value']:.4f}: {row['why']}; linear rows {used}")
             result["rows"].append(row)
     finally:  # 2 GB: not left behind (the open memmap outlives the unlink)
-        (work_dir() / f"reference-{model_file.stem}-{digest}.npy").unlink(missing_ok=True)
+        if not cfg.keep_reference:
+            ref_path.unlink(missing_ok=True)
     return result
+
+
+def _done(ref_path: Path) -> Path:
+    return ref_path.with_suffix(".complete")
+
+
+def _kept_reference(ref_path: Path, n_rows: int, n_vocab: int):
+    """(log-probs, engine description) of a reference a --keep-reference run finished,
+    or (None, "") when there is none of this shape."""
+    if not (ref_path.is_file() and _done(ref_path).is_file()):
+        return None, ""
+    logp = np.load(ref_path, mmap_mode="r")
+    if logp.shape != (n_rows, n_vocab):
+        return None, ""
+    return logp, _done(ref_path).read_text()
 
 
 def _vocab(path: Path) -> int:

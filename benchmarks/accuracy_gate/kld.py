@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 LOGP_FLOOR = -16.0
 
@@ -29,14 +30,20 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def kld_rows(ref_logp: np.ndarray, logp: np.ndarray) -> np.ndarray:
+def kld_rows(ref_logp, logp) -> np.ndarray:
     """KL(ref || path) per row from log-probabilities (float64 out), llama.cpp's
-    definition: tokens with ref log-prob <= -16 are left out."""
-    ref = np.asarray(ref_logp, dtype=np.float64)
-    cur = np.asarray(logp, dtype=np.float64)
+    definition: tokens with ref log-prob <= -16 are left out. In torch (both cores;
+    numpy's one-thread passes over a chunk's 255 x 49k rows took most of a path's
+    scoring time on the shared machine), in float64 as before."""
+    ref = torch.as_tensor(np.asarray(ref_logp) if not torch.is_tensor(ref_logp)
+                          else ref_logp).double()
+    cur = torch.as_tensor(np.asarray(logp) if not torch.is_tensor(logp) else logp).double()
+    return _kld(ref, cur).numpy()
+
+
+def _kld(ref: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
     keep = ref > LOGP_FLOOR
-    terms = np.where(keep, np.exp(np.where(keep, ref, 0.0)) * (ref - cur), 0.0)
-    return terms.sum(axis=-1)
+    return torch.where(keep, ref.exp() * (ref - cur), 0.0).sum(dim=-1)
 
 
 @dataclass
@@ -49,15 +56,17 @@ class PositionFigures:
     same_top: np.ndarray
 
     @staticmethod
-    def of(ref_logp: np.ndarray, logp: np.ndarray, targets: np.ndarray) -> PositionFigures:
-        rows = np.arange(len(targets))
-        ref = np.asarray(ref_logp, dtype=np.float64)
-        cur = np.asarray(logp, dtype=np.float64)
+    def of(ref_logp, logp, targets: np.ndarray) -> PositionFigures:
+        ref = torch.as_tensor(np.asarray(ref_logp) if not torch.is_tensor(ref_logp)
+                              else ref_logp).double()
+        cur = torch.as_tensor(np.asarray(logp) if not torch.is_tensor(logp) else logp).double()
+        rows = torch.arange(len(targets))
+        t = torch.as_tensor(np.asarray(targets), dtype=torch.int64)
         return PositionFigures(
-            kld=kld_rows(ref, cur),
-            nll=-cur[rows, targets],
-            nll_ref=-ref[rows, targets],
-            same_top=cur.argmax(axis=-1) == ref.argmax(axis=-1),
+            kld=_kld(ref, cur).numpy(),
+            nll=(-cur[rows, t]).numpy(),
+            nll_ref=(-ref[rows, t]).numpy(),
+            same_top=(cur.argmax(dim=-1) == ref.argmax(dim=-1)).numpy(),
         )
 
     @staticmethod

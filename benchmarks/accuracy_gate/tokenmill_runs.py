@@ -7,8 +7,12 @@ prefill (default; as llama-perplexity evaluates a chunk): each chunk is one prom
   with vLLM's prompt_logprobs, the engine's token budget set to n_ctx / 2
   (PREFILL_FLAGS) so the scored second half is one prefill chunk that reads the
   first half back from the KV cache (where an int8 / fp8 cache shows), batched
-  linears at 256 rows (a path's own --max-num-batched-tokens overrides the budget:
-  16 puts the low-bit linears on their per-row kernels, below VNNI_DENSE_MIN_ROWS).
+  linears at 256 rows. With the gate's own flag `--scored-step-rows N` (not an
+  engine flag) the first half is still one prefill step, and the scored half then
+  runs N rows a step (16: below VNNI_DENSE_MIN_ROWS, so a GGUF path's linears take
+  their per-row quantized-activation kernel, the arithmetic of its decode steps,
+  each row's activations quantized alone as at batch 1), as a served prompt is
+  prefilled and its tokens then decoded.
 decode: the chunk's tokens up to the first scored position are the prompt, then
   every scored position is a teacher-forced decode step (as
   tokenmill/engine/core/teacher_forced.py), all chunks one batch: the serving decode
@@ -26,11 +30,27 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from benchmarks.accuracy_gate import routes
 from benchmarks.accuracy_gate.chunks import Chunking
 from benchmarks.accuracy_gate.kld import PositionFigures
 
 # (row of the scored position in chunk-major order, log-probs of the step (N, V) fp32)
 Sink = Callable[[np.ndarray, torch.Tensor], None]
+
+
+SCORED_STEP_FLAG = "--scored-step-rows"
+
+
+def split_gate_flags(flags: str) -> tuple[str, int | None]:
+    """(engine flags, N of --scored-step-rows N or None)."""
+    words = shlex.split(flags)
+    if SCORED_STEP_FLAG not in words:
+        return flags, None
+    i = words.index(SCORED_STEP_FLAG)
+    if i + 1 >= len(words) or not words[i + 1].isdigit() or int(words[i + 1]) < 1:
+        raise ValueError(f"{SCORED_STEP_FLAG} takes a positive number of rows")
+    rows = int(words[i + 1])
+    return shlex.join(words[:i] + words[i + 2:]), rows
 
 
 def build_engine(model: str, flags: str):
@@ -108,31 +128,59 @@ def _capture_prompt_logprobs(chunks: dict[str, tuple[int, list[int]]], chunking:
 
 
 def score(model: str, flags: str, chunks: list[list[int]], chunking: Chunking,
-          sink: Sink, mode: str = "prefill") -> tuple[str, float]:
+          sink: Sink, mode: str = "prefill") -> tuple[str, float, dict[str, float]]:
     """Run every chunk through an engine built with `flags`; returns the engine's
-    description and the seconds it took."""
-    if mode == "prefill":
-        return _score_prefill(model, flags, chunks, chunking, sink)
-    return _score_decode(model, flags, chunks, chunking, sink)
+    description, the seconds it took and the share of linear rows per route
+    (routes.py: which kernels ran)."""
+    with routes.counting() as seen:
+        if mode == "prefill":
+            desc, secs = _score_prefill(model, flags, chunks, chunking, sink)
+        else:
+            desc, secs = _score_decode(model, flags, chunks, chunking, sink)
+    return desc, secs, routes.shares(seen)
 
 
 def _score_prefill(model, flags, chunks, chunking, sink):
-    from tokenmill.sampling_params import SamplingParams
-
-    engine = build_engine(model, f"{prefill_flags(chunking)} {flags}")
-    desc = describe(engine)
-    ids = {f"kld-{i}": (i, chunk) for i, chunk in enumerate(chunks)}
-    t0 = time.perf_counter()
-    with _capture_prompt_logprobs(ids, chunking, sink):
-        for rid, (_, chunk) in ids.items():
-            engine.add_request(rid, chunk, SamplingParams(temperature=0.0, max_tokens=1,
-                                                          prompt_logprobs=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    seconds = time.perf_counter() - t0
+    engine_flags, step_rows = split_gate_flags(flags)
+    engine = build_engine(model, f"{prefill_flags(chunking)} {engine_flags}")
+    desc = describe(engine) + (f", scored half in {step_rows}-row steps" if step_rows else "")
+    seconds = prefill_chunks(engine, chunks, chunking, sink, step_rows)
     engine.close()
     del engine
     return desc, seconds
+
+
+def prefill_chunks(engine, chunks: list[list[int]], chunking: Chunking, sink: Sink,
+                   step_rows: int | None = None) -> float:
+    """Every chunk as one prompt through `engine` (built with prefill_flags), its
+    scored positions' log-probs to `sink`; with `step_rows` the scored half in steps
+    of that many rows. Returns the seconds it took."""
+    from tokenmill.sampling_params import SamplingParams
+
+    ids = {f"kld-{i}": (i, chunk) for i, chunk in enumerate(chunks)}
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    budget = engine.scheduler.config
+    full = budget.max_num_batched_tokens
+    t0 = time.perf_counter()
+    try:
+        with _capture_prompt_logprobs(ids, chunking, sink):
+            if step_rows is None:
+                for rid, (_, chunk) in ids.items():
+                    engine.add_request(rid, chunk, params)
+                while engine.has_unfinished_requests():
+                    engine.step()
+            else:  # one chunk at a time: its first half in one step, then N-row steps
+                for rid, (_, chunk) in ids.items():
+                    engine.add_request(rid, chunk, params)
+                    budget.max_num_batched_tokens = chunking.first
+                    engine.step()
+                    budget.max_num_batched_tokens = step_rows  # lowered only: buffers fit
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    budget.max_num_batched_tokens = full
+    finally:
+        budget.max_num_batched_tokens = full
+    return time.perf_counter() - t0
 
 
 def _score_decode(model, flags, chunks, chunking, sink):
@@ -195,7 +243,7 @@ class Comparison:
         ref = np.asarray(self.reference[rows])
         if self.ref_transform is not None:
             ref = self.ref_transform(ref)
-        fig = PositionFigures.of(ref, logp.numpy(), self.targets[rows])
+        fig = PositionFigures.of(ref, logp, self.targets[rows])
         self.kld[rows], self.nll[rows], self.nll_ref[rows] = fig.kld, fig.nll, fig.nll_ref
         self.same_top[rows] = fig.same_top
         self.seen[rows] = True

@@ -3,14 +3,19 @@ Qwen3-30B-A3B's proportions (128 experts, top-8, expert width 0.375 x hidden, GQ
 q/k norms), ~1.9B parameters in all and ~0.25B active per token, with the embedded
 SmolLM2 file's tokenizer metadata so llama.cpp (and tokenmill) can load it.
 
-    python -m benchmarks.peers.synthetic_moe_gguf OUT.f16.gguf [--layers 12] [--quantize]
+    python -m benchmarks.peers.synthetic_moe_gguf [OUT.f16.gguf] [--layers 12] [--quantize]
 
---quantize also runs llama.cpp's llama-quantize to OUT's Q4_K_M sibling
-(OUT with .f16.gguf -> .Q4_K_M.gguf), the file the speed comparison uses, and checks
-that llama-bench loads it with a 1-token run (no timing: that is for a quiet machine).
+OUT defaults to ~/.cache/tokenmill-peers/models/qwen3moe-synthetic-12l.f16.gguf (the
+layer count in the name). --quantize also runs llama.cpp's llama-quantize to OUT's
+Q4_K_M sibling (OUT with .f16.gguf -> .Q4_K_M.gguf), the file the speed comparison
+uses, and checks that llama-bench loads it with a 1-token run (no timing: that is for
+a quiet machine). Idempotent: a file already there is kept (each is written under a
+.part name and renamed when complete, so an interrupted run leaves none).
 Weights are N(0, 0.02) (norms 1): the speed of a run does not depend on their values,
 and routing over random routers spreads tokens over the experts about uniformly, the
-roofline's assumption.
+roofline's assumption. The expert width, 384, is not a multiple of llama.cpp's K-quant
+super-block (256): llama-quantize writes ffn_down_exps as Q5_0 / Q8_0 there (its
+fallback, as for any such width), the gate/up experts and attention as Q4_K.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-LLAMA_CPP_BIN = Path.home() / ".cache/tokenmill-peers/llama.cpp/build-0.3.36/bin"
+PEERS = Path.home() / ".cache/tokenmill-peers"
+LLAMA_CPP_BIN = PEERS / "llama.cpp/build-0.3.36/bin"
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                   "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -109,11 +115,26 @@ def write(path: Path, layers: int, s: dict[str, int] = SHAPES, seed: int = 0) ->
     w.close()
 
 
+def default_path(layers: int) -> Path:
+    return PEERS / "models" / f"qwen3moe-synthetic-{layers}l.f16.gguf"
+
+
+def quantized_path(f16: Path) -> Path:
+    return f16.with_name(f16.name.replace(".f16.gguf", "") + ".Q4_K_M.gguf")
+
+
+def _part(path: Path) -> Path:
+    return path.with_name(path.name + ".part")
+
+
 def quantize_and_check(f16: Path) -> Path:
-    """llama-quantize to Q4_K_M, then a 1-token llama-bench run that must load it."""
-    out = f16.with_name(f16.name.replace(".f16.gguf", "") + ".Q4_K_M.gguf")
-    subprocess.run([str(LLAMA_CPP_BIN / "llama-quantize"), str(f16), str(out), "Q4_K_M"],
-                   check=True)
+    """llama-quantize to Q4_K_M (unless that file exists), then a 1-token llama-bench
+    run that must load it."""
+    out = quantized_path(f16)
+    if not out.exists():
+        subprocess.run([str(LLAMA_CPP_BIN / "llama-quantize"), str(f16), str(_part(out)),
+                        "Q4_K_M"], check=True)
+        _part(out).rename(out)
     subprocess.run([str(LLAMA_CPP_BIN / "llama-bench"), "-m", str(out), "-p", "0", "-n", "1",
                     "-r", "1", "-t", "2"], check=True)
     return out
@@ -121,17 +142,27 @@ def quantize_and_check(f16: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="where to write the F16 file (*.f16.gguf)")
+    parser.add_argument("out", type=Path, nargs="?", default=None,
+                        help="where to write the F16 file (*.f16.gguf; default "
+                             "~/.cache/tokenmill-peers/models/qwen3moe-synthetic-Nl.f16.gguf)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--quantize", action="store_true",
                         help="also write the Q4_K_M file and check llama-bench loads it")
     args = parser.parse_args(argv)
+    out = args.out or default_path(args.layers)
     total, active = parameter_counts(args.layers)
     print(f"qwen3moe, {args.layers} layers: {total / 1e9:.2f}B parameters, "
           f"{active / 1e9:.2f}B active per token", file=sys.stderr)
-    write(args.out, args.layers)
+    if args.quantize and quantized_path(out).exists():
+        print(f"{quantized_path(out)} exists: kept", file=sys.stderr)
+    elif out.exists():
+        print(f"{out} exists: kept", file=sys.stderr)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write(_part(out), args.layers)
+        _part(out).rename(out)
     if args.quantize:
-        print(quantize_and_check(args.out))
+        print(quantize_and_check(out))
     return 0
 
 

@@ -49,7 +49,8 @@ def run_tokenmill(reqs, args) -> float:
     budget = ({} if args.max_num_batched_tokens is None
               else {"max_num_batched_tokens": args.max_num_batched_tokens})
     llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype, **budget)
+              max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
+              batched_linears=args.batched_linears, **budget)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     with Stopwatch() as sw:
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="as the LLM class (default 256, vLLM's on a CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens a step (default: the LLM class's, 2048)")
+    ap.add_argument("--batched-linears", default="auto",
+                    help="tokenmill's large-batch linears (auto, bf16, mlp-int8, w8a8, ...: "
+                    "as the flag)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="tokenmill's KV cache format (auto, int8, fp8: as the flag)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = [Figure("tokenmill", "tokenmill", "output throughput", "tok/s", tms, True,
                       {**cfg, "quantization": args.quantization or "default",
                        "kv_cache_dtype": args.kv_cache_dtype,
+                       "batched_linears": args.batched_linears,
                        "max_num_seqs": args.max_num_seqs})]
     notes: list[str] = []
     lines = []

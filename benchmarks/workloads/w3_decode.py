@@ -132,6 +132,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="llama-bench -r (its runs are the figure's runs)")
     ap.add_argument("--no-result", action="store_true",
                     help="print only; write no benchmarks/results/ file")
+    # a path beside the default in the same run (the A/B a default change needs, issue 57)
+    ap.add_argument("--quantization", default=None,
+                    help="also run tokenmill with this --quantization (e.g. gguf-a8)")
+    ap.add_argument("--batched-linears", default=None,
+                    help="also run tokenmill with this --batched-linears (e.g. mlp-int8)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="also run tokenmill with this --kv-cache-dtype (e.g. int8)")
     add_peer_args(ap, PEERS)
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
@@ -169,7 +176,13 @@ def main(argv: list[str] | None = None) -> None:
             notes.append(f"llama.cpp skipped: {why}")
             print(f"[peers] llama.cpp SKIPPED: {why}")
     configs = [("tokenmill default", {})]
-    if default_model:
+    path = {k: v for k, v in (("quantization", args.quantization),
+                              ("batched_linears", args.batched_linears),
+                              ("kv_cache_dtype", args.kv_cache_dtype)) if v}
+    if path:
+        configs.append(("tokenmill " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                for k, v in path.items()), path))
+    elif default_model:
         configs.append(("tokenmill bf16, no quantization",
                         {"dtype": "bfloat16", "quantization": "none"}))
     read_before = read_now_gb_s()

@@ -68,7 +68,7 @@ def test_glibc_malloc_trim_is_found_and_runs():
     trim = heap_trim._malloc_trim()
     if trim is None:
         pytest.skip("not glibc: nothing to trim with")
-    assert trim(0) in (0, 1)
+    assert trim(0) is True
 
 
 def test_engine_trims_when_it_goes_idle(llm):
@@ -76,7 +76,10 @@ def test_engine_trims_when_it_goes_idle(llm):
     if not heap.enabled:
         pytest.skip("not glibc")
     before = heap.trims
-    heap._last -= 5  # the last trim 5 s ago: under the interval, over the idle gap
+    # the engine's clock stands still 5 s after the last trim: under the busy interval,
+    # over the idle gap, however long this generate takes on a loaded machine
+    now = heap._last + 5
+    heap._clock = lambda: now
     llm.generate([[100, 200, 300]], SamplingParams(max_tokens=3, ignore_eos=True),
                  use_tqdm=False)
     assert heap.trims == before + 1  # once, when the request finished: not per step

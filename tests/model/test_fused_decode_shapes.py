@@ -25,13 +25,14 @@ SHAPES = {  # head_dim 16, 2 query heads per kv head (the plain-C attention tile
 
 
 def _runner(tmp_path, overrides, q8_0=("embed_tokens", "down_proj"),
-            quantization="gguf-a16") -> ModelRunner:
+            quantization="gguf-a16", batched_linears="auto") -> ModelRunner:
     # v in Q4_1 like q and k: a fused QKV of mixed types has no exact quantized-activation
     # form, so it keeps bf16 activations and the fused step is not taken (the first test)
     path = write_tiny_gguf(make_hf_model("llama", **overrides), tmp_path / "tiny.gguf",
                            q8_0=q8_0)
     loaded, method = weights.load_engine_model(resolve_model(str(path)), "bfloat16",
-                                               quantization, torch.device("cpu"))
+                                               quantization, torch.device("cpu"),
+                                               batched_linears=batched_linears)
     assert method == quantization
     return ModelRunner(loaded.model, loaded.config, BLOCK, 8, torch.bfloat16,
                        torch.device("cpu"), "cpu")
@@ -49,10 +50,22 @@ def _step(runner: ModelRunner, ids: list[int], start: int, table: list[int],
 
 def test_a_qkv_of_mixed_gguf_types_runs_the_fused_step(tmp_path):
     """A Q4 q/k beside a Q8_0 v (llama-quantize's files mix them): each part keeps its
-    records (issue 56) and the fused step still serves the layer, with the module
+    own record format (issue 56) and the fused step still serves the layer, with the module
     path's logits."""
     runner = _runner(tmp_path, {}, q8_0=("embed_tokens", "v_proj", "down_proj"))
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.vnni_format == q4q8_gemv.FORMAT_MIXED  # q, k 4-bit beside an 8-bit v
     _decode_both_ways(runner, runner.fused_decode)
+
+
+def test_a_tied_embedding_read_from_the_lm_heads_records_runs_the_fused_step(tmp_path):
+    """No float copy (memory that scales): a tied embedding's rows come from the LM
+    head's records (kept once, issue 56), in the fused step as in the modules."""
+    from tokenmill.quant.embedding import RecordsEmbedding
+
+    runner = _runner(tmp_path, SHAPES["d128-g4-tied"], batched_linears="none")
+    assert isinstance(runner.model.model.embed_tokens, RecordsEmbedding)
+    _decode_both_ways(runner, runner.fused_decode, exact=True)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # 2: a kv head's query heads split in two

@@ -5,12 +5,15 @@ ragged rows, the batched kernel (gemm16) and the AVX2 build; a mixed-type file l
 whole against transformers' GGUF loader; a type with no kernel named in the log.
 
 Bounds per output, y = sum_k w_k x_k over the dequantized activations x:
-- exact forms (Q5_0, and Q4_0/Q4_1/Q8_0): fp32 scaling only, 1e-5 (|x| . |w|);
-- Q4_K: the sub-block scale d * sc and min dmin * m rounded to fp16, 2^-11 of each term:
-  1e-3 (|x| . |w|) is loose enough for both and still catches a misplaced nibble;
-- requantized (Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS): each weight moves by at most half a
-  step of its block's fp16 d = max|w| / 127 (plus d's own fp16 rounding),
-  sum_k |x_k| 0.51 max|w_block(k)| / 127.
+- exact forms (Q5_0, Q5_1, and Q4_0/Q4_1/Q8_0): fp32 scaling only, 1e-5 (|x| . |w|);
+- Q4_K, Q5_K: the sub-block scale d * sc and min dmin * m rounded to fp16, 2^-11 of each
+  term: 1e-3 (|x| . |w|) is loose enough for both and still catches a misplaced nibble;
+- Q6_K, 6-bit records requantized per block of 32: each weight moves by at most
+  (max - min) / 126 <= max|w_block| / 63 (plus fp16 rounding): sum_k |x_k| 1.02
+  max|w_block(k)| / 63;
+- requantized to Q8 (IQ4_NL, IQ4_XS): each weight moves by at most half a step of its
+  block's fp16 d = max|w| / 127 (plus d's own fp16 rounding), sum_k |x_k| 0.51
+  max|w_block(k)| / 127.
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ RANDOM_BLOCKS = {
     Q.IQ4_NL: (32, 18, {0: 0.15 / 127}),
     Q.IQ4_XS: (256, 136, {0: 0.15 / (32 * 127)}),
 }
-EXACT = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0}
+EXACT = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
+FP16_SCALES = {Q.Q4_K, Q.Q5_K}
 TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS, Q.Q8_0]
+FORMATS = {Q.Q5_0: q4q8_gemv.FORMAT_Q5, Q.Q5_1: q4q8_gemv.FORMAT_Q5,
+           Q.Q5_K: q4q8_gemv.FORMAT_Q5, Q.Q6_K: q4q8_gemv.FORMAT_Q6,
+           Q.Q4_K: q4q8_gemv.FORMAT_Q4, Q.Q8_0: q4q8_gemv.FORMAT_Q8,
+           Q.IQ4_NL: q4q8_gemv.FORMAT_Q8, Q.IQ4_XS: q4q8_gemv.FORMAT_Q8}
 RAGGED_ROWS = [1, 2, 3, 5, 9]
 
 
@@ -70,11 +78,12 @@ def _bound(qtypes, w, xd):
     base = 1e-5 * (xd.abs() @ w.abs().T) + 1e-30
     if all(t in EXACT for t in qtypes):
         return base
-    if all(t in EXACT | {Q.Q4_K} for t in qtypes) and len(set(qtypes)) == 1:
+    if all(t in EXACT | FP16_SCALES for t in qtypes):
         return 1e-3 * (xd.abs() @ w.abs().T) + 1e-30
-    step = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True) * 0.51 / 127
-    return base + 1e-3 * (xd.abs() @ w.abs().T) * (Q.Q4_K in qtypes) + xd.abs() @ (
-        step.expand(-1, -1, 32).reshape(w.shape).T)
+    half_step = 1.02 / 63 if Q.Q6_K in qtypes else 0.51 / 127
+    step = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True) * half_step
+    return base + 1e-3 * (xd.abs() @ w.abs().T) * bool(FP16_SCALES & set(qtypes)) + (
+        xd.abs() @ step.expand(-1, -1, 32).reshape(w.shape).T)
 
 
 def _dequantized_input(x, bits):
@@ -96,7 +105,7 @@ def test_records_of_each_type_times_activations_match_gguf_dequantization(qtype,
     n, k = 100, 512  # 100 rows: a ragged last group of 16
     shard, w = _shard(qtype, n, k)
     packed, fmt, form = gguf_records.repack_shards([shard])
-    assert form == gguf_records.FORMS[qtype]
+    assert form == gguf_records.FORMS[qtype] and fmt == FORMATS[qtype]
     assert packed.numel() == -(-n // 16) * (k // 32) * q4q8_gemv.RECORD_BYTES[fmt]
     for rows in RAGGED_ROWS:
         x = (3 * torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))).bfloat16()
@@ -105,29 +114,52 @@ def test_records_of_each_type_times_activations_match_gguf_dequantization(qtype,
         _check(y, x, w, [qtype], bits)
 
 
-def test_q4_k_and_q5_0_records_keep_about_the_file_bytes():
-    for qtype, limit in ((Q.Q4_K, 1.12), (Q.Q5_0, 1.55), (Q.Q6_K, 1.30)):
+def test_records_keep_about_the_file_bytes():
+    """<= ~1.1x each type's own bytes (IQ4's 8-bit records aside)."""
+    for qtype, limit in ((Q.Q4_K, 1.12), (Q.Q5_0, 1.10), (Q.Q5_1, 1.0), (Q.Q5_K, 1.10),
+                         (Q.Q6_K, 1.07)):
         shard, _ = _shard(qtype, 64, 1024)
         packed, _, _ = gguf_records.repack_shards([shard])
         assert packed.numel() <= limit * shard.blocks.numel()
 
 
-def test_fused_shards_of_different_types_take_one_form():
-    """A fused qkv of Q5_0 q/k and a Q8_0 v (llama-quantize's Q4_K_M of SmolLM2), and
-    a gate_up of Q4_K and Q6_K: one record set each, every shard's rows in place."""
-    for types in ((Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K)):
-        shards, ws, row = [], [], 0
-        for i, t in enumerate(types):
-            s, w = _shard(t, 48 + 16 * i, 256, seed=i, row_offset=row)
-            shards.append(s)
-            ws.append(w)
-            row += s.shape[0]
-        packed, fmt, _ = gguf_records.repack_shards(shards)
-        assert fmt == q4q8_gemv.FORMAT_Q8
-        w = torch.cat(ws)
-        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-        _check(q4q8_gemv.linear(x, packed, row, fmt, torch.float32, 16), x, w, list(types),
-               16)
+def _fused(types, rows, k=256):
+    shards, ws, row = [], [], 0
+    for i, (t, n) in enumerate(zip(types, rows, strict=True)):
+        s, w = _shard(t, n, k, seed=i, row_offset=row)
+        shards.append(s)
+        ws.append(w)
+        row += n
+    return shards, torch.cat(ws), row
+
+
+# (types, rows of each part, the format the fused records take)
+FUSED = [((Q.Q5_0, Q.Q5_0, Q.Q8_0), (48, 64, 80), q4q8_gemv.FORMAT_MIXED),  # q5 | q8
+         ((Q.Q5_0, Q.Q5_1), (48, 40), q4q8_gemv.FORMAT_Q5),  # one form
+         ((Q.Q4_K, Q.Q6_K), (48, 64), q4q8_gemv.FORMAT_MIXED),  # gate_up: q4 | q6
+         ((Q.Q4_K, Q.Q4_K, Q.Q6_K), (64, 32, 40), q4q8_gemv.FORMAT_MIXED),  # qkv, ragged v
+         ((Q.Q6_K, Q.Q4_0, Q.Q8_0, Q.Q4_1), (32, 16, 16, 16), q4q8_gemv.FORMAT_MIXED),
+         ((Q.Q4_K, Q.Q6_K), (40, 64), q4q8_gemv.FORMAT_Q8)]  # q4 rows end mid-group
+
+
+@pytest.mark.parametrize(("types", "rows", "fmt"), FUSED)
+def test_fused_shards_of_different_types_keep_each_parts_form(types, rows, fmt):
+    """A fused qkv of Q5_0 q/k and a Q8_0 v (llama-quantize's Q4_K_M of SmolLM2) keeps
+    5-bit q/k records beside the 8-bit v, Q4_K parts beside Q6_K ones their 4-bit
+    records (per-part formats), unless a part's rows end inside a group of 16. Every shard's rows in
+    place, per-row and batched kernels alike."""
+    shards, w, n = _fused(types, rows)
+    packed, got_fmt, _ = gguf_records.repack_shards(shards)
+    assert got_fmt == fmt
+    if fmt == q4q8_gemv.FORMAT_MIXED:  # each part its own bytes: no part widened
+        alone = sum(gguf_records.repack_shards([s])[0].numel() for s in shards)
+        assert packed.numel() <= alone + q4q8_gemv.MIXED_HEADER + 16 * 8 * 544
+    for m in (3, 29):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = q4q8_gemv.linear(x, packed, n, got_fmt, torch.float32, 16)
+        _check(y, x, w, list(types), 16)
+        assert torch.equal(q4q8_gemv.gemm16(x, packed, n, got_fmt, torch.float32), y)
+    assert q4q8_gemv.linear(x, packed[:-1], n, got_fmt) is None  # a short buffer: refused
 
 
 def test_batched_kernel_gives_the_per_row_kernels_bits():
@@ -145,19 +177,23 @@ def test_the_avx2_build_runs_the_new_types_records():
 
     lib = load_for_march(q4q8_gemv._lib, "x86-64-v3")
     assert lib.tm_q4q8_isa() == 1
-    for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K):
-        shard, w = _shard(qtype, 100, 256)
-        packed, fmt, _ = gguf_records.repack_shards([shard])
+    cases = [([qtype], *_shard(qtype, 100, 256)) for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K)]
+    shards, w, _ = _fused(*FUSED[2][:2])  # per-part formats: 64 + 32 rows q4, 4 q8
+    cases.append((list(FUSED[2][0]), shards, w))
+    for types, shard, w in cases:
+        packed, fmt, _ = gguf_records.repack_shards(shard if isinstance(shard, list)
+                                                    else [shard])
+        n = w.shape[0]
         for rows in (1, 3, 5, 29):
             x = (2 * torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
                  ).bfloat16()
-            y = torch.empty(rows, 100)
+            y = torch.empty(rows, n)
             fn = lib.tm_q4q8_gemm16 if rows == 29 else lib.tm_q4q8_linear
-            args = (x.data_ptr(), rows, 256, packed.data_ptr(), 100, fmt)
+            args = (x.data_ptr(), rows, 256, packed.data_ptr(), n, fmt)
             rc = fn(*args, y.data_ptr(), 1, 2) if rows == 29 else fn(*args, 16, y.data_ptr(),
                                                                     1, 1)
             assert rc == 0
-            _check(y, x, w, [qtype], 16)
+            _check(y, x, w, types, 16)
 
 
 def test_types_without_records_are_none():
@@ -168,7 +204,7 @@ def test_types_without_records_are_none():
 
 # --- whole files -----------------------------------------------------------------------
 
-def _write_mixed(path, types_by_tensor):
+def _write_mixed(path, types_by_tensor, tied=False):
     from tests.model import test_gguf_types as t
 
     rng = np.random.default_rng(0)
@@ -186,7 +222,9 @@ def _write_mixed(path, types_by_tensor):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(t.VOCAB)
-    shapes = {"token_embd.weight": (t.VOCAB, t.HIDDEN), "output.weight": (t.VOCAB, t.HIDDEN)}
+    shapes = {"token_embd.weight": (t.VOCAB, t.HIDDEN)}
+    if not tied:  # a tied file has no output.weight: the LM head is the embedding
+        shapes["output.weight"] = (t.VOCAB, t.HIDDEN)
     for i in range(t.LAYERS):
         shapes.update({f"blk.{i}.attn_q.weight": (t.HIDDEN, t.HIDDEN),
                        f"blk.{i}.attn_k.weight": (t.KV_HEADS * head_dim, t.HIDDEN),
@@ -317,6 +355,64 @@ def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
 
 
+def _load(path, float_copy_limit):
+    from tokenmill.engine.runner.weights import load_engine_model
+    from tokenmill.loaders import resolve_model
+    from tokenmill.quant import model as quant_model
+
+    quant_model.FLOAT_COPY_LIMIT_BYTES, saved = float_copy_limit, \
+        quant_model.FLOAT_COPY_LIMIT_BYTES
+    try:
+        return load_engine_model(resolve_model(str(path)), "auto", None,
+                                 torch.device("cpu"))[0].model
+    finally:
+        quant_model.FLOAT_COPY_LIMIT_BYTES = saved
+
+
+@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeypatch,
+                                                               embed_type):
+    """A tied file past the float-copy limit: the embedding's rows come from the LM
+    head's records (no second copy in blocks), the resident bytes drop by the blocks'
+    size, and the rows are gguf's dequantization (exactly where the records are exact,
+    Q8_0; within the 6-bit records' requantization for Q6_K)."""
+    from tests.model import test_gguf_types as t
+    from tokenmill.quant import model as quant_model
+    from tokenmill.quant.embedding import GGUFEmbedding, RecordsEmbedding
+
+    path = tmp_path / "tied.gguf"
+    _write_mixed(path, lambda name, j: embed_type if name == "token_embd.weight"
+                 else MIXED[j % len(MIXED)], tied=True)
+    ids = torch.randint(0, t.VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    once = _load(path, 0)
+    embed = once.model.embed_tokens
+    assert isinstance(embed, RecordsEmbedding)
+    report = once.weight_forms
+    assert report["embedding_bytes"] == 0 and "LM head" in report["embedding"]
+    blocks = gguf.GGUFReader(str(path)).get_tensor(0)
+    assert blocks.name == "token_embd.weight"
+    table = torch.from_numpy(gguf.quants.dequantize(np.asarray(blocks.data), embed_type)
+                             ).reshape(t.VOCAB, t.HIDDEN)
+    rows = embed(ids).float()
+    if embed_type == Q.Q8_0:
+        assert torch.equal(embed(ids), table.bfloat16()[ids])
+    else:  # 6-bit records requantized per block of 32 (the module docstring), then bf16
+        bound = table.reshape(t.VOCAB, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 63
+        assert ((rows - table[ids]).abs() <= 1.02 * bound[ids] + table[ids].abs() / 128).all()
+    # the same file kept as before (the embedding in its own blocks beside the head)
+    monkeypatch.setattr(quant_model, "embedding_from_head", lambda *a: False)
+    twice = _load(path, 0)
+    assert isinstance(twice.model.embed_tokens, GGUFEmbedding)
+    before = twice.weight_forms
+    assert before["resident_bytes"] - report["resident_bytes"] == before["embedding_bytes"] \
+        == blocks.n_bytes
+    with torch.no_grad():
+        a = once.compute_logits(once(ids, torch.arange(9)))
+        b = twice.compute_logits(twice(ids, torch.arange(9)))
+    if embed_type == Q.Q8_0:  # the same rows: the same logits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_blocks_that_cannot_hold_the_shape_are_a_load_error_naming_the_tensor():
     from tokenmill.loaders.errors import ModelLoadError
     from tokenmill.loaders.gguf import GGUFTensor
@@ -339,7 +435,7 @@ def test_server_info_carries_the_weight_forms():
     from tokenmill.config import EngineConfig
     from tokenmill.engine.core.server_info import server_info
 
-    forms = {"method": "gguf-a16", "linears": {"down_proj": {"Q6_K as q8 requantized": 2}},
+    forms = {"method": "gguf-a16", "linears": {"down_proj": {"Q6_K as q6 requantized per 32": 2}},
              "lowbit_bytes": 10, "float_copy_bytes": 0, "float_copy": "none kept",
              "kept_float": {}, "embedding": "float", "embedding_bytes": 0,
              "other_float_bytes": 4}

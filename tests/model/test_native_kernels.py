@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.model.test_attention_fast import mixed_step
 from tokenmill.attention import cpu as attention_fast
@@ -265,6 +266,24 @@ def test_fused_silu_mul_matches_torch(rows, torch_ops):
 
 
 @needs_layer_ops
+def test_native_geglu_is_gelu_tanh_times_up_within_bf16_rounding():
+    """Gemma's GeGLU on bf16 rows: gelu(gate, approximate="tanh") * up computed in fp32
+    and rounded as the module path rounds it (gelu to bf16, then the product), within a
+    bf16 ulp of each rounding; large negative gates give -0 / tiny values, not NaN."""
+    gate_up = (4 * torch.randn(16, 2 * 2048, generator=torch.Generator().manual_seed(0))
+               ).bfloat16()
+    gate_up[0, :6] = torch.tensor([-100.0, -20.0, 0.0, 1e-30, 20.0, 100.0])
+    gate, up = gate_up.double().chunk(2, dim=-1)  # fp64: no cancellation in 1 + tanh
+    want = F.gelu(gate, approximate="tanh") * up
+    got = layer_ops.gelu_tanh_mul(gate_up)
+    assert got is not None and not got.isnan().any()
+    # two bf16 roundings (the gelu, then the product): each within 2^-9 relative; where
+    # the gelu is below 1e-6 (gates under about -5) its fp32 e^x rounds differently
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-6)
+    assert layer_ops.gelu_tanh_mul(gate_up.float()) is None  # fp32: torch's
+
+
+@needs_layer_ops
 def test_native_argmax_picks_what_torch_argmax_picks():
     """Greedy sampling's argmax: the first of equal maxima, a NaN as the largest (the
     first NaN), -0.0 equal to 0.0, a row of -inf, and SmolLM2's vocabulary size."""
@@ -375,7 +394,9 @@ def test_avx2_norm_and_silu_give_the_bits_of_the_build_in_use(hidden):
                              rows, hidden, 1e-5, 1)
         act = torch.empty(rows, hidden, dtype=torch.bfloat16)
         lib.tm_silu_mul_bf16(gate_up.data_ptr(), act.data_ptr(), rows, hidden, 1)
-        return out, xa, ra, act
+        gelu = torch.empty(rows, hidden, dtype=torch.bfloat16)  # Gemma's GeGLU
+        lib.tm_gelu_tanh_mul_bf16(gate_up.data_ptr(), gelu.data_ptr(), rows, hidden, 1)
+        return out, xa, ra, act, gelu
 
     in_use = layer_ops._lib.get("tm_rms_norm_bf16")
     assert in_use is not None
@@ -383,9 +404,11 @@ def test_avx2_norm_and_silu_give_the_bits_of_the_build_in_use(hidden):
     ref_res = residual.clone()
     ref_added = layer_ops.rms_norm(x.clone(), weight, 1e-5, ref_res)
     ref_act = layer_ops.silu_mul(gate_up)
-    out, added, res, act = run(_layer_ops_build("x86-64-v3"))
+    ref_gelu = layer_ops.gelu_tanh_mul(gate_up)
+    out, added, res, act, gelu = run(_layer_ops_build("x86-64-v3"))
     assert torch.equal(out, ref_out) and torch.equal(added, ref_added)
     assert torch.equal(res, ref_res) and torch.equal(act, ref_act)
-    out, added, res, _ = run(_layer_ops_build("x86-64-v2"))
+    assert torch.equal(gelu, ref_gelu)
+    out, added, res, _, _ = run(_layer_ops_build("x86-64-v2"))
     assert torch.equal(out, ref_out) and torch.equal(added, ref_added)
     assert torch.equal(res, ref_res)

@@ -206,32 +206,45 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
     """Built for AVX2 (-march=x86-64-v3: vpmaddubsw dot products) or for plain x86-64
     (-march=x86-64-v2: the plain-C loops), the kernel computes the same integer sums in
     the same fp32 order as the build in use (AVX512-VNNI on such a CPU), so the same fp32
-    outputs, for both weight formats, both activation precisions and ragged rows."""
+    outputs, for every weight format, both activation precisions and ragged rows."""
     from tests.model.conftest import load_for_march
 
     lib = load_for_march(q4q8_gemv._lib, march)
     assert lib.tm_q4q8_has_vnni() == 0 and lib.tm_q4q8_isa() == isa
     fn = lib.tm_q4q8_linear
-    for qtype in (Q.Q4_1, Q.Q8_0):
-        codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
-        packed, fmt = vnni.repack(codes, scale, zero, repeats)
+    for packed, fmt, n, k in _records_of_each_format():
         for bits in q4q8_gemv.BITS:
             for rows in (1, 3, 5, 11, 16):  # AVX2 passes of 4 rows: remainders 1 and 3
-                x = (4 * torch.randn(rows, 96, generator=torch.Generator().manual_seed(bits))
+                x = (4 * torch.randn(rows, k, generator=torch.Generator().manual_seed(bits))
                      ).bfloat16()
-                y = torch.empty(rows, 100)
-                assert fn(x.data_ptr(), rows, 96, packed.data_ptr(), 100, fmt, bits,
+                y = torch.empty(rows, n)
+                assert fn(x.data_ptr(), rows, k, packed.data_ptr(), n, fmt, bits,
                           y.data_ptr(), 1, 1) == 0
-                assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32,
+                assert torch.equal(y, q4q8_gemv.linear(x, packed, n, fmt, torch.float32,
                                                        bits))
         # many rows at once (AVX2: widened records), or the per-row loops (plain C)
         gemm = lib.tm_q4q8_gemm16
         gemm.argtypes, gemm.restype = q4q8_gemv._lib.signatures["tm_q4q8_gemm16"]
-        x = _batch(29, 96, 2)
-        y = torch.empty(29, 100)
-        assert gemm(x.data_ptr(), 29, 96, packed.data_ptr(), 100, fmt, y.data_ptr(), 1,
+        x = _batch(29, k, 2)
+        y = torch.empty(29, n)
+        assert gemm(x.data_ptr(), 29, k, packed.data_ptr(), n, fmt, y.data_ptr(), 1,
                     2) == 0
-        assert torch.equal(y, q4q8_gemv.linear(x, packed, 100, fmt, torch.float32, 16))
+        assert torch.equal(y, q4q8_gemv.linear(x, packed, n, fmt, torch.float32, 16))
+
+
+def _records_of_each_format():
+    """(records, format, rows, inputs) of every record format: Q4 and Q8 from codes, Q5
+    (Q5_0) and Q6 (Q6_K) from GGUF blocks, and a fused Q4 | Q6 (per-part formats)."""
+    from tests.model.test_gguf_kquant import _fused, _shard
+    from tokenmill.quant import gguf_records
+
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
+        yield (*vnni.repack(codes, scale, zero, repeats), 100, 96)
+    for shards in ([_shard(Q.Q5_0, 100, 96)[0]], [_shard(Q.Q6_K, 100, 256)[0]],
+                   _fused((Q.Q4_K, Q.Q6_K), (32, 68))[0]):
+        packed, fmt, _ = gguf_records.repack_shards(shards)
+        yield packed, fmt, 100, shards[0].shape[1]
 
 
 @pytest.mark.parametrize("rows", RAGGED_ROWS + [8])

@@ -9,32 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.moe.conftest import make_hf_moe, write_moe_gguf
 from tests.moe.test_moe_hf import _engine_prompts, _hf_greedy, run_engine_greedy
 from tokenmill.loaders import ModelLoadError, load_model
 from tokenmill.loaders.gguf import open_gguf
 from tokenmill.models.moe import MoeForCausalLM
-
-# Mixtral at hidden 256 so K-quant super-blocks (256 weights) fit every expert row
-MIXTRAL_256 = {"num_local_experts": 8, "intermediate_size": 256, "hidden_size": 256,
-               "num_attention_heads": 4, "num_key_value_heads": 2}
-
-
-@pytest.fixture(scope="module")
-def qwen3moe_q8(tmp_path_factory):
-    model = make_hf_moe("qwen3_moe", num_experts=8, moe_intermediate_size=32,
-                        norm_topk_prob=True, mlp_only_layers=[0])
-    path = write_moe_gguf(model, tmp_path_factory.mktemp("gguf") / "qwen3moe.gguf",
-                          ("Q8_0", "Q8_0", "Q8_0"))
-    return path, model
-
-
-@pytest.fixture(scope="module")
-def mixtral_kquant(tmp_path_factory):
-    model = make_hf_moe("mixtral", **MIXTRAL_256)
-    path = write_moe_gguf(model, tmp_path_factory.mktemp("gguf") / "mixtral.gguf",
-                          ("Q4_K", "Q5_K", "Q6_K"))
-    return path, model
 
 
 def _logits(loaded, ids):

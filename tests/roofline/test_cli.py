@@ -223,6 +223,9 @@ def test_explain_bench_result(capsys, fake_cpu):
     # ITL p99 410 ms vs p50 41 ms: long prefills stall decodes; tokenmill always chunks,
     # so the lever is smaller chunks (issue 22), not turning chunking on
     assert any(lever["name"].startswith("smaller prefill chunks") for lever in r["levers"])
+    # issue 62: the other lever against prefill interference, with its flag
+    pd = next(lever for lever in r["levers"] if lever["name"] == "prefill/decode disaggregation")
+    assert "--kv-transfer-config" in pd["flags"][0] and "ITL p99 410 ms" in pd["why"]
 
 
 def test_explain_offline_result_with_engine_split(capsys, fake_cpu, tmp_path):

@@ -61,6 +61,7 @@ def test_readme_worked_example_line_for_line(capsys, fake_cpu):
         2.9, abs=0.05)
     assert names(r) == ["fewer, fused ops per step (torch.compile or fused kernels)",
                         "smaller prefill chunks (tokenmill always chunks prompts)",
+                        "prefill/decode disaggregation",
                         "prefix caching (if prompts share a prefix)",
                         "faster prefill kernels"]
 

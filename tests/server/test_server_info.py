@@ -24,13 +24,15 @@ def test_server_info_carries_the_engine_flags():
     config = EngineConfig(max_num_seqs=12, max_num_batched_tokens=256, speculative="ngram",
                           cache=CacheConfig(enable_prefix_caching=False))
     llm = SimpleNamespace(config=config, model_name="smollm2-135m", max_model_len=2048,
-                          get_stats=lambda: SimpleNamespace(num_total_blocks=100))
+                          get_stats=lambda: SimpleNamespace(num_total_blocks=100),
+                          runner=SimpleNamespace(kv_cache_bytes=100 * 368_640))
     info = server_info(llm)
     assert info["engine"] == "tokenmill"
     assert (info["max_num_seqs"], info["max_num_batched_tokens"]) == (12, 256)
     assert info["enable_chunked_prefill"] is True and info["enable_prefix_caching"] is False
     assert info["speculative"] == "ngram" and info["num_speculative_tokens"] == 4
     assert info["kv_cache_dtype"] == "auto" and info["num_kv_blocks"] == 100
+    assert info["kv_pool_bytes"] == 100 * 368_640  # what the pool allocated (served-rss)
     json.dumps(info)  # JSON-able as it is
 
 

@@ -212,3 +212,43 @@ def test_prefill_capture_keeps_only_the_scored_positions_of_each_chunk(monkeypat
         llm_engine.record_prompt_logprobs(logits, rows, {})
     assert got[0].tolist() == [0, 1, 2]    # a's positions 4, 5, 6; none of b's (0..3)
     assert seen_by_engine == [9]
+
+
+def test_verdict_table_has_a_cell_per_path_per_file():
+    """Two files' recorded runs (and two runs on one file: their paths merge into one
+    column) give one row per path with the verdict and the KLD beside llama.cpp's."""
+    from benchmarks.accuracy_gate.verdicts import verdict_table
+
+    def fig(label, engine, value, verdict=None, model="a.gguf", positions=510):
+        cfg = {"model": model, "positions": positions, "ci95": [value * 0.9, value * 1.1]}
+        if verdict:
+            cfg.update(verdict=verdict, ppl_ratio=1.001)
+        return {"label": label, "engine": engine, "metric": "mean KLD", "runs": [value],
+                "config": cfg}
+
+    def result(name, date, figs):
+        return {"workload": "kld-gate", "name": name, "date": date,
+                "machine": {"class": "avx512-vnni"}, "figures": figs}
+
+    table = verdict_table([
+        result("kld-gate-a", "2026-12-06T01", [fig("llama.cpp", "llama.cpp", 0.003),
+                                                fig("default", "tokenmill", 0.001, "PASS")]),
+        result("kld-gate-a-kernels", "2026-12-06T02", [
+            fig("llama.cpp", "llama.cpp", 0.003),
+            fig("gguf-a8 kernel", "tokenmill", 0.005, "FAIL")]),
+        result("kld-gate-b", "2026-12-06T03", [
+            fig("llama.cpp", "llama.cpp", 0.004, model="b.gguf"),
+            fig("default", "tokenmill", 0.002, "PASS", model="b.gguf")]),
+    ]).splitlines()
+    assert table[0].count("a.gguf") == 1 and "b.gguf" in table[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:] if line.startswith("|")}
+    assert list(rows) == ["llama.cpp (anchor)", "default", "gguf-a8 kernel"]
+    assert rows["default"].count("**PASS** 0.00") == 2
+    assert "**FAIL** 0.00500 [0.00450, 0.00550], PPL x1.0010 | - |" in rows["gguf-a8 kernel"]
+
+
+def test_report_prints_interval_ends_rounded():
+    from benchmarks.report import _config
+
+    assert _config({"ci95": [0.0028103541780858943, 0.0031261898127933428], "n": 3}) == \
+        "ci95=[0.00281, 0.00313], n=3"

@@ -28,6 +28,7 @@ LAYERS = [
     "cache",  # where built kernels and downloads live
     "startup_timer",  # start-up phase marks (standard library only)
     "cpuinfo",  # what this CPU can do
+    "malloc",  # glibc's heap: trim, mallinfo2
     "config_gemma3",  # Gemma 3's config.json spellings -> ModelConfig fields
     "config",  # the engine's dataclasses
     "sampling_params",  # what a request asks for

@@ -7,7 +7,13 @@ import argparse
 import re
 
 from tokenmill.cli.lora_args import add_lora_args, lora_config_kwargs
-from tokenmill.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, KVEventsConfig
+from tokenmill.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+)
 from tokenmill.distributed.launch import add_launch_args
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -32,6 +38,13 @@ def parse_bytes(text: str) -> int:
 def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
@@ -102,6 +115,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' "
                         "(docs/scale-out.md)")
+    g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   metavar="JSON",
+                   help="prefill/decode disaggregation behind vllm-router's "
+                        "--vllm-pd-disaggregation: '{\"kv_role\": \"kv_producer\"}' on the "
+                        "prefill instance, '{\"kv_role\": \"kv_consumer\"}' on the decode "
+                        "one (docs/scale-out.md)")
     g.add_argument("--attention-backend", default="auto", metavar="NAME",
                    help="attention kernels: auto (cpu on a CPU), torch (the plain "
                         "reference), cpu (native kernels); an unavailable one is an error")
@@ -175,6 +194,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_events=args.kv_events_config,
+            kv_transfer=args.kv_transfer_config,
             kv_cache_dtype=args.kv_cache_dtype,
             prefault=args.kv_cache_prefault,
         ),

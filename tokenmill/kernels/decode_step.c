@@ -56,6 +56,16 @@ typedef struct {
      * added to the fp32 sum before it is rounded, as bf16_gemv.c does; NULL: none */
     const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     float *k_scale, *v_scale;
+    /* Gemma 3's differences (NULL / 0 on a Llama layer, which then runs as before):
+     * q_norm, k_norm (head_dim,) bf16: RMSNorm of every query and key head before RoPE
+     * (Qwen3's too); attn_out_norm, mlp_out_norm (hidden,) bf16: the norms of the
+     * attention's and the MLP's outputs before they join the residual stream (post_norm
+     * is then the pre-feedforward norm); cos, sin: this layer's rotary tables
+     * (max_pos, head_dim) fp32, NULL: the model's; window > 0: a local layer, key k
+     * visible to query q iff 0 <= q - k < window */
+    const uint16_t *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+    const float *cos, *sin;
+    int64_t window;
     /* a LoRA adapter's low-rank pair on qkv, o, gate_up, down (tm_decode_step only):
      * A (R, K) fp32, every sub-projection's A stacked; B (N, R) fp32, each
      * sub-projection's scaled B in its rows and its rank's columns, zeros elsewhere
@@ -82,7 +92,36 @@ typedef struct {
      * (--kv-cache-dtype: stored by store_row_q8, read by the 8-bit score and value loops
      * as the module path's tm_store_kv_q8 and tm_paged_decode_q8) */
     int64_t kv_fmt;
+    /* the MLP's activation: ACT_SILU (Llama's silu * up) or ACT_GELU_TANH (Gemma's GeGLU) */
+    int64_t act;
 } tm_model_t;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+/* o <- act(g) * u for one row of inter (layer_ops.h's rows, as the module path's) */
+static inline void act_mul_row(const tm_model_t *m, const uint16_t *g, const uint16_t *u,
+                               uint16_t *o, int64_t inter) {
+    if (m->act == ACT_GELU_TANH)
+        gelu_tanh_mul_row(g, u, o, inter);
+    else
+        silu_mul_row(g, u, o, inter);
+}
+
+/* layer L's rotary rows at position pos */
+static inline const float *layer_cos(const tm_model_t *m, const tm_layer_t *L, int64_t pos) {
+    return (L->cos ? L->cos : m->cos) + pos * m->head_dim;
+}
+static inline const float *layer_sin(const tm_model_t *m, const tm_layer_t *L, int64_t pos) {
+    return (L->sin ? L->sin : m->sin) + pos * m->head_dim;
+}
+
+/* one query or key head (D,) of layer L: its RMSNorm (norm: q_norm or k_norm, NULL
+ * none) in place, then RoPE at `pos` (the module path's order) */
+static inline void norm_rotate_head(const tm_model_t *m, const tm_layer_t *L,
+                                    const uint16_t *norm, uint16_t *head, int64_t pos) {
+    if (norm) rms_norm_row(head, NULL, NULL, norm, head, m->head_dim, m->eps);
+    rotary_head(head, layer_cos(m, L, pos), layer_sin(m, L, pos), m->head_dim);
+}
 
 /* the structs' sizes, for decode_step.py to check its ctypes mirror of them */
 int64_t tm_decode_step_abi(void) {
@@ -122,6 +161,7 @@ static inline void group_out(const uint8_t *w, int64_t fmt, const uint16_t *bias
  * biases only on FMT_BF16 weights */
 static int formats_ok(const tm_model_t *m) {
     if (m->bits != 0 && m->bits != 8 && m->bits != 16) return 0;
+    if (m->act != ACT_SILU && m->act != ACT_GELU_TANH) return 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tm_layer_t *L = m->layers + l;
         const int64_t f[4] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt};
@@ -176,6 +216,13 @@ static int kv_ok(const tm_model_t *m) {
         if (!m->layers[l].k_scale || !m->layers[l].v_scale) return 0;
     init_luts();
     return 1;
+}
+
+/* some layer attends over a sliding window (the cascade has no window: not with it) */
+static int windowed(const tm_model_t *m) {
+    for (int64_t l = 0; l < m->num_layers; l++)
+        if (m->layers[l].window) return 1;
+    return 0;
 }
 
 /* this thread's share [*lo, *hi) of n items, contiguous */
@@ -323,8 +370,11 @@ static inline void store_head(const tm_model_t *m, const tm_layer_t *L, int whic
 /* query heads q (G, D) of one kv head over its blocks (`it`, layer_item's):
  * paged_decode()'s work item, for all G heads of the kv head or some of them (each
  * head's sums are the same operations either way); s: G * len fp32 scratch; out (G, D)
- * bf16 */
-static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16_t *out) {
+ * bf16. Tokens before `start` (a sliding window's first key, inside the item's first
+ * block) are masked: their scores -3e38 (numerators exactly 0, so their V rows add
+ * exact zeros) and the maxima taken over the visible ones. */
+static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16_t *out,
+                         int64_t start) {
     const item_t it = *item;
     const int64_t G = it.G, D = it.D;
     const int64_t len = it.len;
@@ -345,6 +395,12 @@ static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16
     else
 #endif
         scores_generic(&it, q, s, mx);
+    }
+    for (int64_t g = 0; start > 0 && g < G; g++) {
+        float *sg = s + g * len, top = sg[start];
+        for (int64_t t = 0; t < start; t++) sg[t] = -3e38f;
+        for (int64_t t = start + 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        mx[g] = top;
     }
     for (int64_t g = 0; g < G; g++) { /* softmax numerators in place, rounded to bf16 */
         float *sg = s + g * len;
@@ -382,6 +438,31 @@ static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16
     }
 }
 
+/* layer L's MLP output x as it joins the residual stream: x itself, or (Gemma) its
+ * norm written into `normed` */
+static inline const uint16_t *out_normed(const tm_model_t *m, const tm_layer_t *L,
+                                         const uint16_t *x, uint16_t *normed) {
+    if (!L->mlp_out_norm) return x;
+    rms_norm_row(x, NULL, NULL, L->mlp_out_norm, normed, m->hidden, m->eps);
+    return normed;
+}
+
+/* query heads q (G, D) of kv head kh of layer L attending over a sequence's len tokens
+ * in the blocks tab (attend_heads' s and out): on a local layer (window W) past its
+ * window, only the last W tokens, the blocks wholly before them skipped */
+static void attend_layer(const tm_model_t *m, const tm_layer_t *L, int64_t kh, int64_t G,
+                         const int32_t *tab, int64_t len, const uint16_t *q, float *s,
+                         uint16_t *out) {
+    int64_t skip = 0, start = 0; /* whole blocks before the window; its first key in the next */
+    if (L->window > 0 && len > L->window) {
+        const int64_t first = len - L->window;
+        skip = first / m->block_size;
+        start = first - skip * m->block_size;
+    }
+    const item_t it = layer_item(m, L, kh, G, tab + skip, len - skip * m->block_size);
+    attend_heads(&it, q, s, out, start);
+}
+
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
@@ -405,8 +486,9 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const int64_t q_groups = NH * D / ROWS, head_groups = D / ROWS;
     /* shared: x, two residual buffers, qkv, attention output, gate_up */
     const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
-    /* per thread: a normed row, a private residual, the quantized row, the scores */
-    const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + H)) + up64(2 * (size_t)K_ATTN) +
+    /* per thread: a normed row, a private residual, a normed output (Gemma's attention and
+     * MLP outputs), the quantized row, the scores */
+    const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + 2 * H)) + up64(2 * (size_t)K_ATTN) +
                                 up64(12 * (size_t)(K_ATTN / QK)) +
                                 up64(4 * (size_t)(G * seq_len));
     char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes +
@@ -422,8 +504,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         char *mine = buf + shared_bytes + (size_t)tid * thread_bytes;
-        uint16_t *xn = (uint16_t *)mine, *my_res = xn + K_ATTN;
-        char *p = mine + up64(2 * (size_t)(K_ATTN + H));
+        uint16_t *xn = (uint16_t *)mine, *my_res = xn + K_ATTN, *normed = my_res + H;
+        char *p = mine + up64(2 * (size_t)(K_ATTN + 2 * H));
         act_t a;
         a.q = (int8_t *)p;
         p += up64(2 * (size_t)K_ATTN);
@@ -432,7 +514,6 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         a.sum = (int32_t *)(a.s + K_ATTN / QK);
         p += up64(12 * (size_t)(K_ATTN / QK));
         float *scores = (float *)p;
-        const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
         int cur = 0; /* res[cur]: the residual stream so far */
 
         for (int64_t l = 0; l < m->num_layers; l++) {
@@ -442,7 +523,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 rms_norm_row(res[0], NULL, NULL, L->input_norm, xn, H, m->eps);
             } else {
                 uint16_t *dst = tid == 0 ? res[cur ^ 1] : my_res;
-                rms_norm_row(x, res[cur], dst, L->input_norm, xn, H, m->eps);
+                rms_norm_row(out_normed(m, L - 1, x, normed), res[cur], dst, L->input_norm,
+                             xn, H, m->eps);
             }
             quantize_row(xn, H, m->bits, &a);
             {   /* QKV rows; a K head rotated and stored, a V head stored, by the thread
@@ -461,7 +543,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
                     uint16_t *row = qkv + (NH + u) * D;
-                    if (u < KVH) rotary_head(row, c, sn, D);
+                    if (u < KVH) norm_rotate_head(m, L, L->k_norm, row, pos);
                     store_head(m, L, u >= KVH, h, slot, row);
                 }
             }
@@ -475,15 +557,16 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             {
                 int64_t h0, h1;
                 share(NH, tid, nth, &h0, &h1);
-                for (int64_t h = h0; h < h1; h++) rotary_head(qkv + h * D, c, sn, D);
+                for (int64_t h = h0; h < h1; h++)
+                    norm_rotate_head(m, L, L->q_norm, qkv + h * D, pos);
                 if (h1 > h0) {
                     const int64_t k0 = h0 / G, k1 = (h1 - 1) / G, back = tid % 2 == 0;
                     for (int64_t i = 0; i <= k1 - k0; i++) {
                         const int64_t kh = back ? k1 - i : k0 + i;
                         const int64_t lo = kh * G > h0 ? kh * G : h0;
                         const int64_t hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
-                        const item_t it = layer_item(m, L, kh, hi - lo, table, seq_len);
-                        attend_heads(&it, qkv + lo * D, scores, attn + lo * D);
+                        attend_layer(m, L, kh, hi - lo, table, seq_len, qkv + lo * D, scores,
+                                     attn + lo * D);
                     }
                 }
             }
@@ -500,7 +583,10 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 #pragma omp barrier
             }
             /* 4. residual add + norm, gate_up */
-            rms_norm_row(o_out, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
+            const uint16_t *o_in = L->attn_out_norm ? normed : o_out;
+            if (L->attn_out_norm)
+                rms_norm_row(o_out, NULL, NULL, L->attn_out_norm, normed, H, m->eps);
+            rms_norm_row(o_in, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
             quantize_row(xn, H, m->bits, &a);
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
@@ -514,7 +600,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             }
             cur ^= 1;
             /* 5. silu * up, down */
-            silu_mul_row(gu, gu + I, xn, I);
+            act_mul_row(m, gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
             gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
                        tid, nth, NULL);
@@ -527,8 +613,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             }
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
-        rms_norm_row(x, res[cur], tid == 0 ? res[cur ^ 1] : my_res, m->final_norm, xn, H,
-                     m->eps);
+        rms_norm_row(out_normed(m, m->layers + m->num_layers - 1, x, normed), res[cur],
+                     tid == 0 ? res[cur ^ 1] : my_res, m->final_norm, xn, H, m->eps);
         if (tid == 0) memcpy(hidden_out, xn, (size_t)H * 2);
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
@@ -577,7 +663,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
         (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 0) ||
         (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
-        shared_blocks > table_stride || (shared_blocks && m->kv_fmt >= 0))
+        shared_blocks > table_stride || (shared_blocks && (m->kv_fmt >= 0 || windowed(m))))
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
     const int wide = TM_AVX2 && m->bits == 16 && m->wide_min_rows > 0 && B >= m->wide_min_rows;
@@ -680,8 +766,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 if (l == 0)
                     rms_norm_row(res + r * H, NULL, NULL, L->input_norm, xn + r * H, H, m->eps);
                 else
-                    rms_norm_row(x + r * H, res + r * H, res + r * H, L->input_norm, xn + r * H,
-                                 H, m->eps);
+                    rms_norm_row(out_normed(m, L - 1, x + r * H, x + r * H), res + r * H,
+                                 res + r * H, L->input_norm, xn + r * H, H, m->eps);
             }
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
@@ -693,16 +779,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < B * KVH; item++) {
                 const int64_t r = item / KVH, kh = item % KVH, pos = positions[r];
-                const float *c = m->cos + pos * D, *sn = m->sin + pos * D;
                 uint16_t *row = qkv + r * QKV;
                 uint16_t *k_head = row + (NH + kh) * D, *v_head = row + (NH + KVH + kh) * D;
-                rotary_head(k_head, c, sn, D);
+                norm_rotate_head(m, L, L->k_norm, k_head, pos);
                 store_head(m, L, 0, kh, slots[r], k_head);
                 store_head(m, L, 1, kh, slots[r], v_head);
-                for (int64_t h = kh * G; h < (kh + 1) * G; h++) rotary_head(row + h * D, c, sn, D);
+                for (int64_t h = kh * G; h < (kh + 1) * G; h++)
+                    norm_rotate_head(m, L, L->q_norm, row + h * D, pos);
                 if (shared_blocks) continue; /* the cascade below, once every row is stored */
-                const item_t it = layer_item(m, L, kh, G, tables + r * table_stride, seq_lens[r]);
-                attend_heads(&it, row + kh * G * D, scores, xn + r * NH * D + kh * G * D);
+                attend_layer(m, L, kh, G, tables + r * table_stride, seq_lens[r],
+                             row + kh * G * D, scores, xn + r * NH * D + kh * G * D);
             }
             if (shared_blocks) {
                 cascade_t layer_cas = cas;
@@ -720,9 +806,13 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
              * K/V blocks prefetched (bf16 pools only) */
             kv_prefetch_t pf = kv_prefetch_layer(
                 &pf0, l + 1 < m->num_layers && m->kv_fmt < 0 ? L + 1 : NULL);
-            for (int64_t r = r0; r < r1; r++)
+            for (int64_t r = r0; r < r1; r++) {
+                if (L->attn_out_norm) /* Gemma: the attention output's own norm, in place */
+                    rms_norm_row(o_out + r * H, NULL, NULL, L->attn_out_norm, o_out + r * H, H,
+                                 m->eps);
                 rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
                              H, m->eps);
+            }
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
@@ -730,7 +820,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #pragma omp barrier
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
-                silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
+                act_mul_row(m, gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
             failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
@@ -739,8 +829,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         }
         /* the final norm, then the LM head */
         for (int64_t r = r0; r < r1; r++) {
-            rms_norm_row(x + r * H, res + r * H, res + r * H, m->final_norm, xn + r * H, H,
-                         m->eps);
+            rms_norm_row(out_normed(m, m->layers + m->num_layers - 1, x + r * H, x + r * H),
+                         res + r * H, res + r * H, m->final_norm, xn + r * H, H, m->eps);
             memcpy(hidden_out + r * H, xn + r * H, (size_t)H * 2);
         }
         if (m->lm_head && logits) {

@@ -23,6 +23,10 @@ class LayerRecord(ctypes.Structure):
                 ("gate_up_fmt", _I64), ("down_fmt", _I64), ("k_cache", _PTR),
                 ("v_cache", _PTR), ("qkv_bias", _PTR), ("o_bias", _PTR), ("gate_up_bias", _PTR),
                 ("down_bias", _PTR), ("k_scale", _PTR), ("v_scale", _PTR),
+                # Gemma 3 (None / 0 on a Llama layer): per-head q/k norms, the attention's
+                # and the MLP's output norms, the layer's own rotary tables, its window
+                ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR),
+                ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
                 # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
                 # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
                 ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4)]
@@ -37,7 +41,12 @@ class ModelRecord(ctypes.Structure):
                 ("layers", ctypes.POINTER(LayerRecord)), ("wide_min_rows", _I64),
                 # -1: bf16 pools; else the 8-bit pools' FMT_* (paged_decode.c): k_cache /
                 # v_cache then hold the bytes, k_scale / v_scale their scales
-                ("kv_fmt", _I64)]
+                ("kv_fmt", _I64),
+                # the MLP's activation: ACT_SILU (0) or ACT_GELU_TANH (1, Gemma's GeGLU)
+                ("act", _I64)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
 _lib = Library("decode_step", {

@@ -63,6 +63,17 @@ void tm_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int6
     }
 }
 
+/* out <- bf16(gelu_tanh(gate)) * up, rounded, for gate_up (rows, 2 * inter) = [gate | up]
+ * (Gemma's GeGLU; the same rows as decode_step.c's). */
+void tm_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
+                           int64_t inter, int64_t num_threads) {
+#pragma omp parallel for schedule(dynamic, row_chunk(rows, num_threads)) num_threads(num_threads) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter;
+        gelu_tanh_mul_row(g, g + inter, out + r * inter, inter);
+    }
+}
+
 /* out[r] <- the first index of the largest of row r of x (rows, n) fp32, as
  * torch.argmax: a NaN counts as larger than any number (the first NaN's index), and
  * -0.0 equals 0.0. Two passes a row, each a plain loop gcc vectorises: the largest

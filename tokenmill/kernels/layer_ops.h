@@ -130,4 +130,46 @@ static inline void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *
     }
 #endif
 }
+/* o <- bf16(gelu_tanh(g)) * u, rounded, for one row of `inter` (Gemma's GeGLU).
+ * gelu_tanh(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2 / pi), computed as
+ * x / (1 + e^(-2 k (x + 0.044715 x^3))) (the same function, no cancellation near 0)
+ * with exp16, so the module path (tm_gelu_tanh_mul_bf16) and decode_step.c agree */
+#define TM_GELU_C1 1.5957691216057308f  /* 2 sqrt(2 / pi) */
+#define TM_GELU_C3 0.07135481627159119f /* 2 sqrt(2 / pi) 0.044715 */
+static inline void gelu_tanh_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o,
+                                     int64_t inter) {
+#if TM_VEC_MATH
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 k = tail_mask(inter - i);
+        const __m512 gv = f32x16(_mm256_maskz_loadu_epi16(k, g + i));
+        const __m512 inner = _mm512_fmadd_ps(
+            _mm512_mul_round_ps(gv, gv, TM_RN), _mm512_set1_ps(TM_GELU_C3),
+            _mm512_set1_ps(TM_GELU_C1));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(),
+                                             _mm512_mul_round_ps(gv, inner, TM_RN)));
+        const __m512 gelu = f32x16(bf16x16(_mm512_div_round_ps(
+            gv, _mm512_add_round_ps(_mm512_set1_ps(1.0f), e, TM_RN), TM_RN)));
+        const __m512 uv = f32x16(_mm256_maskz_loadu_epi16(k, u + i));
+        _mm256_mask_storeu_epi16(o + i, k, bf16x16(_mm512_mul_round_ps(gelu, uv, TM_RN)));
+    }
+#elif TM_VEC_MATH8
+    for (int64_t i = 0; i < inter; i += 8) {
+        const __m256 gv = f32x8_n(g + i, inter - i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(gv, gv),
+                                             _mm256_set1_ps(TM_GELU_C3),
+                                             _mm256_set1_ps(TM_GELU_C1));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(gv, inner)));
+        const __m256 gelu =
+            round_bf16x8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+        store_bf16x8_n(o + i, _mm256_mul_ps(gelu, f32x8_n(u + i, inter - i)), inter - i);
+    }
+#else
+    for (int64_t i = 0; i < inter; i++) {
+        const float gv = bf16_to_f32(g[i]);
+        const float inner = fmaf(gv * gv, TM_GELU_C3, TM_GELU_C1);
+        const float gelu = round_bf16(gv / (1.0f + expf(-(gv * inner))));
+        o[i] = f32_to_bf16(gelu * bf16_to_f32(u[i]));
+    }
+#endif
+}
 #endif

@@ -22,6 +22,7 @@ _lib = Library("layer_ops", {
     "tm_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64], None),
     "tm_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64], None),
     "tm_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
+    "tm_gelu_tanh_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
     "tm_argmax_f32": ([_PTR, _I64, _I64, _PTR], None),
 })
 
@@ -89,6 +90,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None if ops is None else ops.silu_mul(gate_up)
     fn = _lib.get("tm_silu_mul_bf16")
     if fn is None or not _takes(gate_up) or not gate_up.is_contiguous():
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+       torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu(gate, approximate="tanh") * up for bf16 gate_up (..., 2 * inter) = [gate | up]
+    on the CPU (Gemma's GeGLU, the fused decode step's own rows); None if not taken."""
+    fn = _lib.get("tm_gelu_tanh_mul_bf16")
+    if fn is None or gate_up.is_cuda or not _takes(gate_up) or not gate_up.is_contiguous():
         return None
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))

@@ -15,6 +15,10 @@
  *   Q8 (Q8_0):      w = d * q, q int8, record of 544 bytes:
  *     qs[8][16][4]: chunk c, row r, byte j holds q[4c + j] + 128 (as uint8)
  *     d[16]: fp16
+ *   Q5, Q6 (Q5_0, Q5_1, Q5_K; Q6_K): a Q4 record with q in 0..31 or 0..63, its nibbles
+ *     as Q4's, then a plane of hb = 1 or 2 high bits a weight (64 hb bytes: 384 and 448
+ *     bytes a record), chunk c's 16 hb bytes at 320 + 16 hb c (add_high512 below)
+ *   MIXED: the parts of a fused linear, each in its own format (group_records below)
  * A block's dot product is an exact int32 sum of products (vpdpbusd: unsigned
  * weight bytes times signed activation bytes, 16 rows per instruction), scaled
  * in fp32:  Q4: d dx sum(q v) + m dx sum(v);  Q8: d dx (sum((q+128) v) - 128 sum(v)).
@@ -68,7 +72,45 @@
 #define PF_RECORDS 6                /* records ahead the first pass over a group prefetches */
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
-enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+/* 2 is decode_step.c's FMT_BF16 */
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_MIXED = 3, FMT_Q5 = 4, FMT_Q6 = 5 };
+#define HIGH_PLANE 64 /* bytes of a Q5 / Q6 record's high-bit plane, per high bit */
+
+/* FMT_MIXED: a fused linear whose parts keep their own formats (a q/k in Q4 beside a v
+ * in Q8): a header of MIXED_HEADER bytes, int32 parts (1..MIXED_PARTS), then per part
+ * int32 end group (exclusive) and int32 format (not FMT_MIXED); then each part's
+ * records in turn, groups of one part all in its format (its rows a multiple of 16 but
+ * the last's). The header's sizes are written and checked by q4q8_gemv.py. */
+#define MIXED_HEADER 64
+#define MIXED_PARTS 7
+
+/* high bits a weight has beyond a Q4 record's nibble: Q5 1, Q6 2 */
+static inline int high_bits(int64_t format) {
+    return format == FMT_Q5 ? 1 : format == FMT_Q6 ? 2 : 0;
+}
+
+static inline int64_t record_bytes(int64_t format) {
+    return format == FMT_Q8 ? Q8_RECORD : Q4_RECORD + HIGH_PLANE * high_bits(format);
+}
+
+/* group g's records (nb blocks) in w, and the format they are in */
+static inline const uint8_t *group_records(const uint8_t *w, int64_t format, int64_t g,
+                                           int64_t nb, int64_t *fmt) {
+    if (format != FMT_MIXED) {
+        *fmt = format;
+        return w + g * nb * record_bytes(format);
+    }
+    int32_t h[1 + 2 * MIXED_PARTS];
+    memcpy(h, w, sizeof h);
+    const uint8_t *p = w + MIXED_HEADER;
+    int64_t g0 = 0, i = 0;
+    for (; i < h[0] - 1 && g >= h[1 + 2 * i]; i++) { /* past part i */
+        p += (h[1 + 2 * i] - g0) * nb * record_bytes(h[2 + 2 * i]);
+        g0 = h[1 + 2 * i];
+    }
+    *fmt = h[2 + 2 * i];
+    return p + (g - g0) * nb * record_bytes(*fmt);
+}
 
 int64_t tm_q4q8_has_vnni(void) { return TM_VNNI; }
 /* the integer dot products this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C */
@@ -205,25 +247,53 @@ static inline __attribute__((always_inline)) __m512i q4_dots(
     return s;
 }
 
+/* A Q5 / Q6 record's high bits of chunk c (hb a weight; plane p = the record's plane
+ * + 16 hb c) into the chunk's nibbles lo, hi (bit 4 up): byte i of the chunk's 64 has
+ * e = its low nibble's high bits | its high nibble's << hb, stored at bits 2 hb t of
+ * the plane's byte i - 16 hb t, t = i / (16 hb) */
+static inline __attribute__((always_inline)) void add_high512(const uint8_t *p, int hb,
+                                                               __m512i *lo, __m512i *hi) {
+    __m512i e;
+    if (hb == 2) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(0x0f);
+        e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(h, m)),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 4), m), 1);
+    } else { /* each 16-byte lane t of the chunk: the plane's 16 bytes >> 2t */
+        const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+        const __m512i by = _mm512_set_epi32(0x60006, 0x60006, 0x60006, 0x60006, 0x40004,
+                                            0x40004, 0x40004, 0x40004, 0x20002, 0x20002,
+                                            0x20002, 0x20002, 0, 0, 0, 0);
+        e = _mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(3));
+    }
+    const __m512i mask = _mm512_set1_epi8((char)((1 << hb) - 1));
+    const __m512i eh = hb == 2 ? _mm512_srli_epi16(e, 2) : _mm512_srli_epi16(e, 1);
+    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(e, mask), 4));
+    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(eh, mask), 4));
+}
+
 /* out[i][r] = row r of the group . activation row i, for i < mr (a constant at each
- * call site, so the loops over i unroll and acc stays in registers). */
-static inline __attribute__((always_inline)) void q4_group(
+ * call site, so the loops over i unroll and acc stays in registers). hb: the records'
+ * high bits (Q4 0, Q5 1, Q6 2), a constant too. */
+static inline __attribute__((always_inline)) void q4x_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out,
+    int hb) {
     (void)sum;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q4_RECORD;
+        const uint8_t *rec = wg + b * rb;
         if (pf)
-            for (int l = 0; l < Q4_RECORD; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
+            for (int l = 0; l < rb; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(rec + 64 * c));
             lo[c] = _mm512_and_si512(w, low);
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            if (hb) add_high512(rec + Q4_RECORD + 16 * hb * c, hb, &lo[c], &hi[c]);
         }
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
         const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
@@ -301,46 +371,74 @@ static inline __attribute__((always_inline)) void store_halves(__m256 acc[][2], 
  * int16: no saturation) and each row's fp32 steps are unchanged, so every version gives
  * the same bits. */
 
-/* Q4, rows 8h..8h+8, a chunk at a time: its 8 rows x 4 bytes unpacked once (the low
- * nibbles inputs 4c..4c+4, the high ones 16 + 4c..), then every row's and plane's int16
- * sum in a register of its own; then the fp32 steps a row */
+/* A Q5 / Q6 record's high bits of chunk c, half h (bytes 32h..32h+32 of the chunk; p =
+ * the record's plane + 16 hb c), into that half's nibbles lo, hi: add_high512's layout */
+static inline __attribute__((always_inline)) void add_high256(const uint8_t *p, int hb, int h,
+                                                               __m256i *lo, __m256i *hi) {
+    __m256i e;
+    if (hb == 2) {
+        e = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p),
+                                              _mm_cvtsi32_si128(4 * h)),
+                             _mm256_set1_epi8(0x0f));
+    } else { /* lanes 2h, 2h + 1 of the chunk: the plane's 16 bytes >> 4h, >> 4h + 2 */
+        const __m256i by = _mm256_setr_epi32(4 * h, 4 * h, 4 * h, 4 * h, 4 * h + 2, 4 * h + 2,
+                                             4 * h + 2, 4 * h + 2);
+        e = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(
+                                 _mm_loadu_si128((const __m128i *)p)), by),
+                             _mm256_set1_epi8(3));
+    }
+    const __m256i mask = _mm256_set1_epi8((char)((1 << hb) - 1));
+    const __m256i eh = hb == 2 ? _mm256_srli_epi16(e, 2) : _mm256_srli_epi16(e, 1);
+    *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(e, mask), 4));
+    *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(eh, mask), 4));
+}
+
+/* Q4 (Q5, Q6 with hb 1, 2), rows 8h..8h+8, a chunk at a time: its 8 rows x 4 bytes
+ * unpacked once (the low nibbles inputs 4c..4c+4, the high ones 16 + 4c..), then every
+ * row's and plane's int16 sum in a register of its own; then the fp32 steps a row. With
+ * high bits (hb) a pair of products reaches 2 * 63 * 128, so eight do not fit in int16:
+ * the sums are int32 then, each vpmaddubsw's pairs added by a vpmaddwd. */
 static inline __attribute__((always_inline)) void q4_half(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, int mr, int planes, int pf, int h, float *out) {
+    const float *d, const float *s, int mr, int planes, int pf, int h, float *out, int hb) {
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q4_RECORD;
+        const uint8_t *rec = wg + b * rb;
         if (pf)
-            for (int l = 0; l < Q4_RECORD; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
-        __m256i sum16[MR][2];
+            for (int l = 0; l < rb; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
+        __m256i sum16[MR][2]; /* int32 sums with hb */
         for (int i = 0; i < mr; i++) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
         const int8_t *xb = q + b * QK;
         for (int c = 0; c < 4; c++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
+            __m256i wn[2] = {_mm256_and_si256(w, low),
+                             _mm256_and_si256(_mm256_srli_epi16(w, 4), low)};
+            if (hb) add_high256(rec + Q4_RECORD + 16 * hb * c, hb, h, &wn[0], &wn[1]);
             for (int hi = 0; hi < 2; hi++) {
-                const __m256i wc = hi ? _mm256_and_si256(_mm256_srli_epi16(w, 4), low)
-                                      : _mm256_and_si256(w, low);
+                const __m256i wc = wn[hi];
                 const int cc = c + 4 * hi;
                 for (int i = 0; i < mr; i++)
                     for (int p = 0; p < planes; p++) {
                         int32_t v;
                         memcpy(&v, xb + i * K + p * plane + 4 * cc, 4);
-                        sum16[i][p] = _mm256_add_epi16(
-                            sum16[i][p], _mm256_maddubs_epi16(wc, _mm256_set1_epi32(v)));
+                        const __m256i pairs = _mm256_maddubs_epi16(wc, _mm256_set1_epi32(v));
+                        sum16[i][p] = hb ? _mm256_add_epi32(sum16[i][p],
+                                                            _mm256_madd_epi16(pairs, ones))
+                                         : _mm256_add_epi16(sum16[i][p], pairs);
                     }
             }
         }
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
         const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
-        const __m256i ones = _mm256_set1_epi16(1);
         for (int i = 0; i < mr; i++) {
-            __m256i dot = _mm256_madd_epi16(sum16[i][0], ones);
+            __m256i dot = hb ? sum16[i][0] : _mm256_madd_epi16(sum16[i][0], ones);
             if (planes == 2)
                 dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
-                                       _mm256_madd_epi16(sum16[i][1], ones));
+                                       hb ? sum16[i][1] : _mm256_madd_epi16(sum16[i][1], ones));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                      _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])), acc[i]);
             acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(s[i * nb + b]), acc[i]);
@@ -352,18 +450,20 @@ static inline __attribute__((always_inline)) void q4_half(
 /* Q4, one or two activation rows (batch-1 and batch-2 decode): a chunk of both halves at
  * a time, its 4 nibble registers (the low nibbles inputs 4c..4c+4, the high ones 16 +
  * 4c..) and the chunk's activation broadcasts (one per row, plane and nibble) shared by
- * both halves, each row's, half's and plane's int16 sum in a register of its own */
+ * both halves, each row's, half's and plane's int16 sum in a register of its own (int32
+ * with high bits, as in q4_half) */
 static inline __attribute__((always_inline)) void q4_rows(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, int mr, int planes, int pf, float *out) {
+    const float *d, const float *s, int mr, int planes, int pf, float *out, int hb) {
     __m256 acc[2][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * Q4_RECORD;
+        const uint8_t *rec = wg + b * rb;
         if (pf)
-            for (int l = 0; l < Q4_RECORD; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q4_RECORD + l, _MM_HINT_T0);
+            for (int l = 0; l < rb; l += 64)
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
         __m256i sum16[2][2][2]; /* [row][half][plane] */
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2; h++) sum16[i][h][0] = sum16[i][h][1] = _mm256_setzero_si256();
@@ -373,6 +473,7 @@ static inline __attribute__((always_inline)) void q4_rows(
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
                 lo[h] = _mm256_and_si256(w, low);
                 hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                if (hb) add_high256(rec + Q4_RECORD + 16 * hb * c, hb, h, &lo[h], &hi[h]);
             }
             for (int i = 0; i < mr; i++)
                 for (int p = 0; p < planes; p++) {
@@ -381,20 +482,24 @@ static inline __attribute__((always_inline)) void q4_rows(
                     memcpy(&vl, xb + 4 * c, 4);
                     memcpy(&vh, xb + 4 * (c + 4), 4);
                     const __m256i xl = _mm256_set1_epi32(vl), xh = _mm256_set1_epi32(vh);
-                    for (int h = 0; h < 2; h++)
-                        sum16[i][h][p] = _mm256_add_epi16(
-                            _mm256_add_epi16(sum16[i][h][p], _mm256_maddubs_epi16(lo[h], xl)),
-                            _mm256_maddubs_epi16(hi[h], xh));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                               _mm256_maddubs_epi16(hi[h], xh));
+                        sum16[i][h][p] = hb ? _mm256_add_epi32(sum16[i][h][p],
+                                                               _mm256_madd_epi16(pairs, ones))
+                                            : _mm256_add_epi16(sum16[i][h][p], pairs);
+                    }
                 }
         }
         for (int h = 0; h < 2; h++) {
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
             const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             for (int i = 0; i < mr; i++) {
-                __m256i dot = _mm256_madd_epi16(sum16[i][h][0], ones);
+                __m256i dot = hb ? sum16[i][h][0] : _mm256_madd_epi16(sum16[i][h][0], ones);
                 if (planes == 2)
                     dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
-                                           _mm256_madd_epi16(sum16[i][h][1], ones));
+                                           hb ? sum16[i][h][1]
+                                              : _mm256_madd_epi16(sum16[i][h][1], ones));
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                             _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + b])),
                                             acc[i][h]);
@@ -405,16 +510,17 @@ static inline __attribute__((always_inline)) void q4_rows(
     store_halves(acc, mr, out);
 }
 
-static inline __attribute__((always_inline)) void q4_group(
+static inline __attribute__((always_inline)) void q4x_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out) {
+    const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out,
+    int hb) {
     (void)sum;
     if (mr <= 2) {
-        q4_rows(wg, nb, K, q, plane, d, s, mr, planes, pf, out);
+        q4_rows(wg, nb, K, q, plane, d, s, mr, planes, pf, out, hb);
         return;
     }
-    q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out);
-    q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out);
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out, hb);
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out, hb);
 }
 
 /* the byte shuffle that zero-extends bytes j0, j0 + 1 of each row's 4 (a dword) to that
@@ -521,23 +627,33 @@ static inline int32_t act_value(const int8_t *xb, int64_t plane, int planes, int
     return planes == 2 ? 256 * xb[k] + xb[plane + k] : xb[k];
 }
 
-static inline void q4_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
-                            int64_t plane, const float *d, const float *s, const int32_t *sum,
-                            int mr, int planes, int pf, float *out) {
+/* the high bits of byte i (0..63) of chunk c of a Q5 / Q6 record (add_high512's layout):
+ * its low nibble's | its high nibble's << hb */
+static inline int high_of(const uint8_t *rec, int hb, int c, int i) {
+    const int per = 16 * hb; /* plane bytes a chunk */
+    return (rec[Q4_RECORD + per * c + i % per] >> (2 * hb * (i / per))) & ((1 << 2 * hb) - 1);
+}
+
+static inline void q4x_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
+                             int64_t plane, const float *d, const float *s, const int32_t *sum,
+                             int mr, int planes, int pf, float *out, int hb) {
     (void)pf;
     (void)sum;
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *rec = wg + b * Q4_RECORD;
+                const uint8_t *rec = wg + b * (Q4_RECORD + HIGH_PLANE * hb);
                 const int8_t *xb = q + i * K + b * QK;
                 int32_t dot = 0;
                 for (int c = 0; c < 4; c++)
                     for (int j = 0; j < 4; j++) {
                         const uint8_t byte = rec[64 * c + 4 * r + j];
-                        dot += (byte & 15) * act_value(xb, plane, planes, 4 * c + j)
-                             + (byte >> 4) * act_value(xb, plane, planes, 16 + 4 * c + j);
+                        const int e = hb ? high_of(rec, hb, c, 4 * r + j) : 0;
+                        const int lo = (byte & 15) | (e & ((1 << hb) - 1)) << 4,
+                                  hi = (byte >> 4) | (e >> hb) << 4;
+                        dot += lo * act_value(xb, plane, planes, 4 * c + j)
+                             + hi * act_value(xb, plane, planes, 16 + 4 * c + j);
                     }
                 uint16_t hd, hm;
                 memcpy(&hd, rec + 256 + 2 * r, 2);
@@ -574,6 +690,18 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
     }
 }
 #endif
+
+/* Q4 records and those with a plane of 1 or 2 high bits (Q5, Q6) */
+#define TM_Q4_FAMILY(name, hb)                                                              \
+    static inline __attribute__((always_inline)) void name(                                \
+        const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,           \
+        const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf,     \
+        float *out) {                                                                       \
+        q4x_group(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out, hb);                 \
+    }
+TM_Q4_FAMILY(q4_group, 0)
+TM_Q4_FAMILY(q5_group, 1)
+TM_Q4_FAMILY(q6_group, 2)
 
 #define TM_GROUP(fn, mr, planes) \
     fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, m0 == 0, out)
@@ -613,8 +741,7 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
                                 int64_t format, int64_t bits, const int8_t *q, const float *d,
                                 const float *s, const int32_t *sum, void *y, int64_t y_f32) {
     const int64_t nb = K / QK, plane = M * K;
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
-    const uint8_t *wg = w + g * nb * record;
+    const uint8_t *wg = group_records(w, format, g, nb, &format);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int64_t mr = M - m0 < MR ? M - m0 : MR;
         const int8_t *qm = q + m0 * K;
@@ -623,6 +750,10 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
         float out[MR * ROWS];
         if (format == FMT_Q8) {
             if (bits == 16) { TM_ROWS(q8_group, 2) } else { TM_ROWS(q8_group, 1) }
+        } else if (format == FMT_Q5) {
+            if (bits == 16) { TM_ROWS(q5_group, 2) } else { TM_ROWS(q5_group, 1) }
+        } else if (format == FMT_Q6) {
+            if (bits == 16) { TM_ROWS(q6_group, 2) } else { TM_ROWS(q6_group, 1) }
         } else {
             if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
         }
@@ -736,13 +867,17 @@ static inline void widen_group(const uint8_t *wg, int64_t format, int64_t nb, in
                     _mm256_store_si256((__m256i *)(o + (2 * c + 1) * 2 * ROWS + ROWS * h),
                                        _mm256_sub_epi16(_mm256_shuffle_epi8(w, pair23), c128));
                 }
-        } else { /* chunk c: low nibbles inputs 4c..4c+4, high ones 16 + 4c.. */
-            const uint8_t *rec = wg + b * Q4_RECORD;
+        } else { /* chunk c: low nibbles inputs 4c..4c+4, high ones 16 + 4c.. (Q5, Q6: and
+                  * their high bits) */
+            const int hb = high_bits(format);
+            const uint8_t *rec = wg + b * record_bytes(format);
             for (int c = 0; c < 4; c++)
                 for (int h = 0; h < 2; h++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
-                    const __m256i lo = _mm256_and_si256(w, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    __m256i lo = _mm256_and_si256(w, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    if (hb == 1) add_high256(rec + Q4_RECORD + 16 * c, 1, h, &lo, &hi);
+                    if (hb == 2) add_high256(rec + Q4_RECORD + 32 * c, 2, h, &lo, &hi);
                     _mm256_store_si256((__m256i *)(o + (2 * c) * 2 * ROWS + ROWS * h),
                                        _mm256_shuffle_epi8(lo, pair01));
                     _mm256_store_si256((__m256i *)(o + (2 * c + 1) * 2 * ROWS + ROWS * h),
@@ -807,7 +942,7 @@ static inline __m256 scaled_dot(__m256 acc, __m256i dot, __m256 wd, __m256 dx) {
 static inline __attribute__((always_inline)) void gemm16_tile(
     const int16_t *pg, const uint8_t *wg, int64_t nb, int64_t K, int64_t format,
     const int16_t *v, const float *d, const float *s, int mt, float *out) {
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
+    const int64_t record = record_bytes(format);
     __m256 acc[GEMM_MT][2];
     for (int t = 0; t < mt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -859,7 +994,6 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
                                int64_t M, const int16_t *v, const float *d, const float *s,
                                void *y, int64_t y_f32, int nth) {
     const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
-    const int64_t record = format == FMT_Q8 ? Q8_RECORD : Q4_RECORD;
     const int64_t tiles = (M + GEMM_MT - 1) / GEMM_MT;
     /* with 2+ tiles a thread, an item is (a few groups, a run of tiles), group-major:
      * the tiles' activations stay in L1 across the few groups, their widened panels in
@@ -897,9 +1031,11 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
         if (t0 >= t1) continue;
         const int64_t g0 = gb * gsize, g1 = g0 + gsize < groups ? g0 + gsize : groups;
         if (gb != widened) {
-            for (int64_t g = g0; g < g1; g++)
-                widen_group(w + g * nb * record, format, nb,
-                            panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+            for (int64_t g = g0; g < g1; g++) {
+                int64_t f;
+                const uint8_t *wg = group_records(w, format, g, nb, &f);
+                widen_group(wg, f, nb, panel + (g - g0) * nb * PANEL_BLOCK_VALUES);
+            }
             widened = gb;
         }
         for (int64_t tile = t0; tile < t1; tile++) {
@@ -908,10 +1044,11 @@ static inline int gemm16_share(const uint8_t *w, int64_t format, int64_t K, int6
             const float *dm = d + m0 * nb, *sm = s + m0 * nb;
             for (int64_t g = g0; g < g1; g++) {
                 const int16_t *pg = panel + (g - g0) * nb * PANEL_BLOCK_VALUES;
-                const uint8_t *wg = w + g * nb * record;
+                int64_t f;
+                const uint8_t *wg = group_records(w, format, g, nb, &f);
                 float out[GEMM_MT * ROWS];
                 switch (mt) {
-#define TM_TILE(n) gemm16_tile(pg, wg, nb, K, format, vm, dm, sm, n, out)
+#define TM_TILE(n) gemm16_tile(pg, wg, nb, K, f, vm, dm, sm, n, out)
                 case 1: TM_TILE(1); break;
                 case 2: if (GEMM_MT > 2) TM_TILE(2); break;
                 case 3: if (GEMM_MT > 3) TM_TILE(3); break;

@@ -27,9 +27,78 @@ _lib = Library("q4q8_gemv", {
 })
 
 FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
+FORMAT_MIXED = 3  # parts of a fused linear, each in its own layout (a header, then each's)
+FORMAT_Q5, FORMAT_Q6 = 4, 5  # Q4 records with a plane of 1 or 2 high bits a weight
 ROWS = 16  # output rows per repacked group
-RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544}  # per group of 16 rows and block of 32
+# per group of 16 rows and block of 32
+RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544, FORMAT_Q5: 384, FORMAT_Q6: 448}
 BITS = (8, 16)  # activation precisions, see q4q8_gemv.c
+MIXED_HEADER, MIXED_PARTS = 64, 7
+
+
+def mixed(parts: list[tuple[torch.Tensor, int]], in_features: int) -> tuple[torch.Tensor, int]:
+    """Each part's records (its rows a multiple of ROWS but the last's) -> one weight's:
+    (records, format), FORMAT_MIXED where the formats differ. Neighbouring parts of one
+    format are joined."""
+    runs: list[list] = []
+    for records, fmt in parts:
+        if runs and runs[-1][1] == fmt:
+            runs[-1][0].append(records)
+        else:
+            runs.append([[records], fmt])
+    if len(runs) == 1:
+        return torch.cat(runs[0][0]), runs[0][1]
+    if len(runs) > MIXED_PARTS:
+        raise ValueError(f"{len(runs)} parts of different formats: at most {MIXED_PARTS}")
+    header, end = [len(runs)], 0
+    for records, fmt in runs:
+        end += sum(r.numel() for r in records) // ((in_features // 32) * RECORD_BYTES[fmt])
+        header += [end, fmt]
+    head = torch.zeros(MIXED_HEADER, dtype=torch.uint8)
+    head[:4 * len(header)] = torch.tensor(header, dtype=torch.int32).view(torch.uint8)
+    return torch.cat([head, *(r for records, _ in runs for r in records)]), FORMAT_MIXED
+
+
+def segments(packed: torch.Tensor, fmt: int, in_features: int
+             ) -> list[tuple[int, int, int, torch.Tensor]]:
+    """A weight's records as runs of groups of one format: (first group, groups, format,
+    records) each."""
+    if fmt != FORMAT_MIXED:
+        return [(0, packed.numel() // ((in_features // 32) * RECORD_BYTES[fmt]), fmt, packed)]
+    header = packed[:MIXED_HEADER].view(torch.int32).tolist()
+    out, at, first = [], MIXED_HEADER, 0
+    for i in range(header[0]):
+        end, part_fmt = header[1 + 2 * i], header[2 + 2 * i]
+        size = (end - first) * (in_features // 32) * RECORD_BYTES[part_fmt]
+        out.append((first, end - first, part_fmt, packed[at:at + size]))
+        at, first = at + size, end
+    return out
+
+
+def _mixed_bytes(packed: torch.Tensor, in_features: int) -> int:
+    """The bytes a FORMAT_MIXED weight must hold for its header's groups."""
+    header = packed[:MIXED_HEADER].view(torch.int32).tolist()
+    return MIXED_HEADER + sum(
+        (header[1 + 2 * i] - (header[2 * i - 1] if i else 0)) * (in_features // 32)
+        * RECORD_BYTES[header[2 + 2 * i]] for i in range(header[0]))
+
+
+def groups_of(packed: torch.Tensor, fmt: int, in_features: int) -> int | None:
+    """The groups of ROWS rows `packed` holds, None where its header or size is not
+    one the kernel reads."""
+    if fmt in RECORD_BYTES:
+        per_group = (in_features // 32) * RECORD_BYTES[fmt]
+        return packed.numel() // per_group if packed.numel() % per_group == 0 else None
+    if fmt != FORMAT_MIXED or packed.numel() < MIXED_HEADER or in_features % 32:
+        return None
+    header = packed[:MIXED_HEADER].view(torch.int32).tolist()
+    if not 1 <= header[0] <= MIXED_PARTS:
+        return None
+    ends = header[1:1 + 2 * header[0]:2]
+    if any(f not in RECORD_BYTES for f in header[2:2 + 2 * header[0]:2]) or any(
+            b <= a for a, b in zip([0, *ends], ends, strict=False)):
+        return None
+    return ends[-1] if _mixed_bytes(packed, in_features) == packed.numel() else None
 
 
 def available() -> bool:
@@ -100,7 +169,7 @@ def linear(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,
     if (fn is None or x2d.dtype != torch.bfloat16 or not x2d.is_contiguous()
             or x2d.device.type != "cpu" or k % 32
             or out_dtype not in (torch.bfloat16, torch.float32) or bits not in BITS
-            or packed.numel() != -(-out_features // ROWS) * (k // 32) * RECORD_BYTES[fmt]):
+            or groups_of(packed, fmt, k) != -(-out_features // ROWS)):
         return None
     y = torch.empty((m, out_features), dtype=out_dtype)
     rc = fn(x2d.data_ptr(), m, k, packed.data_ptr(), out_features, fmt, bits, y.data_ptr(),

@@ -161,6 +161,18 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
 
+    def share(self, block_ids: list[int]) -> None:
+        """Take one more reference on blocks some sequence holds (a KV transfer pins a
+        finished request's blocks so; the pin then counts as a live holder)."""
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"block {block_id} is not held"
+            self.ref_counts[block_id] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references `share` took, last block first (as `free`)."""
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
     def free_slots_beyond(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink `seq.block_table` to exactly cover `num_tokens` slots (roll back
         rejected speculative tokens). Registered blocks must not be cut."""

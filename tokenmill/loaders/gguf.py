@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import os
 import re
 import struct
@@ -30,10 +31,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quant_shape_to_byte_shape
+from numpy.lib.array_utils import byte_bounds
 
 from tokenmill.loaders.errors import ModelLoadError
-from tokenmill.loaders.gguf_checks import check_gguf
+from tokenmill.loaders.gguf_checks import GGUFLayout, TensorInfo, check_gguf
 from tokenmill.loaders.gguf_moe import MOE_BLOCK_NAMES, moe_config
+from tokenmill.quant.gguf_dequant import dequantize as dequantize_blocks
+from tokenmill.quant.gguf_dequant import dequantize_torch
 
 # GGUF general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -114,9 +119,29 @@ class GGUFTensor:
             raw = raw.reshape(self.shape[0], -1)
         return raw if self.row_order is None else raw[self.row_order]
 
+    def _copy_rows(self) -> torch.Tensor:
+        """`_rows()` copied once, straight into memory torch owns (uint8)."""
+        raw = self.raw
+        if len(self.shape) > 1 and raw.ndim == 1:
+            raw = raw.reshape(self.shape[0], -1)
+        raw = raw.view(np.uint8)
+        n = raw.shape[0] if self.row_order is None else len(self.row_order)
+        out = torch.empty((n, *raw.shape[1:]), dtype=torch.uint8)
+        if self.row_order is None:
+            np.copyto(out.numpy(), raw)
+        else:
+            np.take(raw, self.row_order, axis=0, out=out.numpy())
+        return out
+
     def dequantize(self) -> torch.Tensor:
         """float32 tensor of `shape`."""
-        arr = gguf_dequantize(self._rows(), self.qtype).reshape(self.shape)
+        fast = dequantize_torch(self._rows(), self.qtype)  # Q4_0 / Q4_1 / Q8_0
+        drop_file_pages(self.raw)
+        if fast is not None:
+            fast = fast.reshape(self.shape)
+            return fast + self.value_offset if self.value_offset else fast
+        arr = dequantize_blocks(self._rows(), self.qtype).reshape(self.shape)
+        drop_file_pages(self.raw)
         if self.value_offset:
             arr = arr + np.float32(self.value_offset)
         return torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
@@ -127,7 +152,8 @@ class GGUFTensor:
         """The quantized bytes as a uint8 tensor (rows, bytes_per_row), a copy owned by torch;
         ModelLoadError naming the tensor where their size disagrees with shape x type (the
         native kernels trust these sizes)."""
-        blocks = torch.tensor(np.ascontiguousarray(self._rows()).view(np.uint8))
+        blocks = self._copy_rows()
+        drop_file_pages(self.raw)
         if len(self.shape) < 2:
             return blocks
         block, block_bytes = GGML_QUANT_SIZES[self.qtype]
@@ -168,6 +194,28 @@ class GGUFTensor:
         return GGUFTensor(self.hf_name, self.qtype, raw, (*shape[:-1], length), self.row_order)
 
 
+def drop_file_pages(view: np.ndarray) -> None:
+    """Unmap from this process the pages of the file under `view` (a slice of a
+    GGUFReader's memory map), once they are copied out: otherwise every page read at
+    load stays in the process's RSS until the map closes, a whole second copy of the
+    file at the load's peak. The page cache keeps them, so a later read is a minor
+    fault. Nothing for an array that is not a view of a memory map."""
+    owner = view
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    mapping = owner.base
+    if not isinstance(mapping, mmap.mmap) or view.size == 0:
+        return
+    start = owner.__array_interface__["data"][0]
+    lo, hi = byte_bounds(view)
+    page = mmap.PAGESIZE
+    a = (lo - start) // page * page
+    b = min(len(mapping), -(-(hi - start) // page) * page)
+    if 0 <= a < b:
+        with contextlib.suppress(OSError, ValueError):  # advice only: never fail a load
+            mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
 @contextlib.contextmanager
 def gguf_errors(path: Path, what: str) -> Iterator[None]:
     """Turn the gguf package's and numpy's errors on a bad file into one ModelLoadError."""
@@ -201,34 +249,74 @@ class _FastGGUFReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
 
+@functools.lru_cache(maxsize=8)
+def _checked_layout(path: str, mtime_ns: int, size: int) -> GGUFLayout:
+    return check_gguf(Path(path))  # untrusted bytes: every size, offset and count
+
+
+def gguf_layout(path: str | Path) -> GGUFLayout:
+    """The file's header, checked (gguf_checks.py) and cached per file version: its
+    metadata (arrays as their length) and tensor infos. The loader reads the file
+    through this, not through gguf's GGUFReader, whose per-string Python parse of a
+    tokenizer's 100k metadata strings took a fifth of a start-up (issue 60)."""
+    path = Path(path)
+    with gguf_errors(path, "read"):
+        st = os.stat(path)
+        return _checked_layout(str(path), st.st_mtime_ns, st.st_size)
+
+
+# GGML types gguf's reader maps as typed arrays; every other type as uint8 blocks
+_ITEM_TYPES = {
+    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+def _map_file(path: Path) -> np.ndarray:
+    """The whole file as a read-only uint8 array; unmapped once nothing views it."""
+    return np.memmap(path, mode="r").view(np.ndarray)
+
+
+def _tensor_data(mapped: np.ndarray, layout: GGUFLayout, t: TensorInfo) -> np.ndarray:
+    """A tensor's bytes as gguf's reader gives them (ReaderTensor.data): typed and in
+    numpy order for float and integer types, uint8 (..., rows, bytes per row) for blocks."""
+    qtype = GGMLQuantizationType(t.qtype)
+    start = layout.data_start + t.offset
+    raw = mapped[start:start + t.n_bytes]
+    dims = tuple(reversed(t.dims))
+    item = _ITEM_TYPES.get(qtype)
+    if item is None:
+        return raw.reshape(quant_shape_to_byte_shape(dims, qtype))
+    return raw.view(np.dtype(item).newbyteorder(layout.byte_order)).reshape(dims)
+
+
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    check_gguf(Path(path))  # untrusted bytes: every size, offset and count (gguf_checks.py)
+    _checked_layout(path, mtime_ns, size)
     return _FastGGUFReader(path)
 
 
 def release_gguf_readers() -> None:
     """Forget the cached readers, so that their memory maps close once the weights are
     copied out: the tensor pages read at load otherwise stay in the process's RSS (a
-    1B model's file, counted again beside its records). Metadata reads reopen the file."""
+    1B model's file, counted again beside its records). Metadata reads reopen the file.
+    (The loader's own maps, _map_file's, close with the last tensor viewing them.)"""
     _open_reader.cache_clear()
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """A GGUFReader (cached per file version), or ModelLoadError naming the problem."""
+    """A GGUFReader (cached per file version), or ModelLoadError naming the problem:
+    for callers that want gguf's fields; the loader reads `gguf_layout`."""
     path = Path(path)
     with gguf_errors(path, "read"):
         st = os.stat(path)
         return _open_reader(str(path), st.st_mtime_ns, st.st_size)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _arch(reader: GGUFReader, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+def _arch(layout: GGUFLayout, path: Path) -> str:
+    arch = layout.metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF file {path} has architecture {arch!r}, which tokenmill does "
                              f"not support; it loads {', '.join(GGUF_ARCHITECTURES)}")
@@ -239,24 +327,25 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
     """A Hugging Face style config.json dict built from the file's metadata (no weights read),
     plus `quantization_config` with the GGML types and total weight bytes."""
     path = Path(path)
-    reader = open_gguf(path)
+    layout = gguf_layout(path)
     with gguf_errors(path, "parse the metadata of"):
-        return _config_dict(reader, path)
+        return _config_dict(layout, path)
 
 
-def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
-    arch = _arch(reader, path)
+def _config_dict(layout: GGUFLayout, path: Path) -> dict[str, Any]:
+    arch = _arch(layout, path)
+    meta = layout.metadata
 
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in layout.tensors}
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens else int(tensors["token_embd.weight"].shape[1])
+    if vocab is None:  # the walk gives an array as its length
+        vocab = (meta["tokenizer.ggml.tokens"] if "tokenizer.ggml.tokens" in layout.array_types
+                 else int(tensors["token_embd.weight"].dims[1]))
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -271,15 +360,15 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
     if arch == "gemma3":
         _gemma3_fields(cfg, get)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    shapes = {t.name: tuple(reversed(t.dims)) for t in layout.tensors}
     cfg.update(moe_config(get, arch, shapes, hidden, cfg["num_hidden_layers"], path))
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
@@ -289,15 +378,18 @@ def _config_dict(reader: GGUFReader, path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"GGUF file {path} uses rope scaling {scaling_type!r}, which "
                              "tokenmill does not support")
     if _ROPE_FREQS in tensors:
-        factors = gguf_dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
+        info = tensors[_ROPE_FREQS]
+        factors = gguf_dequantize(_tensor_data(_map_file(path), layout, info),
+                                  GGMLQuantizationType(info.qtype))
         cfg["rope_scaling"] = {"rope_type": "gguf_freq_factors",
                                "freq_factors": [float(x) for x in np.ravel(factors)]}
-    file_type = _field(reader, "general.file_type")
+    file_type = meta.get("general.file_type")
     cfg["quantization_config"] = {
         "quant_method": "gguf",
         "file_type": LlamaFileType(file_type).name if file_type is not None else None,
-        "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-        "weight_bytes": int(sum(t.n_bytes for t in reader.tensors)),
+        "tensor_types": dict(Counter(GGMLQuantizationType(t.qtype).name
+                                     for t in layout.tensors)),
+        "weight_bytes": int(sum(t.n_bytes for t in layout.tensors)),
     }
     return cfg
 
@@ -331,26 +423,28 @@ def _unpermute_index(num_rows: int, n_head: int) -> np.ndarray:
 def iter_gguf_tensors(path: str | Path) -> Iterator[GGUFTensor]:
     """Every weight of the file in Hugging Face naming and layout, still quantized."""
     path = Path(path)
-    reader = open_gguf(path)
+    layout = gguf_layout(path)
     cfg = gguf_config_dict(path)
+    with gguf_errors(path, "map"):
+        mapped = _map_file(path)
     arch = cfg["model_type"]
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     norm_offset = -1.0 if arch in _NORM_PLUS_ONE_ARCHS else 0.0
-    for t in reader.tensors:
+    for t in layout.tensors:
         if t.name == _ROPE_FREQS:
             continue  # already in the config as rope_scaling
         name = hf_tensor_name(t.name, arch)
         if name is None:
             raise ModelLoadError(f"GGUF file {path}: tensor {t.name!r} has no place in a "
                                  f"{cfg['architectures'][0]}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.dims))
         module = name.split(".")[-2]
         order = None
         if arch in _PERMUTED_QK_ARCHS and module in heads:
             order = _unpermute_index(shape[0], heads[module])
         offset = norm_offset if name.endswith("norm.weight") else 0.0
-        yield GGUFTensor(name, GGMLQuantizationType(t.tensor_type), t.data, shape, order,
-                         offset)
+        yield GGUFTensor(name, GGMLQuantizationType(t.qtype), _tensor_data(mapped, layout, t),
+                         shape, order, offset)
 
 
 @dataclass

@@ -59,6 +59,10 @@ class GGUFLayout:
     array_types: dict[str, int] = field(default_factory=dict)  # key -> element type
     tensors: list[TensorInfo] = field(default_factory=list)
     data_start: int = 0
+    byte_order: str = "<"  # numpy's: "<" little-endian, ">" a file written big-endian
+    # byte ranges of the key-value pairs a tokenizer is built from (tokenizer.*, and
+    # general.architecture): what the tokenizer cache is keyed by (tokenizer.py)
+    tokenizer_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _Cursor:
@@ -133,8 +137,7 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, int
         return items, etype
     if etype == _STRING:
         n = cur.count(f"metadata {key!r}'s element count", 8)
-        for i in range(n):  # tokens and merges: only their bounds matter here
-            cur.string(f"metadata {key!r}[{i}]", decode=False)
+        _skip_strings(cur, n, key)
         return n, etype
     if etype == _ARRAY:
         n = cur.count(f"metadata {key!r}'s element count", 4 + 8)
@@ -142,6 +145,27 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, int
             _value(cur, _ARRAY, key, depth + 1)
         return n, etype
     raise cur.fail(f"metadata {key!r}", f"is an array of unknown type {etype}")
+
+
+def _skip_strings(cur: _Cursor, n: int, key: str) -> None:
+    """Step over n strings (tokens, merges: only their bounds matter here) in a tight
+    loop: a 262k-token vocabulary through `cur.string` took a second at start-up. The
+    first one out of bounds is read again by `cur.string`, for its error message."""
+    unpack = struct.Struct(cur.order + "Q").unpack_from
+    buf, size, pos = cur.buf, cur.size, cur.pos
+    for i in range(n):
+        if pos + 8 > size:
+            break
+        end = pos + 8 + unpack(buf, pos)[0]
+        if end > size:
+            break
+        pos = end
+    else:
+        cur.pos = pos
+        return
+    cur.pos = pos
+    cur.string(f"metadata {key!r}[{i}]", decode=False)  # raises, naming the item
+    raise AssertionError("unreachable: the string above is out of bounds")
 
 
 def _tensor_info(cur: _Cursor, index: int) -> TensorInfo:
@@ -203,8 +227,9 @@ def _walk(cur: _Cursor) -> GGUFLayout:
     n_kv = cur.count("the metadata count", _MIN_KV_BYTES)
     if n_tensors * _MIN_TENSOR_INFO_BYTES > cur.size - cur.pos:
         raise cur.fail("the tensor count", f"is {n_tensors}, more than the file can hold")
-    layout = GGUFLayout()
+    layout = GGUFLayout(byte_order=cur.order)
     for i in range(n_kv):
+        start = cur.pos
         key = cur.string(f"metadata key #{i}") or ""
         if key in layout.metadata:
             raise cur.fail(f"metadata {key!r}", "appears twice")
@@ -212,6 +237,8 @@ def _walk(cur: _Cursor) -> GGUFLayout:
         layout.metadata[key], etype = _value(cur, vtype, key)
         if etype is not None:
             layout.array_types[key] = etype
+        if key.startswith("tokenizer.") or key == "general.architecture":
+            layout.tokenizer_spans.append((start, cur.pos))
     names: set[str] = set()
     for i in range(n_tensors):
         info = _tensor_info(cur, i)

@@ -10,6 +10,7 @@ the slice this rank holds, and only that slice is read.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from tokenmill.loaders.model_source import (
     load_model_config,
     resolve_model,
 )
+from tokenmill.models.deferred_weights import defer
 
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -70,10 +72,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", load_format: str = "auto") -> LoadedModel:
+               device: str | torch.device = "cpu", load_format: str = "auto",
+               defer_quantized: bool = False) -> LoadedModel:
     """load_format "dummy" (vLLM's name): the checkpoint's config, random weights made
     on the device; what a speed check at real shapes needs (benchmarks/gpu_check.py)
-    without shipping or reading 16 GB of weights."""
+    without shipping or reading 16 GB of weights. defer_quantized: a GGUF linear's
+    quantized weight is not dequantized into its float parameter until something
+    calls `models.deferred_weights.materialize` on it (the engine's path: most such
+    linears run on their blocks and never need the float values)."""
     from tokenmill.models.registry import get_model_class
 
     if load_format not in LOAD_FORMATS:
@@ -91,7 +97,7 @@ def load_model(source: ModelSource | str | Path, dtype: str | torch.dtype = "aut
         from tokenmill.loaders.gguf import gguf_errors, iter_gguf_tensors
 
         with gguf_errors(source.path, "load the weights of"), _naming(source.path):
-            load_weights(model, iter_gguf_tensors(source.path))
+            load_weights(model, iter_gguf_tensors(source.path), defer_quantized)
     else:
         from tokenmill.loaders.safetensors import iter_safetensors
 
@@ -126,12 +132,15 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 param.add_(1.0)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any],
+                 defer_quantized: bool = False) -> None:
     """Copy checkpoint tensors into the model's parameters.
 
     `weights` yields (hf_name, tensor) pairs or GGUFTensor objects. A GGUF tensor
     is dequantized one at a time; if it was quantized, its raw blocks are kept on
-    the owning module as `module.gguf_quantized: list[QuantizedWeight]`.
+    the owning module as `module.gguf_quantized: list[QuantizedWeight]`. With
+    `defer_quantized`, such a 2-d weight is not dequantized now: its parameter is
+    deferred (models/deferred_weights.py) and filled only if someone asks.
     """
     from tokenmill.loaders.gguf import GGUFTensor, QuantizedWeight
 
@@ -165,27 +174,70 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any] | Any]) -> 
             part = getattr(module, "checkpoint_slice", lambda *_: None)(shard_id, param_kind)
             if part is not None:  # this tensor-parallel rank's slice, still unread
                 tensor = tensor.narrow(*part)
-            value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
-            param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
+            keeps_blocks = (isinstance(tensor, GGUFTensor) and tensor.is_quantized
+                            and param_kind == "weight" and len(tensor.shape) == 2)
+            if _deferred_experts(module, tensor, shard_id):
+                pass  # blocks kept below; dequantized only if the experts run in float
+            elif defer_quantized and keeps_blocks:
+                defer(param, functools.partial(_fill, param, tensor, shard_id, name))
+            else:
+                _fill(param, tensor, shard_id, name)
         except ValueError as e:
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
-        del value
         cover = getattr(module, "shard_cover", None)  # a stacked tensor fills many shards
         loaded.setdefault(f"{module_name}.{param_kind}", set()).update(
             cover(shard_id) if cover else {shard_id})
-        # stacked (3-d) expert blocks are not kept: the experts run dequantized for now
+        # stacked experts (E, rows, cols) keep their blocks too: per expert, the rows of
+        # its part in the stack (quant/moe_experts.py runs them natively)
         if isinstance(tensor, GGUFTensor) and tensor.is_quantized and param_kind == "weight" \
-                and len(tensor.shape) == 2:
-            row_offset = module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows") else 0
+                and len(tensor.shape) in (2, 3):
+            if len(tensor.shape) == 3:
+                stacked_rows = getattr(module, "stacked_rows", None)
+                if stacked_rows is None or stacked_rows(shard_id) is None:
+                    continue
+                row_offset = stacked_rows(shard_id)
+            else:
+                row_offset = (module.shard_rows(shard_id)[0] if hasattr(module, "shard_rows")
+                              else 0)
             shards = module.__dict__.setdefault("gguf_quantized", [])
-            shards.append(QuantizedWeight(tensor.qtype, tensor.raw_blocks(), tensor.shape,
-                                          row_offset))
+            blocks = tensor.raw_blocks()
+            shards.append(QuantizedWeight(tensor.qtype, blocks, tensor.shape, row_offset))
             shards.sort(key=lambda w: w.row_offset)
+            if len(tensor.shape) == 3:  # the float stack, if ever needed, from these bytes
+                module.defer(shard_id, tensor.shape, functools.partial(
+                    _dequantized, blocks, tensor.qtype, tuple(tensor.shape)))
     _check_all_loaded(model, params, loaded)
     if tied and hasattr(model, "lm_head"):
         embed = model.get_submodule("model.embed_tokens")
         if "gguf_quantized" in embed.__dict__:
             model.lm_head.gguf_quantized = embed.gguf_quantized
+
+
+def _fill(param: nn.Parameter, tensor: Any, shard_id: Any, name: str) -> None:
+    """Write one checkpoint tensor (a torch tensor, or a GGUFTensor dequantized now)
+    into `param` (its shard `shard_id` of a fused one)."""
+    try:
+        value = tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+        param.weight_loader(param, value, shard_id)  # type: ignore[attr-defined]
+    except ValueError as e:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+
+
+def _deferred_experts(module: nn.Module, tensor: Any, shard_id: Any) -> bool:
+    """Whether this is a GGUF stack of quantized experts (E, rows, cols) whose float
+    stack waits: most runs keep the experts in records (quant/moe_experts.py), and a
+    dequantized stack (3.5x the file's bytes) written now would raise the load's peak
+    memory for nothing. The stacked weight fills itself on first use otherwise."""
+    from tokenmill.loaders.gguf import GGUFTensor
+
+    return (isinstance(tensor, GGUFTensor) and tensor.is_quantized and len(tensor.shape) == 3
+            and hasattr(module, "defer") and module.stacked_rows(shard_id) is not None)
+
+
+def _dequantized(blocks: torch.Tensor, qtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(shape))
 
 
 def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter],

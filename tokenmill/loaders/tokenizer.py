@@ -1,16 +1,26 @@
 """The model's tokenizer, as a transformers tokenizer (cached per file).
 
-Building a tokenizer from a GGUF's metadata takes seconds, so the result is
-also saved once under tokenmill's cache directory (tokenmill/cache.py) and
-loaded from there on later starts.
+Building a tokenizer from a GGUF's metadata takes seconds (Gemma 3's 262k-token
+vocabulary: ~26 s), so the result is saved once under tokenmill's cache directory
+(tokenmill/cache.py), keyed by a hash of the file's tokenizer metadata (the bytes of
+its `tokenizer.*` keys and its architecture) and the transformers version: a copy of
+the file elsewhere, or a re-assembled one, hits the same entry. A hit loads
+`tokenizer.json` straight into the Rust `tokenizers` library through
+PreTrainedTokenizerFast, without AutoTokenizer (whose import alone costs ~1.5 s of
+CPU) and without from_pretrained's Python parse of the JSON. Every cached file is
+checked against the SHA-256 recorded beside it when it was written: a corrupted or
+half-written entry is rebuilt, never trusted.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
+import mmap
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +29,12 @@ from tokenmill.loaders.errors import ModelLoadError
 from tokenmill.loaders.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
+_FORMAT = 2  # of a cache entry; a change makes new keys (old entries are left unused)
+_MANIFEST = "tokenmill-manifest.json"  # {"files": {name: sha256}}, written last
+_CHAT_TEMPLATE = "chat_template.jinja"
+# tokenizer_config.json keys that describe the save, not the tokenizer
+_NOT_KWARGS = {"backend", "is_local", "local_files_only", "tokenizer_class", "auto_map",
+               "name_or_path"}
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -26,28 +42,83 @@ def load_tokenizer(source: ModelSource) -> Any:
     return _load_tokenizer(source.kind, str(source.path))
 
 
-def _gguf_cache_path(path: Path) -> Path:
+def gguf_tokenizer_key(path: Path) -> str:
+    """Hash of what the tokenizer is built from: the file's tokenizer metadata bytes,
+    the transformers version that converts them, and the cache format."""
     import transformers
 
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return cache_dir() / "tokenizers" / hashlib.sha1(key.encode()).hexdigest()[:16]
+    from tokenmill.loaders.gguf import gguf_layout
+
+    layout = gguf_layout(path)
+    digest = hashlib.sha256(f"{_FORMAT}|{transformers.__version__}|".encode())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for start, end in layout.tokenizer_spans:
+            digest.update(buf[start:end])
+    return digest.hexdigest()[:32]
+
+
+def _gguf_cache_path(path: Path) -> Path:
+    return cache_dir() / "tokenizers" / gguf_tokenizer_key(path)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _read_cached(cached: Path) -> Any | None:
+    """The tokenizer saved at `cached`, or None where the entry is missing; a ValueError
+    where a file is damaged (its hash is not the one recorded)."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        manifest = json.loads((cached / _MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    files = manifest["files"]
+    for name, digest in files.items():
+        if _sha256(cached / name) != digest:
+            raise ValueError(f"{name} does not match its recorded hash")
+    kwargs = {k: v for k, v in json.loads((cached / "tokenizer_config.json").read_text()
+                                          ).items() if k not in _NOT_KWARGS}
+    if _CHAT_TEMPLATE in files:
+        kwargs["chat_template"] = (cached / _CHAT_TEMPLATE).read_text()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"),
+                                        **kwargs)
+    tokenizer.name_or_path = str(cached)  # what from_pretrained sets: tools read it
+    return tokenizer
+
+
+def _write_cache(tokenizer: Any, cached: Path) -> None:
+    """Save, record every file's hash last, and move into place atomically."""
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(str(tmp))
+    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    if "tokenizer.json" not in files or "tokenizer_config.json" not in files:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError("save_pretrained wrote no tokenizer.json / tokenizer_config.json")
+    (tmp / _MANIFEST).write_text(json.dumps({"files": files}))
+    if cached.exists():  # a damaged entry: out of the way first (replace needs it gone)
+        old = cached.with_name(cached.name + f".old{os.getpid()}")
+        os.replace(cached, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, cached)  # a concurrent reader never sees half an entry
 
 
 def _load_gguf_tokenizer(path: Path) -> Any:
+    cached = _gguf_cache_path(path)
+    try:
+        tokenizer = _read_cached(cached)
+        if tokenizer is not None:
+            return tokenizer
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        logger.warning("rebuilding the damaged tokenizer cache at %s (%s)", cached, e)
     from transformers import AutoTokenizer
 
-    cached = _gguf_cache_path(path)
-    if (cached / "tokenizer_config.json").exists():
-        try:
-            return AutoTokenizer.from_pretrained(str(cached))
-        except (OSError, ValueError, KeyError, TypeError):
-            logger.warning("ignoring an unreadable tokenizer cache at %s", cached)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tokenizer.save_pretrained(str(tmp))
-        os.replace(tmp, cached)  # atomic: a concurrent reader never sees half a cache
+        _write_cache(tokenizer, cached)
     except OSError as e:  # a read-only home is fine: just slower next time
         logger.info("could not cache the tokenizer at %s: %s", cached, e)
     return tokenizer
@@ -63,13 +134,13 @@ def _default_template(tokenizer: Any, path: Path) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(kind: str, path: str) -> Any:
-    from transformers import AutoTokenizer
-
     try:
         if kind == "gguf":
             tokenizer = _load_gguf_tokenizer(Path(path))
             _default_template(tokenizer, Path(path))
             return tokenizer
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}") from None

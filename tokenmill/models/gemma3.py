@@ -19,11 +19,13 @@ A Gemma3ForConditionalGeneration checkpoint runs its language model only: the
 vision tower's tensors are skipped at load (`checkpoint_name`), and the server
 refuses image inputs by name.
 
-Kernel paths (tokenmill/engine/runner/fused_decode.py, quant/, attention/): the native
-fused decode step serves plain Llama layers only, so Gemma decodes through the
-module path (logged once at load); the batched/quantized linears and the prompt
-attention kernels serve every layer as they do Llama's (the CPU backend's window
-handling is in attention/window.py).
+Kernel paths (tokenmill/engine/runner/fused_decode.py, quant/, attention/): decode
+steps run the native fused decode step (kernels/decode_step.c), which knows these
+differences (its record's q/k norms, output norms, per-layer rotary tables and
+windows, GeGLU); the batched/quantized linears and the prompt attention kernels
+serve every layer as they do Llama's (the CPU backend's window handling is in
+attention/window.py). On a bf16 CPU run the GeGLU is layer_ops' native row, the
+fused step's own.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.kernels import layer_ops
 from tokenmill.models.attention import Attention
 from tokenmill.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader
 from tokenmill.models.llama import LlamaForCausalLM
@@ -96,7 +99,8 @@ class Gemma3Attention(nn.Module):
         k = qkv[:, self.q_size: self.q_size + self.kv_size].unflatten(
             -1, (self.num_kv_heads, self.head_dim))
         v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # (T, heads + kv, head_dim)
+        # contiguous heads: the native norm's rows at any T (the fused decode step's bits)
+        qk = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous())), dim=1)
         q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.o_proj(self.attn(q, k, v))
         return get_tp().all_reduce(out)  # (T, hidden)
@@ -118,8 +122,12 @@ class Gemma3MLP(nn.Module):
                                            what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate=self.approximate) * up
+        gate_up = self.gate_up_proj(x)
+        # bf16 on the CPU: one native pass whose rows the fused decode step shares
+        act = layer_ops.gelu_tanh_mul(gate_up) if self.approximate == "tanh" else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate=self.approximate) * up
         return get_tp().all_reduce(self.down_proj(act))
 
 
@@ -188,9 +196,7 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.softcap = config.final_logit_softcapping
         n_global = config.layer_types.count("full_attention")
-        logger.info("gemma3: %d layers, %d global and %d sliding (window %d); batch-1 decode "
-                    "runs the module path: the native fused decode step "
-                    "(kernels/decode_step.c) has no pre/post-norm pairs, GeGLU or windows",
+        logger.info("gemma3: %d layers, %d global and %d sliding (window %d)",
                     config.num_hidden_layers, n_global,
                     config.num_hidden_layers - n_global, config.sliding_window or 0)
 

@@ -62,7 +62,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            # contiguous heads: the native norm's rows at any T (the fused step's bits)
+            qk = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous())), dim=1)
         # q and k rotate together: one set of ops instead of two
         q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.o_proj(self.attn(q, k, v))  # q: (T, heads, head_dim), k/v: (T, kv, head_dim)

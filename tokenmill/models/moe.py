@@ -28,6 +28,7 @@ large E and is not built.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -66,6 +67,7 @@ class StackedExpertWeight(nn.Module):
         self.parts = parts
         self.split_dim, self.split_start, self.split_len = split_dim, split_start, split_len
         self.shard_offsets = {(e, p): None for e in range(num_experts) for p in parts}
+        self.pending: list[tuple[tuple[int | None, str], Callable[[], torch.Tensor]]] = []
 
     def shard_cover(self, shard_id: tuple[int | None, str]) -> set[tuple[int, str]]:
         """The (expert, part) shards one checkpoint tensor fills."""
@@ -81,6 +83,31 @@ class StackedExpertWeight(nn.Module):
         if get_tp().world_size == 1 or part == "gate_up":  # gate_up: cut in the loader
             return None
         return (self.split_dim + (expert is None), self.split_start, self.split_len)
+
+    def stacked_rows(self, shard_id: tuple[int | None, str]) -> int | None:
+        """First row in each expert's stack of a checkpoint tensor holding one part of all
+        E experts (a GGUF `ffn_*_exps`), whose blocks the loader keeps; None for others."""
+        expert, part = shard_id
+        return self.parts[part][0] if expert is None and part in self.parts else None
+
+    def defer(self, shard_id: tuple[int | None, str], shape: tuple[int, ...],
+              load: Callable[[], torch.Tensor]) -> None:
+        """Fill this shard from `load()` on first use (`materialize`), not now: a GGUF's
+        quantized experts usually run in their records and never need the float stack
+        (the loader keeps their blocks; quant/moe_experts.py)."""
+        _, part = shard_id
+        want = (self.num_experts, self.parts[part][1], self.weight.shape[2])
+        if tuple(shape) != want:
+            raise ValueError(f"stacked experts of shape {tuple(shape)}, the model has "
+                             f"{want}")
+        self.pending.append((shard_id, load))
+
+    def materialize(self) -> None:
+        """Write the deferred shards into the float stack."""
+        with torch.no_grad():
+            for shard_id, load in self.pending:
+                self.weight_loader(self.weight, load(), shard_id)
+        self.pending.clear()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int | None, str]) -> None:
@@ -122,6 +149,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), routing weights and expert ids (T, k) -> (T, hidden), this rank's
         partial sum under tensor parallelism."""
+        if self.w13.pending or self.w2.pending:  # a GGUF's experts, first run in float
+            self.w13.materialize()
+            self.w2.materialize()
         return grouped_experts(x, self.w13.weight, self.w2.weight, weights, ids, self.traffic)
 
 
@@ -174,4 +204,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 def expert_bytes_read(model: nn.Module) -> int:
     """Routed-expert weight bytes this rank's MoE layers have read so far (CPU path;
     0 for a dense model): the measured side of the active-expert floor."""
-    return sum(m.traffic.bytes_read for m in model.modules() if isinstance(m, Experts))
+    # float Experts and the GGUF records' experts (quant/moe_experts.py) count alike
+    return sum(m.traffic.bytes_read for m in model.modules()
+               if isinstance(getattr(m, "traffic", None), ExpertTraffic))

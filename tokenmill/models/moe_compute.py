@@ -10,15 +10,15 @@ the union of the chosen experts' bytes and nothing of the others. On the GPU
 the same grouping runs as one Triton launch per projection
 (kernels/triton_moe.py).
 
-Where native GGUF kernels plug in: the per-expert `_linear` below takes the
-expert's slice of the stack (E, rows, cols); a K-quant kernel (the K-quant
-issue's, tokenmill/kernels) would take the expert's rows of the file's blocks
-(E, rows, bytes_per_row) the same way, one call per active expert. Until then a
-GGUF's experts are dequantized to the model's dtype at load.
+`grouped` is the grouping alone, over any per-expert MLP: the float experts here
+(`grouped_experts`) and a GGUF file's experts kept in their quantized-activation
+kernel records (tokenmill/quant/moe_experts.py), one native call per active expert
+and projection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +64,48 @@ class ExpertTraffic:
     expert_reads: int = 0  # active experts summed over calls
     bytes_read: int = 0
 
-    def record(self, tokens: int, active: int, bytes_per_expert: int) -> None:
+    def record(self, tokens: int, active: int, bytes_read: int) -> None:
         self.tokens += tokens
         self.expert_reads += active
-        self.bytes_read += active * bytes_per_expert
+        self.bytes_read += bytes_read
+
+
+# (expert, x rows routed to it (n, H)) -> that expert's MLP output (n, H)
+ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+            expert_mlp: ExpertMLP, expert_bytes: Sequence[int],
+            traffic: ExpertTraffic | None = None) -> torch.Tensor:
+    """x (T, H); weights, ids (T, k) -> (T, H) in x's dtype: sum over each token's k
+    experts of weight * expert_mlp(expert, its rows), each active expert called once for
+    all its tokens and the others not at all. `expert_bytes[e]`: what expert e's weights
+    occupy (the traffic count)."""
+    tokens_n, top_k = ids.shape
+    if tokens_n == 1:  # batch-1 decode: the k experts in slot order, no sort
+        chosen = ids[0].tolist()  # distinct (top-k)
+        if traffic is not None:
+            traffic.record(1, top_k, sum(expert_bytes[e] for e in chosen))
+        pairs = torch.cat([expert_mlp(e, x) for e in chosen])  # (k, H), row = slot
+        return (pairs * weights[0].to(x.dtype).unsqueeze(-1)).sum(dim=0, keepdim=True)
+    order, counts = sort_by_expert(ids, num_experts)
+    token_of = order // top_k  # (T * k,) the token of each sorted pair
+    # each pair's output lands in its own row, then a token's k rows are summed: no
+    # scatter-add (slow and order-dependent on the CPU)
+    pairs = x.new_empty(tokens_n * top_k, x.shape[1])  # (T * k, H), row t * k + slot
+    start = 0
+    counts_list = counts.tolist()  # one host sync per layer, not per expert
+    if traffic is not None:
+        active = [e for e, n in enumerate(counts_list) if n]
+        traffic.record(tokens_n, len(active), sum(expert_bytes[e] for e in active))
+    for expert, n in enumerate(counts_list):
+        if n == 0:
+            continue  # not routed this step: its weights are not read
+        rows = order[start:start + n]
+        pairs[rows] = expert_mlp(expert, x[token_of[start:start + n]])  # (n, H)
+        start += n
+    weighted = pairs.view(tokens_n, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1)  # (T, H)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -79,23 +117,10 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         from tokenmill.kernels.triton_moe import fused_moe
 
         return fused_moe(x, w13, w2, weights, ids)
-    tokens_n, top_k = ids.shape
-    order, counts = sort_by_expert(ids, w13.shape[0])
-    token_of = order // top_k  # (T * k,) the token of each sorted pair
-    # each pair's output lands in its own row, then a token's k rows are summed: no
-    # scatter-add (slow and order-dependent on the CPU)
-    pairs = x.new_empty(tokens_n * top_k, x.shape[1])  # (T * k, H), row t * k + slot
-    start = 0
-    counts_list = counts.tolist()  # one host sync per layer, not per expert
-    if traffic is not None:
-        traffic.record(tokens_n, sum(n > 0 for n in counts_list),
-                       w13[0].nbytes + w2[0].nbytes)
-    for expert, n in enumerate(counts_list):
-        if n == 0:
-            continue  # not routed this step: its weights are not read
-        rows = order[start:start + n]
-        h = silu_and_mul(_linear(x[token_of[start:start + n]], w13[expert]))  # (n, I)
-        pairs[rows] = _linear(h, w2[expert])  # (n, H)
-        start += n
-    weighted = pairs.view(tokens_n, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
-    return weighted.sum(dim=1)  # (T, H)
+
+    def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
+        return _linear(silu_and_mul(_linear(xs, w13[expert])), w2[expert])  # (n, H)
+
+    num_experts = w13.shape[0]
+    return grouped(x, weights, ids, num_experts, expert_mlp,
+                   [w13[0].nbytes + w2[0].nbytes] * num_experts, traffic)

@@ -1,21 +1,32 @@
 """GGUF blocks of every common type -> the quantized-activation kernel's records
-(q4q8_gemv.c: Q4 records w = d q + m, q in 0..15; Q8 records w = d q, q int8; d, m
+(q4q8_gemv.c: Q4 records w = d q + m, q in 0..15, optionally with a plane of 1 or 2
+high bits a weight, q in 0..31 (Q5) or 0..63 (Q6); Q8 records w = d q, q int8; d, m
 fp16 per row and block of 32), so that a K-quant file runs on the same per-row, batched
 (gemm16) and fused-decode-step kernels as Q4_0 / Q4_1 / Q8_0, each tensor in its own
-form. One form per type (FORMS), chosen to keep the file's bytes and numerics:
+form. One form per type (FORMS), chosen to keep the file's bytes and numerics (record
+bytes a block of 32 against the type's own):
 
     Q4_0, Q4_1, Q8_0   exact (vnni.repack_gguf)
-    Q5_0               Q8 records of q - 16: exact, 34 bytes a block of 32 for 22
+    Q5_0, Q5_1         Q5 records, exact (Q5_0: m = -16 d): 24 bytes for 22 / 24
     Q4_K               Q4 records per sub-block of 32: d = d_super * sc, m = -dmin * min,
                        rounded to fp16 (a relative 2^-11 on a 4-bit weight's scale):
-                       20 bytes a block for 18
-    Q5_1, Q5_K, Q6_K,  Q8 records requantized from the dequantized weight, per block of
-    IQ4_NL, IQ4_XS     32 (|error| <= the block's max / 254, Q8_0's own rounding, about a
-                       sixteenth of Q6_K's): 34 bytes a block for 24-26
+                       20 bytes for 18
+    Q5_K               Q5 records, its sub-block scales and mins rounded to fp16 as Q4_K's:
+                       24 bytes for 22
+    Q6_K               Q6 records requantized per block of 32 (Q6_K has a scale per 16):
+                       per block the better of (a) the larger-|scale| half's scale, d =
+                       fp16(d_super * sc), m = -32 d: that half exact, the other rounded to
+                       it (|error| <= half its step, and exact where both scales are
+                       equal) and (b) min/max, d = (max - min) / 63: |error| <= (max -
+                       min) / 126; plus fp16 rounding of d and m. 28 bytes for 26.25
+    IQ4_NL, IQ4_XS     Q8 records requantized from the dequantized weight, per block of
+                       32 (|error| <= the block's max / 254): 34 bytes for 18 / 17
 
-A fused linear whose shards take different forms (a Q4_K gate beside a Q6_K up) takes
-the Q8 form for all of them (its Q4-form shards requantized). Types not listed (IQ2_XXS,
-Q2_K, ...) have no record form: their linears stay float (the caller says so by name).
+A fused linear whose shards take different forms (a Q4_K q and k beside a Q6_K v) keeps
+each in its own (q4q8_gemv.c's FMT_MIXED: a header naming each part's groups and
+format), where every shard but the last fills whole groups of 16 rows; otherwise it
+takes the Q8 form for all of them (requantized). Types not listed (IQ2_XXS, Q2_K, ...)
+have no record form: their linears stay float (the caller says so by name).
 """
 
 from __future__ import annotations
@@ -27,19 +38,18 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
-from gguf.quants import dequantize as gguf_dequantize
 
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import vnni
+from tokenmill.quant.gguf_dequant import dequantize as dequantize_blocks
 
 QK = 32
 EXACT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # vnni.repack_gguf's
 FORMS = {
     QType.Q4_0: "q4 exact", QType.Q4_1: "q4 exact", QType.Q8_0: "q8 exact",
-    QType.Q5_0: "q8 exact", QType.Q4_K: "q4, fp16 sub-block scales",
-    QType.Q5_1: "q8 requantized", QType.Q5_K: "q8 requantized",
-    QType.Q6_K: "q8 requantized", QType.IQ4_NL: "q8 requantized",
-    QType.IQ4_XS: "q8 requantized",
+    QType.Q5_0: "q5 exact", QType.Q5_1: "q5 exact", QType.Q4_K: "q4, fp16 sub-block scales",
+    QType.Q5_K: "q5, fp16 sub-block scales", QType.Q6_K: "q6 requantized per 32",
+    QType.IQ4_NL: "q8 requantized", QType.IQ4_XS: "q8 requantized",
 }
 RECORD_TYPES = frozenset(FORMS)  # the types this module turns into records
 _ROWS_AT_ONCE = 4096  # rows dequantized at a time when requantizing (bounds the fp32 copy)
@@ -63,48 +73,94 @@ def repack_shards(shards: Sequence[Any]) -> tuple[torch.Tensor, int, str] | None
         packed = vnni.repack_gguf(blocks, next(iter(types)), (rows, shards[0].shape[1]))
         return None if packed is None else (*packed, FORMS[next(iter(types))])
     parts = [_parts(QType(s.qtype), s.blocks.numpy(), s.shape) for s in shards]
-    if len({p[0] for p in parts}) > 1:  # Q4 and Q8 forms fused: Q8 for all
-        parts = [p if p[0] == "q8" else _q8_from_q4(*p[1:]) for p in parts]
-    kind = parts[0][0]
-    pad = -sum(p[1].shape[0] for p in parts) % q4q8_gemv.ROWS
-    cat = [torch.from_numpy(np.concatenate([p[i] for p in parts])) for i in range(1, len(parts[0]))]
-    forms = sorted({FORMS[t] for t in types} | ({"q8 requantized"} if kind == "q8" and any(
-        FORMS[t].startswith("q4") for t in types) else set()))
-    form = ", ".join(forms)
-    if kind == "q4":
-        qs, d, m = (vnni._pad(t, pad) for t in cat)
-        return vnni._q4_records(qs, d.half(), m.half()), q4q8_gemv.FORMAT_Q4, form
-    u, d = (vnni._pad(t, pad) for t in cat)
-    return vnni._repack_q8(u, d.half()), q4q8_gemv.FORMAT_Q8, form
+    forms = {FORMS[t] for t in types}
+    if len({p[0] for p in parts}) > 1 and not all(s.shape[0] % q4q8_gemv.ROWS == 0
+                                                  for s in shards[:-1]):
+        # forms fused whose parts end inside a group of 16 rows: Q8 for all
+        parts = [p if p[0] == "q8" else _q8_from_q4x(p) for p in parts]
+        forms |= {"q8 requantized"}
+    if len({p[0] for p in parts}) == 1:
+        joined = (parts[0][0], *(np.concatenate([np.asarray(p[i]) for p in parts])
+                                 for i in range(1, len(parts[0]))))
+        records, fmt = _records(joined, -sum(s.shape[0] for s in shards) % q4q8_gemv.ROWS)
+    else:  # each part in its own form (q4q8_gemv.c's FMT_MIXED)
+        records, fmt = q4q8_gemv.mixed(
+            [_records(p, 0 if i < len(parts) - 1 else -s.shape[0] % q4q8_gemv.ROWS)
+             for i, (p, s) in enumerate(zip(parts, shards, strict=True))], shards[0].shape[1])
+    return records, fmt, ", ".join(sorted(forms))
+
+
+_HIGH_BITS = {"q5": 1, "q6": 2}
+
+
+def _records(parts: tuple[Any, ...], pad: int) -> tuple[torch.Tensor, int]:
+    """One weight's parts (_parts) -> its records and format, `pad` zero rows added."""
+    t = [vnni._pad(torch.as_tensor(np.ascontiguousarray(p)), pad) for p in parts[1:]]
+    if parts[0] == "q4":
+        return vnni._q4_records(t[0], t[1].half(), t[2].half()), q4q8_gemv.FORMAT_Q4
+    if parts[0] == "q8":
+        return vnni._repack_q8(t[0], t[1].half()), q4q8_gemv.FORMAT_Q8
+    hb = _HIGH_BITS[parts[0]]
+    q = t[0]  # (N, nb, 32) values 0 .. 2^(4 + hb) - 1
+    low = q & 15
+    qs = low[..., :16] | (low[..., 16:] << 4)  # GGUF's Q4 byte order
+    n, nb = q.shape[:2]
+    # the high-bit plane (q4q8_gemv.c add_high512): chunk c, byte i = 4 r + j of its 64
+    # holds e = high bits of q[4c + j] | those of q[16 + 4c + j] << hb, stored at bits
+    # 2 hb t of plane byte i % (16 hb), t = i // (16 hb)
+    high = q >> 4
+    e = (high[..., :16] | (high[..., 16:] << hb)).reshape(n // q4q8_gemv.ROWS, q4q8_gemv.ROWS,
+                                                           nb, 4, 4)
+    e = e.permute(0, 2, 3, 1, 4).reshape(n // q4q8_gemv.ROWS, nb, 4, 4 // hb, 16 * hb)
+    shifts = (2 * hb * torch.arange(4 // hb, dtype=torch.uint8)).reshape(1, 1, 1, -1, 1)
+    plane = (e << shifts).sum(3, dtype=torch.uint8).reshape(n // q4q8_gemv.ROWS, nb, 64 * hb)
+    head = vnni._q4_records(qs, t[1].half(), t[2].half()).reshape(n // q4q8_gemv.ROWS, nb, -1)
+    fmt = q4q8_gemv.FORMAT_Q5 if hb == 1 else q4q8_gemv.FORMAT_Q6
+    return torch.cat([head, plane], dim=2).reshape(-1), fmt
 
 
 def _parts(qtype: QType, blocks: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, ...]:
     """One shard's record parts: ("q4", qs (N, nb, 16) uint8 in GGUF Q4 byte order, d, m
-    (N, nb) fp32 holding fp16 values) or ("q8", u (N, nb, 32) uint8 = q + 128, d)."""
+    (N, nb) fp32 holding fp16 values), ("q5" / "q6", q (N, nb, 32) uint8 values, d, m)
+    or ("q8", u (N, nb, 32) uint8 = q + 128, d)."""
     n, k = int(shape[0]), int(shape[1])
     nb = k // QK
     rows = blocks.reshape(n, -1)
-    if qtype in EXACT_TYPES or qtype == QType.Q5_0:
+    if qtype in EXACT_TYPES or qtype in (QType.Q5_0, QType.Q5_1):
         b = rows.reshape(n, nb, -1)
         d = _f16(b[..., 0:2])
         if qtype == QType.Q8_0:
             return "q8", b[..., 2:] ^ np.uint8(0x80), d
-        if qtype == QType.Q5_0:  # d (q - 16), q = 16 * bit of qh + nibble of qs
-            qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # (n, nb, 1)
+        if qtype in (QType.Q5_0, QType.Q5_1):  # q = 16 * bit of qh + nibble of qs
+            qh_at = 4 if qtype == QType.Q5_1 else 2
+            qh = np.ascontiguousarray(b[..., qh_at:qh_at + 4]).view(np.uint32)  # (n, nb, 1)
             bits = ((qh >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
-            q = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1) | (bits << 4)
-            return "q8", q + np.uint8(112), d  # q - 16 + 128
+            qs = b[..., qh_at + 4:]
+            q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (bits << 4)
+            m = _f16(b[..., 2:4]) if qtype == QType.Q5_1 else (-16 * d).half().float()
+            if torch.isfinite(m).all():
+                return "q5", q, d, m
+            return _requantized(qtype, rows, n, k)
         m = _f16(b[..., 2:4]) if qtype == QType.Q4_1 else -8 * d
         return "q4", np.ascontiguousarray(b[..., -16:]), d, m
     if qtype == QType.Q4_K:
         parts = _q4_k(rows.reshape(n * (k // 256), 144), n, nb)
         if parts is not None:
             return parts
+    if qtype == QType.Q5_K:
+        parts = _q5_k(rows.reshape(n * (k // 256), 176), n, nb)
+        if parts is not None:
+            return parts
+    if qtype == QType.Q6_K:
+        parts = _q6_k(rows.reshape(n * (k // 256), 210), n, nb)
+        if parts is not None:
+            return parts
     return _requantized(qtype, rows, n, k)
 
 
-def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
-    """Q4_K super-blocks (n * nb / 8, 144) -> Q4 parts; None if a product overflows fp16."""
+def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_K / Q5_K super-blocks (S, bytes) -> per sub-block d = d * sc, m = -dmin * min
+    (S, 8) fp32 holding fp16 values; None if one overflows fp16."""
     from gguf.quants import Q4_K
 
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (S,)
@@ -113,12 +169,76 @@ def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
     m_sub = (-dmin[:, None] * torch.from_numpy(mn.astype(np.float32))).half()
     if not (torch.isfinite(d_sub).all() and torch.isfinite(m_sub).all()):
         return None
+    return d_sub.float(), m_sub.float()
+
+
+def _q5_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
+    """Q5_K super-blocks (n * nb / 8, 176) -> Q5 parts; None if a scale overflows fp16."""
+    scales = _k_scales(b)
+    if scales is None:
+        return None
+    ql = (b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = (ql & np.uint8(15)).reshape(-1, 8, 32) | ((qh & np.uint8(1)) << np.uint8(4))
+    return "q5", q.reshape(n, nb, 32), scales[0].reshape(n, nb), scales[1].reshape(n, nb)
+
+
+def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
+    """Q4_K super-blocks (n * nb / 8, 144) -> Q4 parts; None if a product overflows fp16."""
+    scales = _k_scales(b)
+    if scales is None:
+        return None
     # qs: 4 chunks of 32 bytes; chunk j's low nibbles are sub-block 2j, high ones 2j + 1
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & np.uint8(15)).reshape(-1, 8, 32)  # (S, 8 sub-blocks, 32 values)
     packed = q[..., :16] | (q[..., 16:] << np.uint8(4))  # Q4 byte order: q[i], q[i + 16]
-    return ("q4", packed.reshape(n, nb, 16), d_sub.float().reshape(n, nb),
-            m_sub.float().reshape(n, nb))
+    return "q4", packed.reshape(n, nb, 16), scales[0].reshape(n, nb), scales[1].reshape(n, nb)
+
+
+def _q6_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
+    """Q6_K super-blocks (n * nb / 8, 210) -> Q6 parts requantized per block of 32 (see
+    the module docstring), a bounded number of super-blocks at a time (the fp32
+    temporaries of a 49,152 x 2,048 embedding would be GBs); None if a scale overflows
+    fp16."""
+    at_once = _ROWS_AT_ONCE * 16
+    parts = [_q6_k_blocks(b[i:i + at_once]) for i in range(0, len(b), at_once)]
+    if any(p is None for p in parts):
+        return None
+    q, d, m = (np.concatenate([np.asarray(p[i]) for p in parts]) for i in range(3))
+    return "q6", q.reshape(n, nb, 32), torch.from_numpy(d).reshape(n, nb), \
+        torch.from_numpy(m).reshape(n, nb)
+
+
+def _q6_k_blocks(b: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor] | None:
+    """Q6_K super-blocks (S, 210) -> q (S * 8, 32) uint8, d, m (S * 8,) fp32 of fp16."""
+    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32)
+          >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1))
+    q = ((ql & np.uint8(15)).reshape(-1, 8, 32) | ((qh & np.uint8(3)) << np.uint8(4)).reshape(
+        -1, 8, 32)).reshape(-1, 32).astype(np.float32) - 32  # (B, 32) in -32..31
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # (S, 16): a scale per 16
+    step = torch.from_numpy((_f16(b[:, 208:210])[:, None].numpy() * sc).reshape(-1, 2))
+    q = torch.from_numpy(q)
+    w = (q.reshape(-1, 2, 16) * step[..., None]).reshape(-1, 32)  # gguf's dequantization
+    # (a) the larger-|scale| half's scale for both halves, the other rounded to it
+    dom = torch.where(step[:, 0].abs() >= step[:, 1].abs(), step[:, 0], step[:, 1])
+    da = dom.half().float()
+    ratio = torch.where(dom[:, None] != 0, step / torch.where(dom != 0, dom, 1)[:, None], 0)
+    qa = ((q.reshape(-1, 2, 16) * ratio[..., None]).round().clamp(-32, 31) + 32).reshape(-1, 32)
+    ma = (-32 * da).half().float()
+    # (b) min / max
+    lo, hi = w.amin(-1), w.amax(-1)
+    db = ((hi - lo) / 63).half().float()
+    mb = lo.half().float()
+    inv = torch.where(db > 0, 1 / torch.where(db > 0, db, 1), 0)
+    qb = ((w - mb[:, None]) * inv[:, None]).round().clamp(0, 63)
+    if not all(torch.isfinite(t).all() for t in (da, ma, db, mb)):
+        return None
+    err_a = (qa * da[:, None] + ma[:, None] - w).abs().amax(-1)
+    err_b = (qb * db[:, None] + mb[:, None] - w).abs().amax(-1)
+    pick_a = err_a <= err_b
+    qv = torch.where(pick_a[:, None], qa, qb).to(torch.uint8).numpy()
+    return qv, torch.where(pick_a, da, db), torch.where(pick_a, ma, mb)
 
 
 def _requantized(qtype: QType, rows: np.ndarray, n: int, k: int) -> tuple[Any, ...]:
@@ -126,7 +246,7 @@ def _requantized(qtype: QType, rows: np.ndarray, n: int, k: int) -> tuple[Any, .
     u = np.empty((n, k // QK, QK), np.uint8)
     d = torch.empty((n, k // QK))
     for r0 in range(0, n, _ROWS_AT_ONCE):
-        w = gguf_dequantize(rows[r0:r0 + _ROWS_AT_ONCE], qtype).reshape(-1, k // QK, QK)
+        w = dequantize_blocks(rows[r0:r0 + _ROWS_AT_ONCE], qtype).reshape(-1, k // QK, QK)
         u[r0:r0 + len(w)], d[r0:r0 + len(w)] = _q8(torch.from_numpy(np.asarray(w, np.float32)))
     return "q8", u, d
 
@@ -139,9 +259,13 @@ def _q8(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return q.to(torch.uint8).numpy(), d
 
 
-def _q8_from_q4(qs: np.ndarray, d: torch.Tensor, m: torch.Tensor) -> tuple[Any, ...]:
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)  # (N, nb, 32)
-    w = torch.from_numpy(q) * d[..., None] + m[..., None]
+def _q8_from_q4x(parts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Q4 / Q5 / Q6 parts -> Q8 parts of the weights they hold, requantized."""
+    kind, q, d, m = parts
+    q = np.asarray(q)
+    if kind == "q4":
+        q = np.concatenate([q & 15, q >> 4], axis=-1)
+    w = torch.from_numpy(q.astype(np.float32)) * d[..., None] + m[..., None]  # (N, nb, 32)
     return ("q8", *_q8(w))
 
 

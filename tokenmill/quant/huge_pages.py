@@ -17,31 +17,61 @@ import os
 
 import torch
 
+from tokenmill import malloc
+
 HUGE_PAGE = 2 << 20
+TRIM_EVERY_BYTES = 64 << 20
 ALIGN = 64  # each tensor starts on a cache line
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Copies of `tensors` (CPU, contiguous) side by side in one anonymous mapping
-    advised MADV_HUGEPAGE, starting on a 2 MiB boundary; the copies hold the mapping.
-    None where the platform has no such advice (the caller keeps its tensors)."""
+    """Copies of `tensors` (CPU, contiguous) side by side in one mapping as `move_into`
+    makes it; None where the platform has no such advice."""
+    slots = [_Slot(t) for t in tensors]
+    return [s.tensor for s in slots] if move_into([(s, "tensor") for s in slots]) else None
+
+
+class _Slot:
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def move_into(holders: list[tuple[object, str]]) -> bool:
+    """Move each `getattr(obj, attr)` tensor (CPU, contiguous) of `holders` into one
+    anonymous mapping advised MADV_HUGEPAGE, side by side from a 2 MiB boundary, and
+    set the attribute to the copy (the copies hold the mapping). One at a time: each
+    original is released as soon as its copy is made, so the move costs one tensor's
+    bytes at its peak, not all of them twice (a ~1B model's records are 840 MB).
+    False where the platform has no such advice (the tensors stay where they were)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not tensors or os.environ.get("TOKENMILL_HUGE_PAGES", "1") in (
+    if advice is None or not holders or os.environ.get("TOKENMILL_HUGE_PAGES", "1") in (
             "0", "false", "no", "off"):
-        return None
-    sizes = [t.numel() * t.element_size() for t in tensors]
+        return False
+    sizes = [_nbytes(getattr(obj, attr)) for obj, attr in holders]
     total = sum(-(-s // ALIGN) * ALIGN for s in sizes)
     pages = mmap.mmap(-1, total + HUGE_PAGE)
     try:
         pages.madvise(advice)
     except OSError:  # a kernel without transparent huge pages
-        return None
+        return False
     arena = torch.frombuffer(pages, dtype=torch.uint8)
     at = -arena.data_ptr() % HUGE_PAGE
-    copies = []
-    for t, size in zip(tensors, sizes, strict=True):
+    freed = 0
+    for (obj, attr), size in zip(holders, sizes, strict=True):
+        t = getattr(obj, attr)
         dst = arena[at:at + size]
         dst.copy_(t.contiguous().view(-1).view(torch.uint8))
-        copies.append(dst.view(t.dtype).view(t.shape))
+        setattr(obj, attr, dst.view(t.dtype).view(t.shape))
+        del t
         at += -(-size // ALIGN) * ALIGN
-    return copies
+        freed += size
+        if freed >= TRIM_EVERY_BYTES:  # originals freed inside the heap stay resident
+            malloc.trim()  # until trimmed: without this the move held both copies
+            freed = 0
+    return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -12,7 +12,8 @@ lm_head. Methods:
         AVX512-VNNI, having passed the accuracy gate that gguf-a8 fails
         (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)").
         With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
-        inside the down projection's native call
+        inside the down projection's native call, and an MoE file's experts run their
+        own records (moe_experts.py)
   int4  quantize float weights, group-32 asymmetric -> Int4Linear
   int8  quantize float weights, per-row symmetric -> Int8Linear
   fp8   e4m3 weights per output channel -> Fp8Linear (fp8.py; CUDA sm_89+), the
@@ -47,9 +48,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import malloc
 from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
-from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, vnni, widened
+from tokenmill.models.deferred_weights import materialize, materialize_all
+from tokenmill.models.moe import Experts
+from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, moe_experts, vnni, widened
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -57,7 +61,7 @@ from tokenmill.quant.codes import (
     int8_codes_from_float,
 )
 from tokenmill.quant.dense import DenseWeight
-from tokenmill.quant.embedding import embedding_from_blocks
+from tokenmill.quant.embedding import embedding_from_blocks, embedding_from_head
 from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.gguf_records import RECORD_TYPES
@@ -120,6 +124,7 @@ def quantize_model(model: nn.Module, method: str,
                           if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8")
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
+    freed = 0  # bytes of GGUF blocks freed since the last malloc trim
     if method != "none":
         for name, module in list(model.named_modules()):
             leaf = name.rpartition(".")[2]
@@ -130,16 +135,28 @@ def quantize_model(model: nn.Module, method: str,
                         f"{FP8_DIM_MULTIPLE}, not {tuple(module.weight.shape)}")
                     continue
                 parent = name.rpartition(".")[0]
+                materialize(module.weight)
                 fp8 = Fp8Linear(module.weight, getattr(module, "bias", None))
                 model.get_submodule(parent).register_module(leaf, fp8)
                 summary.quantized.append(name)
                 summary.lowbit_bytes += fp8.lowbit_bytes()
             elif method == "gguf-triton" and leaf in TARGET_MODULES:
+                materialize(module.weight)  # its large-batch path keeps the float weight
                 gguf_triton.swap_in(model, name, module, summary)
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
                               batched_linears)
+                if module is not model.get_submodule(name):  # replaced: this list still
+                    freed += _drop_blocks(module)  # holds it; free its blocks now
+                if freed >= huge_pages.TRIM_EVERY_BYTES:  # and the heap pages they held
+                    malloc.trim()
+                    freed = 0
+        if GGUF_ACTIVATIONS.get(method) in ("int8", "int16"):  # MoE experts on records
+            moe_experts.swap_in(model, 8 if GGUF_ACTIVATIONS[method] == "int8" else 16,
+                                summary)
+        else:
+            moe_experts.kept_float_reasons(model, summary)
         _fuse_silu_into_down(model)
         _packed_into_huge_pages(model)
         if batched_linears == "int16":  # the int16 records widened (widened.py)
@@ -154,15 +171,27 @@ def quantize_model(model: nn.Module, method: str,
             if (name.rpartition(".")[2] in TARGET_MODULES and shards
                     and any(s.qtype not in RECORD_TYPES for s in shards)):
                 summary.kept_float[name] = _no_native_reason(module, True)
+            why = moe_experts.no_records_reason(module) if isinstance(module, Experts) else None
+            if why is not None and why.startswith("GGUF type"):
+                summary.kept_float[name] = why
     if batched_linears == "none" and method in GGUF_ACTIVATIONS:  # memory that scales
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         shards = None if embed is None else embed.__dict__.get(_GGUF_BLOCKS_ATTR)
-        if embedding_from_blocks(model, shards):
+        if embedding_from_head(model, shards):  # tied: the LM head's records, once
+            summary.embedding = "the LM head's records (tied), rows read on lookup"
+        elif embedding_from_blocks(model, shards):
             summary.embedding = f"{shards[0].qtype.name} blocks, rows dequantized on lookup"
     for module in model.modules():  # the raw blocks are only needed here
         module.__dict__.pop(_GGUF_BLOCKS_ATTR, None)
+    materialize_all(model)  # the float weights still in use: linears kept float, norms...
     summary.dense_bytes = dense_copy_bytes(model)
     return summary
+
+
+def _drop_blocks(module: nn.Module) -> int:
+    """Forget a replaced module's GGUF blocks; their bytes."""
+    shards = module.__dict__.pop(_GGUF_BLOCKS_ATTR, None) or []
+    return sum(s.blocks.numel() for s in shards)
 
 
 def _packed_into_huge_pages(model: nn.Module) -> None:
@@ -170,9 +199,7 @@ def _packed_into_huge_pages(model: nn.Module) -> None:
     owners = [m for m in model.modules()
               if isinstance(getattr(m, "vnni_packed", None), torch.Tensor)
               and m.vnni_packed.device.type == "cpu"]
-    moved = huge_pages.gather([m.vnni_packed for m in owners])
-    for module, packed in zip(owners, moved or [], strict=False):
-        module.vnni_packed = packed
+    huge_pages.move_into([(m, "vnni_packed") for m in owners])
 
 
 def _records_for_batches(model: nn.Module, min_rows: int | None,
@@ -247,6 +274,8 @@ def resolve_method(requested: str | None, model: nn.Module,
         return "gguf-triton"
     fast = vnni.fast()
     for name, module in model.named_modules():
+        if fast and isinstance(module, Experts) and moe_experts.no_records_reason(module) is None:
+            return "gguf-a16"  # an MoE file's experts in records (moe_experts.py)
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
                 and _gguf_shards(module, RECORD_TYPES if fast else GGUF_NATIVE_TYPES)
                 is not None):
@@ -306,6 +335,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
     weight: torch.Tensor = module.weight
     bias: torch.Tensor | None = getattr(module, "bias", None)
     if weight.device.type != "cpu":
+        materialize(weight)
         summary.kept_float[name] = f"on {weight.device.type}; the low-bit kernels are CPU only"
         return
     # int16 and mlp-int8: the records themselves, after (_records_for_batches)
@@ -313,6 +343,8 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         batched_linears == "mlp-int8" and name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
                   and not on_records)
+    if keep_dense or method not in GGUF_ACTIVATIONS:  # the float values are read here
+        materialize(weight)
 
     dense: torch.Tensor | Int8DynamicWeight | None = weight if keep_dense else None
     if keep_dense and batched_linears == "w8a8" and weight.shape[1] % W8A8_K_MULTIPLE == 0:
@@ -322,6 +354,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         on_kernel = GGUF_ACTIVATIONS[method] != "bf16"
         shards = _gguf_shards(module, RECORD_TYPES if on_kernel else GGUF_NATIVE_TYPES)
         if shards is None:
+            materialize(weight)
             summary.kept_float[name] = _no_native_reason(module, on_kernel)
             return
         new = gguf_int4_linear(shards, bias, dense, dense_min_rows, GGUF_ACTIVATIONS[method])
@@ -339,6 +372,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
             and not (isinstance(new, Int4Linear) and new.activations
                      in (("int16",) if batched_linears == "int16" else ("int8", "int16")))):
         # not on the kernel (no exact record form): the float weight, as for bf16
+        materialize(weight)
         new.dense, new.dense_min_rows = DenseWeight(weight), dense_min_rows
     parent, _, leaf = name.rpartition(".")
     model.get_submodule(parent).register_module(leaf, new)

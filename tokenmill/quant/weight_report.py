@@ -1,6 +1,7 @@
 """What the weights occupy and in which form, printed at start-up and on /server_info.
 
-Per tensor class (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head): how many linears
+Per tensor class (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head; an MoE's
+experts.gate_up and experts.down, counted per expert): how many linears
 run which GGUF types in which record form (gguf_records.FORMS), the records' bytes; the
 float copies kept for large batches and why; the linears left float and why (a GGUF
 type with no native kernel is named with its tensors); the other float parameters
@@ -14,8 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.quant.embedding import GGUFEmbedding
+from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.linear import QuantizedLinear
+from tokenmill.quant.moe_experts import RecordExperts
 
 logger = logging.getLogger(__name__)
 _MIB = 2**20
@@ -34,8 +36,11 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
             types = getattr(module, "gguf_types", None)
             classes[name.rpartition(".")[2]][f"{types} as {form}" if types else form] += 1
             lowbit_ptrs.update(b.data_ptr() for b in module.buffers())
-        elif isinstance(module, GGUFEmbedding):
-            embedding_bytes = module.blocks.nbytes
+        elif isinstance(module, RecordExperts):  # MoE experts: counted per expert
+            for cls, forms in module.forms.items():
+                classes[cls].update(forms)
+        elif isinstance(module, LookupEmbedding):
+            embedding_bytes = module.resident_bytes()
     seen: set[int] = set()
     other = 0
     for p in model.parameters():  # embedding, norms, float linears (a tied head once)
@@ -60,6 +65,8 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         "embedding": getattr(summary, "embedding", "float"),
         "embedding_bytes": embedding_bytes,
         "other_float_bytes": other,
+        # what the weights occupy in all (a tied embedding's rows in the head's records)
+        "resident_bytes": summary.lowbit_bytes + summary.dense_bytes + embedding_bytes + other,
     }
 
 
@@ -67,9 +74,10 @@ def log_report(report: dict[str, Any]) -> None:
     """The start-up lines: one for the forms, a warning per GGUF type left float."""
     forms = "; ".join(f"{cls}: " + ", ".join(f"{form} x{n}" for form, n in sorted(v.items()))
                       for cls, v in report["linears"].items())
-    logger.info("weights (%s): %s; records %.1f MiB, float copies %.1f MiB (%s), other "
+    logger.info("weights (%s): %s; %.1f MiB in all: records %.1f MiB, float copies %.1f MiB (%s), other "
                 "float parameters %.1f MiB; embedding %s", report["method"],
-                forms or "no low-bit linears", report["lowbit_bytes"] / _MIB,
+                forms or "no low-bit linears", report["resident_bytes"] / _MIB,
+                report["lowbit_bytes"] / _MIB,
                 report["float_copy_bytes"] / _MIB, report["float_copy"],
                 report["other_float_bytes"] / _MIB, report["embedding"]
                 + (f" ({report['embedding_bytes'] / _MIB:.1f} MiB)" if report["embedding_bytes"]

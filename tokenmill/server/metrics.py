@@ -93,6 +93,11 @@ class _EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted to free KV blocks.",
                       st.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens admitted.", st.prompt_tokens)
+        yield counter("kv_transfer_received_tokens", "Prompt tokens whose KV was pulled "
+                      "from a prefill instance (--kv-transfer-config).",
+                      getattr(st, "kv_transfer_received_tokens", 0))
+        yield counter("kv_transfer_fallback", "Requests prefilled here because their KV "
+                      "transfer failed or timed out.", getattr(st, "kv_transfer_fallbacks", 0))
         yield counter("generation_tokens", "Tokens generated.", st.generation_tokens)
         iteration = getattr(st, "iteration_tokens", None)
         if iteration is not None:

@@ -172,6 +172,9 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's prefill/decode disaggregation, as vllm-router's PD mode sends it
+    # (engine/core/kv_transfer.py checks it; docs/scale-out.md)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -189,6 +192,9 @@ class _SamplingRequest(_Request):
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise ValueError("kv_transfer_params.do_remote_decode needs stream false: the "
+                             "prefill's reply carries where its KV is")
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -218,6 +224,7 @@ class _SamplingRequest(_Request):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property
@@ -550,3 +557,13 @@ class DetokenizeResponse(_Model):
 
 def dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")
+
+
+def with_kv_transfer_params(body: dict[str, Any], finals: list) -> dict[str, Any]:
+    """A prefill instance's reply carries, top level as vLLM's, where its KV waits (the
+    router copies it into the decode request); other replies are unchanged."""
+    params = next((f.kv_transfer_params for f in finals
+                   if getattr(f, "kv_transfer_params", None)), None)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body

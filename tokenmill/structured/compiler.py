@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from tokenmill.loaders.deferred_tokenizer import resolve_tokenizer
 from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class GrammarCache:
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                resolve_tokenizer(self.tokenizer), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 

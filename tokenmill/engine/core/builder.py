@@ -33,6 +33,7 @@ from tokenmill.kvcache.attention_groups import (
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.event_stream import KVEventStream
 from tokenmill.loaders import ModelSource, load_tokenizer, resolve_model
+from tokenmill.loaders.deferred_tokenizer import DeferredTokenizer
 from tokenmill.structured import GrammarCache, LogitsConstraints
 
 logger = logging.getLogger("tokenmill.engine.core.llm_engine")  # start-up lines read as the engine's
@@ -87,6 +88,7 @@ class EngineParts:
     speculator: Any  # engine/speculative: None unless --speculative
     attention_groups: AttentionGroups  # sliding / global layers and their KV bytes
     lora: Any = None  # engine/core/lora_manager.LoRAManager: None unless --enable-lora
+    kv_transfer: Any = None  # engine/core/kv_transfer.KVTransferConnector (disabled: no flag)
 
 
 def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
@@ -105,7 +107,12 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     loaded, runner = rank.loaded, rank.runner
     if workers is not None:
         workers.attach(runner, rank.parameter_bytes)
-    tokenizer = load_tokenizer(source)
+    if not detokenize and source.kind == "gguf" and loaded.config.eos_token_id is not None:
+        # the core process: the front end tokenizes; the tokenizer built from this
+        # file's metadata has its eos (tokenizer.ggml.eos_token_id) as the config does
+        tokenizer: Any = DeferredTokenizer(source)
+    else:
+        tokenizer = load_tokenizer(source)
     block_size = config.cache.block_size
     block_manager = BlockManager(rank.num_blocks, block_size, config.cache.enable_prefix_caching)
     kv_events = KVEventStream.start(config.cache.kv_events, block_manager, device.type)
@@ -128,6 +135,8 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
 
         speculator = build_speculator(config, runner, block_manager, rank.max_model_len,
                                       loaded.dtype)
+    if config.cache.kv_transfer is not None and config.async_scheduling is None:
+        config.async_scheduling = False  # the connector's installs run in the synchronous step
     config.async_scheduling = resolve_async_scheduling(  # None: per device
         config.async_scheduling, runner.device.type, config.tensor_parallel_size,
         config.speculative)
@@ -138,6 +147,7 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         # never evict an adapter a queued or running sequence runs under
         lora = LoRAManager(runner.model, loaded.config, config, lambda: {
             s.lora_int_id for s in (*scheduler.running, *scheduler.waiting)}, loaded.dtype)
+    kv_transfer = build_kv_transfer(config, loaded.config, runner, block_manager, scheduler)
     if config.cache.prefault:  # the pool was zeroed by build_rank_model
         block_manager.mark_all_touched()
     logger.info("engine ready: %s, dtype %s, %s attention, %d KV blocks of %d tokens "
@@ -158,7 +168,34 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         stop_checker=StopChecker(eos, rank.max_model_len, detokenizer),
         validator=RequestValidator(tokenizer, loaded.config.vocab_size, rank.max_model_len,
                                    rank.context_note, block_manager.max_tokens_that_fit),
-        speculator=speculator, attention_groups=groups, lora=lora)
+        speculator=speculator, attention_groups=groups, lora=lora, kv_transfer=kv_transfer)
+
+
+def build_kv_transfer(config: EngineConfig, model_config: ModelConfig, runner: Any,
+                      block_manager: BlockManager, scheduler: Scheduler) -> Any:
+    """The prefill/decode connector (disabled without --kv-transfer-config); the
+    combinations it does not handle refused by name."""
+    from tokenmill.engine.core.kv_transfer import KVTransferConnector
+
+    kv = config.cache.kv_transfer
+    if kv is None:
+        return KVTransferConnector(None)
+    if model_config.sliding_window is not None:
+        raise ValueError("--kv-transfer-config: sliding-window models (this one attends "
+                         f"within {model_config.sliding_window} tokens on some layers) are "
+                         "not supported: the wire format has no per-window block tables yet")
+    refused = [name for name, on in (("--tensor-parallel-size > 1",
+                                      config.tensor_parallel_size > 1),
+                                     ("--speculative", bool(config.speculative)),
+                                     ("--async-scheduling", bool(config.async_scheduling)),
+                                     ("--enable-lora", config.enable_lora)) if on]
+    if refused:
+        raise ValueError(f"--kv-transfer-config is not supported with {', '.join(refused)}")
+    connector = KVTransferConnector(kv, block_manager, runner, scheduler.config.max_num_seqs,
+                                    model_config.vocab_size)
+    if connector.producer is not None:
+        scheduler.on_finished = connector.on_finished
+    return connector
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
@@ -168,6 +205,8 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> set[int]:
         ids.add(eos)
     elif eos:
         ids.update(eos)
+    if isinstance(tokenizer, DeferredTokenizer):  # the config's eos is the tokenizer's
+        return ids
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -34,12 +34,10 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-
 class LLMEngine:
-    """detokenize=False: outputs carry token ids only (text ""), and `stop`
-    strings are left to whoever detokenizes (the front end of the core process).
-    Its parts (runner, scheduler, block_manager, sampler, tokenizer, speculator, ...)
-    are builder.EngineParts' fields."""
+    """detokenize=False: outputs carry token ids only (text ""), and `stop` strings are
+    left to whoever detokenizes (the front end of the core process). Its parts (runner,
+    scheduler, block_manager, sampler, tokenizer, ...) are builder.EngineParts' fields."""
 
     def __init__(self, config: EngineConfig | None = None, detokenize: bool = True,
                  **kwargs) -> None:
@@ -79,13 +77,14 @@ class LLMEngine:
         now = time.monotonic() if arrival_time is None else arrival_time
         share_prompt = params.n > 1 and self.block_manager.enable_prefix_caching
         req = EngineRequest.start(request_id, admitted, now, grammar, share_prompt)
+        pulled = self.kv_transfer.hold(req)  # a decode request: its prompt KV is pulled first
         self.requests[request_id] = req
         run_under(req.seqs, lora_request)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[req.seqs[0].seq_id] = [None]  # the first token has no context
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = req  # scheduled once compiled
-        else:
+        elif not pulled:
             for seq in req.seqs:
                 self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
@@ -95,6 +94,7 @@ class LLMEngine:
         for rid in ids:
             req = self.requests.pop(rid, None)
             self._compiling.pop(rid, None)
+            self.kv_transfer.abort(rid)
             if req is not None:
                 req.pending_siblings = 0
                 self.prompt_logprobs.pop(req.seqs[0].seq_id, None)
@@ -103,7 +103,7 @@ class LLMEngine:
                     self.speculator.forget(aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.kv_transfer.busy()  # pins to free: keep stepping
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -132,9 +132,9 @@ class LLMEngine:
         return failed + outputs
 
     def admit(self) -> list[RequestOutput]:
-        """Schedule the constrained requests whose grammar has compiled; fail the
-        ones whose grammar did not (the server checks first, so only offline)."""
-        failed = []
+        """Requests whose KV was pulled join running with their first token; constrained
+        ones whose grammar compiled are scheduled, those whose grammar did not fail."""
+        failed = self.resolve(self.kv_transfer.admit(self.scheduler, self.stats))
         for req in list(self._compiling.values()):
             if req.grammar is None or not req.grammar.done():
                 continue
@@ -219,7 +219,7 @@ class LLMEngine:
         """Raise KVCacheIntegrityError unless the KV books (ref counts, free list,
         prefix-cache hashes, live block tables) agree, the draft model's too.
         Run after every step under --debug-kv-integrity, and by the tests."""
-        live = [*self.scheduler.waiting, *self.scheduler.running]
+        live = [*self.scheduler.waiting, *self.scheduler.running, *self.kv_transfer.holders()]
         self.block_manager.check_integrity(live)
         proposer = self.speculator.proposer if self.speculator is not None else None
         draft_bm = getattr(proposer, "block_manager", None)
@@ -231,7 +231,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what outlives a step (the KV-event sockets, the tensor-parallel
-        workers); idempotent."""
+        workers, the KV-transfer sockets); idempotent."""
+        self.kv_transfer.close()
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
             self.kv_events = None

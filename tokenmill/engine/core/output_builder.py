@@ -17,7 +17,8 @@ def build_request_output(request_id: str, prompt: str | None, prompt_token_ids: 
                          seqs: Iterable[Sequence], params: SamplingParams, *, finished: bool,
                          num_cached_tokens: int, arrival_time: float,
                          first_scheduled_time: float | None,
-                         prompt_logprobs: list | None) -> RequestOutput:
+                         prompt_logprobs: list | None,
+                         kv_transfer_params: dict | None = None) -> RequestOutput:
     """The request's cumulative output so far; `seqs` are its samples (any order)."""
     seqs = sorted(seqs, key=lambda s: s.index)
     outs = [CompletionOutput(
@@ -44,4 +45,5 @@ def build_request_output(request_id: str, prompt: str | None, prompt_token_ids: 
             finished_time=time.monotonic() if finished else None,
         ),
         prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+        kv_transfer_params=kv_transfer_params,
     )

@@ -46,3 +46,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None)
+    # a prefill for a remote decode: where its KV waits (vLLM's RequestOutput field)
+    kv_transfer_params: dict | None = None

@@ -23,6 +23,7 @@ class EngineRequest:
     pending_siblings: int  # n > 1: samples added once the first one's prompt is cached
     arrival_time: float
     grammar: Future | None = None  # structured outputs: its compile
+    kv_transfer_params: dict | None = None  # a prefill for a remote decode: where its KV is
 
     @classmethod
     def start(cls, request_id: str, admitted: Admitted, arrival_time: float,
@@ -57,4 +58,4 @@ class EngineRequest:
             self.request_id, self.prompt, self.prompt_token_ids, self.seqs, self.params,
             finished=self.finished, num_cached_tokens=first.num_cached_tokens,
             arrival_time=self.arrival_time, first_scheduled_time=first.first_scheduled_time,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, kv_transfer_params=self.kv_transfer_params)

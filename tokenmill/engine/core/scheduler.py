@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
@@ -70,6 +71,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # cumulative
+        # called with each finished sequence before its blocks are freed (a KV transfer
+        # pins a prefill's blocks there: engine/core/kv_transfer.py)
+        self.on_finished: Callable[[Sequence], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -112,7 +116,7 @@ class Scheduler:
         if any(id(s) in done for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if id(s) not in done)
         for seq in seqs:
-            self.block_manager.free(seq)
+            self._free_finished(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -188,6 +192,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _free_finished(self, seq: Sequence) -> None:
+        if self.on_finished is not None:
+            self.on_finished(seq)
+        self.block_manager.free(seq)
+
     def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
         """After the model ran and the engine appended tokens / finished sequences:
         advance each scheduled sequence, cache its full blocks, free the finished.
@@ -200,6 +209,6 @@ class Scheduler:
         finished = [seq for seq in self.running if seq.is_finished]
         if finished:
             for seq in finished:
-                self.block_manager.free(seq)
+                self._free_finished(seq)
             self.running = [seq for seq in self.running if not seq.is_finished]
         return finished

@@ -35,6 +35,8 @@ def server_info(llm: Any) -> dict[str, Any]:
         "block_size": cache.block_size,
         "kv_cache_dtype": getattr(cache, "kv_cache_dtype", "auto"),
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        # what the KV pool allocated (rank 0's), whichever way its size was chosen
+        "kv_pool_bytes": getattr(getattr(llm, "runner", None), "kv_cache_bytes", None),
         "num_kv_blocks": stats.num_total_blocks if stats is not None else cache.num_kv_blocks,
         "tensor_parallel_size": getattr(config, "tensor_parallel_size", 1),
         # each rank's weights (parameters and quantized blocks), rank 0 first
@@ -46,6 +48,8 @@ def server_info(llm: Any) -> dict[str, Any]:
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
         "attention_layers": _attention_layers(llm),
+        # prefill/decode disaggregation: this instance's kv_role, or None
+        "kv_transfer": getattr(getattr(cache, "kv_transfer", None), "kv_role", None),
     }
 
 

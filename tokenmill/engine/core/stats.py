@@ -40,6 +40,10 @@ class EngineStats:
     # --async-scheduling: steps during which the next one was scheduled (the rest
     # ran synchronously: see engine/core/overlap.py for when)
     num_async_steps: int = 0
+    # prefill/decode disaggregation, decode side: prompt tokens whose KV was pulled, and
+    # requests prefilled here because the pull failed or timed out
+    kv_transfer_received_tokens: int = 0
+    kv_transfer_fallbacks: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0
     spec_verified_steps: int = 0  # (sequence, step) pairs that verified drafts

@@ -10,6 +10,8 @@ that a long step still beats and only a stopped or frozen process goes quiet.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from tokenmill.config import ModelConfig
@@ -88,6 +90,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     first_token_time: float | None
     # vLLM's shape (None for the first prompt token); sent once, on the first delta
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a prefill for a remote decode, on its last delta: where its KV waits
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

@@ -74,7 +74,8 @@ class _DeltaTracker:
         return m.RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens,
                               metrics.first_scheduled_time if metrics else None,
                               metrics.first_token_time if metrics else None,
-                              out.prompt_logprobs if first else None)
+                              out.prompt_logprobs if first else None,
+                              out.kv_transfer_params if out.finished else None)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -90,6 +91,7 @@ class EngineCore:
         self.outbox = outbox
         self.tracker = _DeltaTracker()
         self.step_started_at: float | None = None  # read by the heartbeat thread
+        self._sent_free_blocks = -1  # in the stats last sent to the front end
 
     def ready(self) -> m.CoreReady:
         e = self.engine
@@ -108,6 +110,9 @@ class EngineCore:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
         self.outbox.send(m.encoder.encode(self.ready()))
         mark("core: ready sent")
+        warm = getattr(self.engine.tokenizer, "warm", None)
+        if warm is not None:  # a DeferredTokenizer: load it now, off the start-up path
+            warm()
         while True:
             busy = self.engine.has_unfinished_requests()
             acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)
@@ -210,6 +215,9 @@ class EngineCore:
             # nothing could be scheduled: do not spin (--async-scheduling's last
             # step runs no batch but brings the step before's outputs)
             time.sleep(0.005)
+            stats = self.engine.get_stats()
+            if stats.num_free_blocks != self._sent_free_blocks:  # a KV-transfer pin freed
+                self._send(m.StepOutputs([], [], stats))
             return
         deltas = [self.tracker.delta(out) for out in outputs]  # none mid-prefill
         self._send(m.StepOutputs([], deltas, self.engine.get_stats()))
@@ -218,6 +226,8 @@ class EngineCore:
         self.engine.abort_request(list(self.engine.requests))
 
     def _send(self, msg: m.StepOutputs | m.LoRAUpdated) -> None:
+        if isinstance(msg, m.StepOutputs) and msg.stats is not None:
+            self._sent_free_blocks = msg.stats.num_free_blocks
         self.outbox.send(m.encoder.encode(msg))
 
 

@@ -37,6 +37,7 @@ class RequestState:
         self.first_scheduled_time: float | None = None
         self.core_finished = False
         self.prompt_logprobs: list | None = None
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,6 +60,8 @@ class OutputProcessor:
         state.num_cached_tokens = delta.num_cached_tokens
         state.first_scheduled_time = delta.first_scheduled_time
         state.core_finished = delta.finished
+        if delta.kv_transfer_params is not None:
+            state.kv_transfer_params = delta.kv_transfer_params
         if delta.prompt_logprobs is not None:
             for entry in delta.prompt_logprobs:
                 if entry is not None:
@@ -93,4 +96,4 @@ class OutputProcessor:
             state.request_id, state.prompt, state.prompt_token_ids, state.seqs, state.params,
             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
             arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
-            prompt_logprobs=state.prompt_logprobs)
+            prompt_logprobs=state.prompt_logprobs, kv_transfer_params=state.kv_transfer_params)

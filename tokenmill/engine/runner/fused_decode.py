@@ -29,10 +29,13 @@ for all of them, inside the call, with the cpu backend's cascade arithmetic. Cov
 kernel) or a bf16 model (every linear plain bf16), with a bf16 KV cache or an 8-bit
 one (`--kv-cache-dtype int8 / fp8`: stored and read as the modules' tm_store_kv_q8 and
 tm_paged_decode_q8 do, each row over its own blocks) on the `cpu` attention backend,
-no tensor parallelism, Llama layers without q/k norm (and without biases but a bf16
-model's, as Qwen2's q/k/v). A batch-1 step under a LoRA adapter takes it too, the
-adapter's low-rank products added inside the call (`run(..., lora_id)`); several rows
-with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+no tensor parallelism, Llama layers (with Qwen3's q/k norms; without biases but a bf16
+model's, as Qwen2's q/k/v) and Gemma 3's (issue 58: the record's per-head q/k norms,
+the norms of the attention and MLP outputs, each layer's RoPE table and sliding window,
+GeGLU, the embedding rows scaled by sqrt(hidden) here before the call; no cascade
+over a shared prefix, which has no window). A batch-1 step under a LoRA adapter takes it
+too, the adapter's low-rank products added inside the call (`run(..., lora_id)`); several
+rows with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
 """
 
@@ -52,10 +55,16 @@ from tokenmill.attention.quantized import QuantizedKVBackend, QuantizedPool
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.kernels import bf16_gemv
 from tokenmill.kernels import decode_step as native
+from tokenmill.models.gemma3 import (
+    Gemma3Attention,
+    Gemma3DecoderLayer,
+    Gemma3ForCausalLM,
+    Gemma3MLP,
+)
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill.models.lora import LoRALinear
-from tokenmill.quant.embedding import GGUFEmbedding
+from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
 from tokenmill.quant.widened import WidenedWeight
@@ -113,6 +122,29 @@ def _plain_bf16(linear: object, bias: bool = True) -> bool:
             and (linear.bias is None or (bias and _bf16(linear.bias, linear.out_features))))
 
 
+def _plain_norm(norm: object) -> bool:
+    """The shared RMSNorm's arithmetic (GemmaRMSNorm only loads its weight as 1 + w)."""
+    return isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward \
+        and type(norm).add_forward is RMSNorm.add_forward
+
+
+def _norms(layer: torch.nn.Module, hidden: int, head_dim: int
+           ) -> list[tuple[torch.nn.Module, int]]:
+    """A layer's norms and their sizes: input and pre-MLP (post_attention_layernorm on a
+    Llama layer, pre_feedforward_layernorm on Gemma's), then Gemma's norms of the
+    attention and MLP outputs, then the q/k norms where the layer has them."""
+    attn = layer.self_attn
+    if type(layer) is Gemma3DecoderLayer:
+        norms = [(layer.input_layernorm, hidden), (layer.pre_feedforward_layernorm, hidden),
+                 (layer.post_attention_layernorm, hidden),
+                 (layer.post_feedforward_layernorm, hidden)]
+    else:
+        norms = [(layer.input_layernorm, hidden), (layer.post_attention_layernorm, hidden)]
+    if getattr(attn, "q_norm", None) is not None:
+        norms += [(attn.q_norm, head_dim), (attn.k_norm, head_dim)]
+    return norms
+
+
 def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
@@ -122,8 +154,9 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     """Why `model` with this backend and pool cannot take the fused step; None if it can."""
     if not enabled_by_env():
         return f"{ENV}=0"
-    if type(model) is not LlamaForCausalLM:
-        return f"not a Llama-family model ({type(model).__name__})"
+    gemma = type(model) is Gemma3ForCausalLM
+    if type(model) is not LlamaForCausalLM and not gemma:
+        return f"not a Llama-family or Gemma 3 model ({type(model).__name__})"
     if get_tp().world_size != 1:
         return "tensor parallelism"
     fmt: KVFormat | None = None  # --kv-cache-dtype int8 / fp8: the wrapped backend's pools
@@ -132,36 +165,43 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     if type(backend) is not CpuBackend:
         return f"attention backend {getattr(backend, 'name', type(backend).__name__)}, not cpu"
     cfg = model.config
-    if cfg.qk_norm:
-        return "q/k norm (Qwen3)"
+    if gemma and getattr(model, "softcap", None):
+        return "final logit softcapping"
     inner = model.model
     hidden, d = cfg.hidden_size, cfg.head_dim
     bits = None
     first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
     heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
     # every layer's linears on the quantized-activation kernel, or every one plain bf16
-    plain = type(first.mlp) is LlamaMLP
-    inter = first.mlp.down_proj.in_features if type(first.mlp) in (FusedSiluMLP, LlamaMLP) \
-        else 0
+    # (Gemma's MLP is its own module either way: GeGLU, nothing fused into down_proj)
+    plain = (type(first.mlp) is LlamaMLP if not gemma
+             else type(first.mlp) is Gemma3MLP and _plain_bf16(first.mlp.down_proj))
+    mlp_types = (Gemma3MLP,) if gemma else (FusedSiluMLP, LlamaMLP)
+    inter = first.mlp.down_proj.in_features if type(first.mlp) in mlp_types else 0
+    layer_type, attn_type = ((Gemma3DecoderLayer, Gemma3Attention) if gemma
+                             else (LlamaDecoderLayer, LlamaAttention))
+    rotaries = (inner.rotary_emb, inner.rotary_emb_local) if gemma else (inner.rotary_emb,)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
-            return f"layer {i} is not a plain Llama layer"
+        if type(layer) is not layer_type or type(attn) is not attn_type:
+            return f"layer {i} is not a plain {'Gemma 3' if gemma else 'Llama'} layer"
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if gemma and (type(layer.mlp) is not Gemma3MLP or layer.mlp.approximate != "tanh"):
+            return f"layer {i}: a GeGLU other than gelu's tanh approximation"
         if plain:
-            if type(layer.mlp) is not LlamaMLP or not all(_plain_bf16(lin) for lin in linears):
+            if type(layer.mlp) not in mlp_types or not all(_plain_bf16(lin) for lin in linears):
                 return (f"layer {i}: a linear neither on the quantized-activation kernel "
                         "(--quantization gguf-a16 / gguf-a8) nor bf16")
         else:
-            if type(layer.mlp) is not FusedSiluMLP:
+            if not gemma and type(layer.mlp) is not FusedSiluMLP:
                 return (f"layer {i}: its MLP does not run silu * up in the down projection "
                         "(--quantization gguf-a16 / gguf-a8)")
             bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
             if not all(_lowbit(lin, bits) for lin in linears):
                 return (f"layer {i}: a linear not on the quantized-activation kernel "
                         "(--quantization gguf-a16 / gguf-a8), or with a bias")
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not RMSNorm or not _bf16(norm.weight, hidden) \
+        for norm, size in _norms(layer, hidden, d):
+            if not _plain_norm(norm) or not _bf16(norm.weight, size) \
                     or norm.eps != cfg.rms_norm_eps:
                 return f"layer {i}: a norm that is not bf16 RMSNorm"
         k, v = kv_caches[i]
@@ -173,16 +213,19 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
             return "a KV cache that is not bf16 on the CPU"
         shapes = [(hidden, (heads + 2 * kv_heads) * d), (heads * d, hidden),
                   (hidden, 2 * inter), (inter, hidden)]
-        if (attn.attn.scale != d ** -0.5 or attn.head_dim != d or attn.rotary is not inner.rotary_emb
+        if (attn.attn.scale != first.self_attn.attn.scale or (not gemma and attn.attn.scale != d ** -0.5)
+                or attn.head_dim != d or all(attn.rotary is not r for r in rotaries)
+                or (attn.attn.sliding_window is not None and not gemma)
                 or [(lin.in_features, lin.out_features) for lin in linears] != shapes):
             return f"layer {i}: attention or MLP shapes unlike a Llama layer's"
-    rotary = inner.rotary_emb
-    if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
-            or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024:
-        return "rotary tables or head_dim the kernel does not take"
-    if not (isinstance(inner.embed_tokens, GGUFEmbedding)
+    for rotary in rotaries:
+        if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
+                or not rotary.sin_cache.is_contiguous() or d % 16 or d > 1024 \
+                or rotary.cos_cache.shape != rotaries[0].cos_cache.shape:
+            return "rotary tables or head_dim the kernel does not take"
+    if not (isinstance(inner.embed_tokens, LookupEmbedding)
             or _bf16(inner.embed_tokens.weight, cfg.vocab_size, hidden)) \
-            or type(inner.norm) is not RMSNorm or not _bf16(inner.norm.weight, hidden):
+            or not _plain_norm(inner.norm) or not _bf16(inner.norm.weight, hidden):
         return "embedding or final norm not bf16"
     if not native.available():
         return "the native kernel (tokenmill/kernels/decode_step.c) could not be built"
@@ -194,19 +237,28 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
 class FusedDecode:
     """The model's weights, norms and KV pools named to decode_step.c, and the step."""
 
-    def __init__(self, model: LlamaForCausalLM,
+    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cfg, inner = model.config, model.model
         self.enabled = True
         self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
         layers = (native.LayerRecord * len(inner.layers))()
+        gemma = type(model) is Gemma3ForCausalLM
         # a bf16 model (every linear plain bf16: unsupported_reason) or the kernel's
-        self.plain = type(inner.layers[0].mlp) is LlamaMLP
+        self.plain = _plain_bf16(inner.layers[0].mlp.down_proj)
         wide = not self.plain  # every linear's large-batch path is gemm16 (widened.py)
         for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            rec.input_norm = layer.input_layernorm.weight.data_ptr()
-            rec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            norms = [norm.weight.data_ptr() for norm, _ in _norms(layer, cfg.hidden_size,
+                                                                  cfg.head_dim)]
+            rec.input_norm, rec.post_norm = norms[0], norms[1]
+            if gemma:  # its output norms (GGUF's stored 1 + w and HF's w + 1 alike: plain)
+                rec.attn_out_norm, rec.mlp_out_norm = norms[2], norms[3]
+                rotary = attn.rotary
+                rec.cos, rec.sin = rotary.cos_cache.data_ptr(), rotary.sin_cache.data_ptr()
+                rec.window = attn.attn.sliding_window or 0
+            if attn.q_norm is not None:
+                rec.q_norm, rec.k_norm = norms[-2], norms[-1]
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                               ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
                 if self.plain:
@@ -232,28 +284,37 @@ class FusedDecode:
                                else _lowbit(head, bits))
                               and head.out_features == cfg.vocab_size
                               and head.in_features == cfg.hidden_size
-                              and type(model).compute_logits is LlamaForCausalLM.compute_logits)
+                              and type(model).compute_logits in (
+                                  LlamaForCausalLM.compute_logits,
+                                  Gemma3ForCausalLM.compute_logits))
         pool = kv_caches[0][0]
         # an 8-bit cache's format, as the module path's store and decode read it
         self.kv_fmt = pool.fmt if isinstance(pool, QuantizedPool) else None
         _, num_blocks, block_size, _ = (pool.data if self.kv_fmt else pool).shape
         rotary = inner.rotary_emb
-        # an embedding in GGUF blocks: each step's rows dequantized into a table of its own
-        self.gguf_embed = isinstance(inner.embed_tokens, GGUFEmbedding)
+        # an embedding in GGUF blocks, or Gemma's scaled by sqrt(hidden): each step's rows
+        # (dequantized, scaled as the module path does) into a table of its own
+        self.gguf_embed = isinstance(inner.embed_tokens, LookupEmbedding)
+        self.embed_scale = (torch.tensor(inner.embed_scale, dtype=torch.bfloat16) if gemma
+                            else None)
+        self.row_embed = self.gguf_embed or gemma
+        # the cascade (a shared prefix read once) has no sliding window
+        self.windowed = any(rec.window for rec in layers)
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
             inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
             bits=bits, num_blocks=num_blocks, block_size=block_size,
             max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
-            embed=0 if self.gguf_embed else inner.embed_tokens.weight.data_ptr(),
+            embed=0 if self.row_embed else inner.embed_tokens.weight.data_ptr(),
             cos=rotary.cos_cache.data_ptr(),
             sin=rotary.sin_cache.data_ptr(), final_norm=inner.norm.weight.data_ptr(),
             lm_head=(None if not self.lm_head_fused else head.weight.data_ptr() if self.plain
                      else head.vnni_packed.data_ptr()),
             lm_head_fmt=(0 if not self.lm_head_fused else FMT_BF16 if self.plain
                          else head.vnni_format), layers=layers,
-            kv_fmt=-1 if self.kv_fmt is None else self.kv_fmt.native_code)
+            kv_fmt=-1 if self.kv_fmt is None else self.kv_fmt.native_code,
+            act=native.ACT_GELU_TANH if gemma else native.ACT_SILU)
         # a bf16 model's modules run bf16_gemv up to its rows, F.linear past them
         self.max_rows = min(MAX_ROWS, bf16_gemv.max_rows()) if self.plain else MAX_ROWS
         if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
@@ -275,7 +336,7 @@ class FusedDecode:
             else:
                 logger.debug("batch-1 decode runs the module path: %s", reason)
             return None
-        assert isinstance(model, LlamaForCausalLM)
+        assert isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))
         return cls(model, kv_caches)
 
     def _linears(self) -> list[tuple[object, object, object, object]]:
@@ -347,7 +408,7 @@ class FusedDecode:
                 or tables.shape[1] * meta.block_size < max(meta.seq_lens_list)):
             return None
         shared = 0
-        if n > 1 and self.kv_fmt is None:
+        if n > 1 and self.kv_fmt is None and not self.windowed:
             # a shared prefix (a cached system prompt): read once for all rows, as the
             # modules' cascade call does, instead of once per row (W5: 7.2 s vs 8.3 s);
             # with an 8-bit cache every row reads its own blocks, as tm_paged_decode_q8 does
@@ -357,8 +418,11 @@ class FusedDecode:
         hidden = torch.empty((n, self.hidden), dtype=torch.bfloat16)
         logits = torch.empty((n, self.vocab), dtype=torch.float32) if self.lm_head_fused \
             else None
-        if self.gguf_embed:  # the step's rows as the table, the ids their row numbers
-            rows = self._model.model.embed_tokens(ids.reshape(-1)).contiguous()
+        if self.row_embed:  # the step's rows as the table, the ids their row numbers
+            rows = self._model.model.embed_tokens(ids.reshape(-1))
+            if self.embed_scale is not None:  # Gemma: as Gemma3Model.forward scales them
+                rows = rows * self.embed_scale
+            rows = rows.contiguous()
             self.record.embed = rows.data_ptr()
             ids = torch.arange(n)
         if n == 1:

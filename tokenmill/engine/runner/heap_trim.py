@@ -17,12 +17,12 @@ library is not glibc there is nothing to call, and this does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import time
 from collections.abc import Callable
+
+from tokenmill import malloc
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +31,14 @@ IDLE_MIN_GAP_S = 1.0  # a server idle between sparse requests trims at most this
 ENV = "TOKENMILL_MALLOC_TRIM_S"
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): no such function
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+def _malloc_trim() -> Callable[[int], bool] | None:
+    return malloc.trim if malloc.trim_available() else None
+
+
+def trim_heap() -> bool:
+    """malloc_trim(0) once, now (after a load's temporaries are freed), unless trimming
+    is off (TOKENMILL_MALLOC_TRIM_S=0) or the C library has none; True when it ran."""
+    return interval_from_env() > 0 and malloc.trim()
 
 
 def interval_from_env() -> float:

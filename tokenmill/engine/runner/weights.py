@@ -12,11 +12,14 @@ fp32 reference path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 
 from tokenmill.cpuinfo import has_native_bf16
+from tokenmill.engine.runner.heap_trim import trim_heap
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.loaders.gguf import release_gguf_readers
 from tokenmill.quant import quantize_model, resolve_method, vnni
@@ -25,6 +28,24 @@ from tokenmill.quant.weight_report import log_report, weight_report
 from tokenmill.startup_timer import mark
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """Load on one CPU thread. `tokenmill serve`'s front end starts (torch, FastAPI, the
+    tokenizer) while the core loads, so the load's many small torch ops had one core at
+    best; a second OpenMP thread then spun at every op's barrier for a core it did not
+    get: 2.5x the CPU time of the same load on one thread (issue 60, measured under
+    load). The threads the engine runs with are back once the weights are packed."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -42,17 +63,21 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
                       device: torch.device, load_format: str = "auto",
                       batched_linears: str = "auto") -> tuple[LoadedModel, str]:
     """The loaded model and the weight format it runs (a `tokenmill.quant` method)."""
-    loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
-                        load_format=load_format)
-    mark("weights read")
-    method = resolve_method(quantization, loaded.model, dtype)
-    float_copy = float_copy_bytes(loaded.model)
-    large = resolve_batched_linears(batched_linears, method, loaded.dtype,
-                                    cpu_has_native_bf16(), float_copy)
-    summary = quantize_model(loaded.model, method, batched_linears=large)
-    mark(f"linears packed as {method} (kernel cache checked)")
+    # quantized linears' float weights are filled only where used (deferred_weights.py):
+    # a ~1B Q4_K_M file peaked at 4.8 GB dequantizing them all, for 1.2 GB resident after
+    with _one_thread(device):
+        loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
+                            load_format=load_format, defer_quantized=True)
+        mark("weights read")
+        method = resolve_method(quantization, loaded.model, dtype)
+        float_copy = float_copy_bytes(loaded.model)
+        large = resolve_batched_linears(batched_linears, method, loaded.dtype,
+                                        cpu_has_native_bf16(), float_copy)
+        summary = quantize_model(loaded.model, method, batched_linears=large)
+        mark(f"linears packed as {method} (kernel cache checked)")
     if source.kind == "gguf":  # every weight is copied out: unmap the file's tensor pages
         release_gguf_readers()
+    trim_heap()  # the load's freed temporaries (blocks, repack buffers) back to the OS
     # what the weights occupy and in which form: logged, and on /server_info
     loaded.model.weight_forms = weight_report(loaded.model, summary, large, float_copy)
     log_report(loaded.model.weight_forms)

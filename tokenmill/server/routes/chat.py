@@ -110,7 +110,7 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
     if serving.reasoning_parser is None:  # without the flag, the response is as before
         for choice in body["choices"]:
             del choice["message"]["reasoning_content"]
-    return JSONResponse(body)
+    return JSONResponse(p.with_kv_transfer_params(body, [final]))
 
 
 def _message(c: CompletionOutput, tools: ToolPlan | None, reasoning: ReasoningParser | None,

@@ -101,6 +101,7 @@ async def completions(req: p.CompletionRequest, request: Request,
     finals = await serving.collect(request, parts)
     choices = [shape.choice(part, final, c, c.text, 0, 0, True)
                for part, final in zip(parts, finals) for c in final.outputs]
-    return JSONResponse(p.dump(p.CompletionResponse(
+    body = p.dump(p.CompletionResponse(
         id=request_id, created=parts[0].progress.created, model=model_name,
-        choices=choices, usage=serving.usage(finals, req.prompt_only))))
+        choices=choices, usage=serving.usage(finals, req.prompt_only)))
+    return JSONResponse(p.with_kv_transfer_params(body, finals))

@@ -43,6 +43,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "speculative decoding at batch 1: speedup over none", True),
     Benchmark("structured-output", "feature", _F + "structured_output",
               "JSON-schema output vs unconstrained: TPOT and TTFT overhead", True),
+    Benchmark("lora-overhead", "feature", _F + "lora_overhead",
+              "4 rank-16 adapters mixed at c=16 and one at batch 1 vs no adapters", True),
     Benchmark("long-context", "feature", _F + "long_context",
               "bf16 vs 8-bit KV cache at the same KV memory, long prompts", True),
     Benchmark("soak", "feature", _F + "soak",

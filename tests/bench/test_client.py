@@ -31,6 +31,16 @@ def run(fake, load, n=8, endpoint="completions", base_url=None, **fake_opts):
     return runner.run_once(plan, load), target
 
 
+def test_lora_modules_spread_the_requests_evenly_over_the_adapters(fake):
+    opts = ClientOptions(base_url=fake.base_url, model="fake", lora_modules=["a", "b", "c"])
+    target = runner.HttpTarget(opts, WordTokenizer())
+    reqs = [BenchRequest(f"p{i} q", 2, 6) for i in range(6)]
+    plan = runner.BenchPlan(target, {"model": "fake", "backend": "openai"}, lambda i: reqs)
+    before = len(fake.bodies)
+    runner.run_once(plan, runner.LoadSpec(concurrency=1))
+    assert [b["model"] for b in fake.bodies[before:]] == ["a", "b", "c"] * 2
+
+
 def test_chat_role_chunk_is_not_ttft_and_chunks_are_timed(fake):
     # relations between the recorded timestamps, never durations (the machine may be busy)
     result, _ = run(fake, runner.LoadSpec(concurrency=2), endpoint="chat", ttft_ms=150,

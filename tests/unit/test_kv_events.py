@@ -7,7 +7,7 @@ from tests.unit import vllm_kv_events as vllm
 from tokenmill.config import CacheConfig, KVEventsConfig
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.events import KVEventBatch, KVEventRecorder
-from tokenmill.kvcache.prefix_cache import ROOT_HASH
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
 
@@ -17,13 +17,15 @@ U64 = (1 << 64) - 1
 
 def _manager(num_blocks: int = 8) -> tuple[BlockManager, KVEventRecorder]:
     bm = BlockManager(num_blocks, BS)
-    recorder = KVEventRecorder(BS, ROOT_HASH)
+    recorder = KVEventRecorder(BS)
     bm.prefix_cache.events = recorder
     return bm, recorder
 
 
-def _run(bm: BlockManager, seq_id: str, tokens: list[int]) -> Sequence:
+def _run(bm: BlockManager, seq_id: str, tokens: list[int],
+         lora: LoRARequest | None = None) -> Sequence:
     seq = Sequence(seq_id, tokens, SamplingParams(max_tokens=1))
+    seq.lora_request = lora
     prefix = bm.get_computed_blocks(seq)
     assert bm.allocate_slots(seq, len(tokens) - prefix.num_tokens, prefix)
     seq.num_computed_tokens = len(tokens)
@@ -59,6 +61,37 @@ def test_a_continuation_names_its_parent_and_a_shared_prefix_is_not_stored_twice
     assert first.block_hashes[-1] == second.block_hashes[1]
     assert stored.parent_block_hash == first.block_hashes[-1] & U64
     assert stored.block_hashes == [h & U64 for h in second.block_hashes[2:]]
+
+
+def test_an_adapters_blocks_name_it_and_its_first_block_has_no_parent_as_in_vllm():
+    bm, rec = _manager()
+    base = _run(bm, "base", list(range(9)))
+    assert _decode(rec.take()).events[0].lora_id is None
+    sql = LoRARequest("sql", 3, "/adapters/sql")
+    first = _run(bm, "a", list(range(9)), sql)  # the base's prompt: no hit, its own chain
+    (stored,) = _decode(rec.take()).events
+    assert (stored.lora_id, stored.lora_name) == (3, "sql")
+    # vLLM sends None for the first block of every chain, an adapter's included: the
+    # adapter's root hash is private, and a consumer has never seen it stored
+    assert stored.parent_block_hash is None
+    assert stored.extra_keys == [("sql",), ("sql",)]  # vLLM's per-block untagged lora key
+    assert set(stored.block_hashes).isdisjoint(h & U64 for h in base.block_hashes)
+    second = _run(bm, "b", list(range(8)) + [70, 71, 72, 73, 74], sql)  # hits 2, adds 1
+    (more,) = _decode(rec.take()).events
+    assert more.parent_block_hash == first.block_hashes[-1] & U64  # seen in `stored`
+    assert more.block_hashes == [second.block_hashes[2] & U64]
+    assert (more.lora_id, more.lora_name, more.extra_keys) == (3, "sql", [("sql",)])
+
+
+def test_stores_of_two_adapters_in_one_step_are_two_events():
+    bm, rec = _manager()
+    _run(bm, "a", list(range(5)), LoRARequest("a", 1))
+    _run(bm, "b", list(range(100, 105)), LoRARequest("b", 2))
+    _run(bm, "c", list(range(200, 205)))
+    events = _decode(rec.take()).events
+    assert [(e.lora_name, e.parent_block_hash) for e in events] == [
+        ("a", None), ("b", None), (None, None)]
+    assert events[2].extra_keys is None
 
 
 def test_eviction_is_block_removed_and_reset_is_all_blocks_cleared():

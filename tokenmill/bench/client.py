@@ -92,6 +92,9 @@ class ClientOptions:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0
+    # served LoRA adapter names: request i names lora_modules[i % n] as its `model`
+    # (spread evenly; vLLM's `bench serve --lora-modules` picks one at random)
+    lora_modules: list[str] = field(default_factory=list)
 
 
 class OpenAIClient:
@@ -138,9 +141,11 @@ class OpenAIClient:
     def path(self) -> str:
         return "/v1/chat/completions" if self.options.endpoint == "chat" else "/v1/completions"
 
-    def payload(self, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+    def payload(self, prompt: Prompt, max_tokens: int, request_id: int = 0) -> dict[str, Any]:
         o = self.options
-        body: dict[str, Any] = {"model": o.model, "max_tokens": max_tokens, "stream": True,
+        model = o.lora_modules[request_id % len(o.lora_modules)] if o.lora_modules \
+            else o.model
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
                                 "temperature": o.temperature,
                                 "stream_options": {"include_usage": True}}
         if o.endpoint == "chat":
@@ -167,7 +172,7 @@ class OpenAIClient:
     async def _send_once(self, record: RequestRecord, prompt: Prompt, t0: float) -> bool:
         now = time.perf_counter
         chat = self.options.endpoint == "chat"
-        body = self.payload(prompt, record.max_tokens)
+        body = self.payload(prompt, record.max_tokens, record.request_id)
         record.send_time_s = now() - t0
         done = False
         try:

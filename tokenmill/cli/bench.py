@@ -64,6 +64,11 @@ def register(subparsers) -> None:
     t.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000")
     t.add_argument("--model", help="model name sent in requests (default: the first model "
                    "the server lists at /v1/models)")
+    t.add_argument("--lora-names", nargs="+", default=[], metavar="NAME",
+                   help="a server's LoRA adapters, by served name: the requests name them as "
+                   "their model, spread evenly (request i the (i mod n)-th; vLLM's bench "
+                   "serve --lora-modules, which picks at random); the tokenizer stays the "
+                   "base model's")
     t.add_argument("--offline", metavar="MODEL",
                    help="run the in-process engine on MODEL instead of a server")
     t.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
@@ -226,6 +231,9 @@ def _main(args: argparse.Namespace, console, err) -> int:
     if args.offline and args.workers != 1:
         raise ValueError("--workers is for a server target: the offline engine runs in "
                          "this process")
+    if args.offline and args.lora_names:
+        raise ValueError("--lora-names is for a server target (its adapters by served "
+                         "name)")
     slo = SLO.parse(args.slo)
     if args.max_rate_under_slo and slo is None:
         raise ValueError("--max-rate-under-slo needs --slo, e.g. --slo ttft_ms=500 tpot_ms=50")
@@ -508,8 +516,9 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
     options = ClientOptions(base_url=args.base_url, model=model, endpoint=args.endpoint,
                             api_key=args.api_key, temperature=args.temperature,
                             ignore_eos=args.ignore_eos, extra_body=args.extra_body,
-                            timeout_s=args.timeout)
+                            timeout_s=args.timeout, lora_modules=list(args.lora_names))
     config = {"model": model, "base_url": args.base_url, "endpoint": args.endpoint,
+              "lora_names": list(args.lora_names) or None,
               "backend": "openai", "dtype": args.dtype_label, "hardware": args.hardware,
               "tokenizer": args.tokenizer or model, "extra_body": args.extra_body or None,
               # what the server says it runs (issue 22: explain skips levers already pulled)

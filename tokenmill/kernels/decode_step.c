@@ -66,6 +66,12 @@ typedef struct {
     const uint16_t *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin;
     int64_t window;
+    /* a LoRA adapter's low-rank pair on qkv, o, gate_up, down (tm_decode_step only):
+     * A (R, K) fp32, every sub-projection's A stacked; B (N, R) fp32, each
+     * sub-projection's scaled B in its rows and its rank's columns, zeros elsewhere
+     * (both hold bf16 values: the module path's installed weights); R 0: none */
+    const float *lora_a[4], *lora_b[4];
+    int64_t lora_r[4];
 } tm_layer_t;
 
 typedef struct {
@@ -164,6 +170,42 @@ static int formats_ok(const tm_model_t *m) {
             if ((f[i] == FMT_BF16) != (m->bits == 0) || (b[i] && f[i] != FMT_BF16)) return 0;
     }
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
+}
+
+#define MAX_LORA_R 512 /* stacked rank of one linear's adapter: its (R,) product on the stack */
+
+/* every layer's adapter ranks within MAX_LORA_R; with `allowed` 0 (the batched step),
+ * no adapter at all */
+static int lora_ok(const tm_model_t *m, int allowed) {
+    for (int64_t l = 0; l < m->num_layers; l++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = m->layers[l].lora_r[i];
+            if (r < 0 || r > MAX_LORA_R || (r && (!allowed || !m->layers[l].lora_a[i] ||
+                                                  !m->layers[l].lora_b[i])))
+                return 0;
+        }
+    return 1;
+}
+
+/* out rows [n0, n1) += B (A x), rounded as the module path's bf16 products are
+ * (models/lora.py: x @ A^T to bf16, then @ B^T to bf16, then added to the bf16 output).
+ * x: (K,) bf16, the linear's own input row. Every caller computes the (R,) product
+ * A x itself (R x K multiply-adds, a few microseconds): no barrier to share it. */
+static void lora_add(const float *A, const float *B, int64_t R, int64_t K,
+                     const uint16_t *x, uint16_t *out, int64_t n0, int64_t n1) {
+    float xa[MAX_LORA_R];
+    for (int64_t r = 0; r < R; r++) {
+        const float *a = A + r * K;
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) sum += a[k] * bf16_to_f32(x[k]);
+        xa[r] = round_bf16(sum);
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const float *b = B + n * R;
+        float sum = 0.0f;
+        for (int64_t r = 0; r < R; r++) sum += b[r] * xa[r];
+        out[n] = f32_to_bf16(bf16_to_f32(out[n]) + round_bf16(sum));
+    }
 }
 
 /* the KV pools' format is one the kernels read (the 8-bit ones' tables filled) */
@@ -435,7 +477,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
-        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m))
+        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 1))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
         if (table[j] < 0 || table[j] >= NB) return -1;
@@ -494,6 +536,9 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 for (int64_t g = g0; g < g1; g++)
                     group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, m->bits, &a, qkv,
                               0);
+                if (L->lora_r[0]) /* this thread's rows, before they are rotated and stored */
+                    lora_add(L->lora_a[0], L->lora_b[0], L->lora_r[0], H, xn, qkv, g0 * ROWS,
+                             g1 * ROWS);
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
@@ -531,6 +576,12 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
                        tid, nth, NULL);
 #pragma omp barrier
+            if (L->lora_r[1]) { /* the same on every thread: the barriers stay paired */
+                int64_t n0, n1;
+                share(H, tid, nth, &n0, &n1);
+                lora_add(L->lora_a[1], L->lora_b[1], L->lora_r[1], NH * D, attn, o_out, n0, n1);
+#pragma omp barrier
+            }
             /* 4. residual add + norm, gate_up */
             const uint16_t *o_in = L->attn_out_norm ? normed : o_out;
             if (L->attn_out_norm)
@@ -541,6 +592,12 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
                        gu, 0, runs, tid, nth, NULL);
 #pragma omp barrier
+            if (L->lora_r[2]) {
+                int64_t n0, n1;
+                share(2 * I, tid, nth, &n0, &n1);
+                lora_add(L->lora_a[2], L->lora_b[2], L->lora_r[2], H, xn, gu, n0, n1);
+#pragma omp barrier
+            }
             cur ^= 1;
             /* 5. silu * up, down */
             act_mul_row(m, gu, gu + I, xn, I);
@@ -548,6 +605,12 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
                        tid, nth, NULL);
 #pragma omp barrier
+            if (L->lora_r[3]) {
+                int64_t n0, n1;
+                share(H, tid, nth, &n0, &n1);
+                lora_add(L->lora_a[3], L->lora_b[3], L->lora_r[3], I, xn, x, n0, n1);
+#pragma omp barrier
+            }
         }
         /* the final norm (every thread, for the LM head's input), then the LM head */
         rms_norm_row(out_normed(m, m->layers + m->num_layers - 1, x, normed), res[cur],
@@ -598,7 +661,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || !formats_ok(m) || !kv_ok(m) ||
+        (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 0) ||
         (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
         shared_blocks > table_stride || (shared_blocks && (m->kv_fmt >= 0 || windowed(m))))
         return -1;

@@ -26,7 +26,10 @@ class LayerRecord(ctypes.Structure):
                 # Gemma 3 (None / 0 on a Llama layer): per-head q/k norms, the attention's
                 # and the MLP's output norms, the layer's own rotary tables, its window
                 ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR),
-                ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64)]
+                ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
+                # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
+                # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
+                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4)]
 
 
 class ModelRecord(ctypes.Structure):

@@ -147,7 +147,8 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.lora_int_id)
             block_hash = self.prefix_cache.insert(
-                seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs])
+                seq.block_table[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
+                seq.lora_request)
             if block_hash is None:  # hash collision: leave the rest unregistered
                 return
             seq.block_hashes.append(block_hash)

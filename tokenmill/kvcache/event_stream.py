@@ -6,7 +6,6 @@ from __future__ import annotations
 from tokenmill.config import KVEventsConfig
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.events import KVEventRecorder
-from tokenmill.kvcache.prefix_cache import ROOT_HASH
 
 
 class KVEventStream:
@@ -24,7 +23,7 @@ class KVEventStream:
             raise ValueError("KV cache events need prefix caching on")
         from tokenmill.kvcache.event_publisher import ZmqEventPublisher  # pyzmq only when used
 
-        recorder = KVEventRecorder(block_manager.block_size, ROOT_HASH,
+        recorder = KVEventRecorder(block_manager.block_size,
                                    medium="GPU" if device_type == "cuda" else None)
         block_manager.prefix_cache.events = recorder
         return cls(recorder, ZmqEventPublisher(config))

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.kvcache.events import KVEventRecorder
+from tokenmill.kvcache.events import Adapter, KVEventRecorder
 
 ROOT_HASH = 0  # parent hash of a sequence's first block under the base model
 
@@ -70,9 +70,12 @@ class PrefixCache:
             return block_hash, None  # a collision: different content under the same key
         return block_hash, block_id
 
-    def insert(self, block_id: int, parent_hash: int, token_ids: Sequence[int]) -> int | None:
+    def insert(self, block_id: int, parent_hash: int, token_ids: Sequence[int],
+               adapter: Adapter | None = None) -> int | None:
         """Register a just-filled block; return its hash, or None on a hash collision
         with different content (the caller then stops chaining from this block).
+        `adapter`: the LoRA request the block was computed under (None: the base),
+        which `parent_hash` already keys; events name it.
 
         If the same content is already cached in another block (two identical
         prompts computed in the same step), the existing entry stays and this
@@ -85,7 +88,9 @@ class PrefixCache:
             entry = _Entry(block_hash, parent_hash, tuple(token_ids))
             self._entry_by_block[block_id] = entry
             if self.events is not None:
-                self.events.stored(block_hash, parent_hash, entry.token_ids)
+                first = parent_hash == root_hash(adapter.lora_int_id if adapter else 0)
+                self.events.stored(block_hash, None if first else parent_hash,
+                                   entry.token_ids, adapter)
             return block_hash
         entry = self._entry_by_block[owner]
         if entry.parent_hash != parent_hash or entry.token_ids != tuple(token_ids):

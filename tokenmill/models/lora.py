@@ -53,6 +53,19 @@ class _Weights:
     # per sub-projection with weights: (output column start, size, rank slice start,
     # rank, B (size, rank) already multiplied by the scaling)
     parts: list[tuple[int, int, int, int, torch.Tensor]]
+    _dense: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def dense_pair(self, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A (R, in), B (out, R)) fp32 contiguous, B holding each sub-projection's B in
+        its output rows and rank columns and zeros elsewhere: the whole delta as two
+        plain products, for the fused decode step (decode_step.c). Built once."""
+        if self._dense is None:
+            rank = self.a_cat.shape[0]
+            b_full = torch.zeros(out_features, rank, dtype=torch.float32)
+            for start, size, r0, r, b in self.parts:
+                b_full[start:start + size, r0:r0 + r] = b.float()
+            self._dense = (self.a_cat.float().contiguous(), b_full)
+        return self._dense
 
 
 class LoRALinear(nn.Module):

@@ -97,7 +97,9 @@ class Serving:
         manager = getattr(self.engine.engine, "lora", None)
         return list(manager.served) if manager is not None else []
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str:
+        """The name a response carries (as vLLM: the adapter's for an adapter request,
+        else the first served name); 404 for a name this server does not serve."""
         from tokenmill.server.routes.lora import current_lora
 
         current_lora.set(None)
@@ -106,11 +108,12 @@ class Serving:
             lora = manager.lookup(name)
             if lora is not None:  # the request runs under this adapter
                 current_lora.set(lora)
-                return
+                return name
         if name is not None and name not in self.model_names:
             served = ", ".join(repr(n) for n in [*self.model_names, *self.lora_names()])
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{served}", param="model", code="model_not_found")
+        return self.model_name
 
     def check_token_ids(self, ids: list[int], param: str, what: str = "token ids") -> None:
         try:

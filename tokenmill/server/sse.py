@@ -34,12 +34,14 @@ async def event_stream(serving: Serving, request_id: str, parts: list[Part], chu
     `continuous_usage` (vLLM) each chunk carries its prompt's usage so far."""
     last: dict[int, RequestOutput] = {}
     progress = parts[0].progress
+    model = serving.model_name  # the chunks' own (an adapter's name, for an adapter request)
     try:
         async with aclosing(merge(parts)) as outputs:
             async for part, out in outputs:
                 part.progress.observe(out)
                 last[id(part)] = out
                 for event in chunks(part, out):
+                    model = event.get("model", model)
                     if continuous_usage:
                         event["usage"] = p.dump(serving.usage([out], prompt_only))
                     yield sse_line(event)
@@ -48,7 +50,7 @@ async def event_stream(serving: Serving, request_id: str, parts: list[Part], chu
                                       "service_unavailable_error", code="aborted"))
         elif include_usage and last:
             yield sse_line({"id": request_id, "object": progress.object,
-                            "created": progress.created, "model": serving.model_name,
+                            "created": progress.created, "model": model,
                             "choices": [],
                             "usage": p.dump(serving.usage(list(last.values()), prompt_only))})
     except EngineDiedError as e:  # the engine core died or hung mid-stream

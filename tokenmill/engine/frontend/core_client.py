@@ -39,6 +39,7 @@ from tokenmill.engine.core.validation import RequestError
 from tokenmill.engine.frontend import core_messages as m
 from tokenmill.engine.frontend.admission import Admission
 from tokenmill.engine.frontend.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.frontend.remote_loras import RemoteLoRAs
 from tokenmill.engine.frontend.request_stream import (
     DEFAULT_MAX_STREAM_BACKLOG,
     Aborted,
@@ -50,6 +51,7 @@ from tokenmill.engine.frontend.request_stream import (
 )
 from tokenmill.loaders.model_source import resolve_model
 from tokenmill.loaders.tokenizer import load_tokenizer
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup_timer import mark
 
@@ -73,6 +75,7 @@ class FrontEndModel:
     model_config: ModelConfig
     server_info: dict  # what the core runs (GET /server_info)
     eos_token_ids: list[int]
+    lora: RemoteLoRAs | None = None  # the served adapters (LoRAManager in-process)
 
 
 class CoreClient(Admission):
@@ -116,6 +119,8 @@ class CoreClient(Admission):
         self.engine = FrontEndModel(ready.model_name, tokenizer, ready.max_model_len,
                                     ready.model_config, ready.server_info,
                                     ready.eos_token_ids)
+        if ready.lora_adapters is not None:
+            self.engine.lora = RemoteLoRAs(ready.lora_adapters, self._send)
         self.tokenizer = tokenizer
         self.max_num_seqs = ready.max_num_seqs
         self.stats: EngineStats = ready.stats  # replaced whole, never mutated
@@ -137,9 +142,10 @@ class CoreClient(Admission):
     # ---- event loop side ------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          params: SamplingParams, arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Hand a request to the core; returns once the core has taken it.
+        `lora_request`: a served adapter (the core runs it by name).
 
         Raises ValueError (validation, with `.param`), QueueFullError or
         EngineUnavailableError.
@@ -165,7 +171,8 @@ class CoreClient(Admission):
             self._streams[request_id] = stream
             self._states[request_id] = RequestState(request_id, text, ids, params, arrival)
             self._num_seqs_in_flight += stream.num_seqs
-            if not self._send_locked(m.AddRequest(request_id, ids, params, arrival)):
+            if not self._send_locked(m.AddRequest(request_id, ids, params, arrival,
+                                                  lora_request)):
                 self._pop_locked(request_id)
                 raise EngineUnavailableError("the engine core is not reachable",
                                              _DOWN_RETRY_AFTER_S)
@@ -268,6 +275,8 @@ class CoreClient(Admission):
                 if msg.stats is not None:
                     self.stats = msg.stats
                 self._on_outputs(msg)
+            elif isinstance(msg, m.LoRAUpdated) and self.engine.lora is not None:
+                self.engine.lora.answered(msg)
 
     def _on_outputs(self, msg: m.StepOutputs) -> None:
         for ack in msg.acks:
@@ -361,7 +370,13 @@ class CoreClient(Admission):
                 stream.put(item)
         return ids
 
-    def _send_locked(self, msg: m.AddRequest | m.AbortRequests | m.Shutdown) -> bool:
+    def _send(self, msg: m.ToCore) -> bool:
+        with self._lock:
+            if self._dead_reason is not None or self._closed:
+                return False
+            return self._send_locked(msg)
+
+    def _send_locked(self, msg: m.ToCore) -> bool:
         try:
             self._to_core.send(m.encoder.encode(msg), zmq.NOBLOCK)
             return True

@@ -17,6 +17,7 @@ import msgspec
 from tokenmill.config import ModelConfig
 from tokenmill.engine.core.outputs import Logprob
 from tokenmill.engine.core.stats import EngineStats
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic(): one clock for all processes of a machine
+    lora_request: LoRARequest | None = None  # a served adapter, by name; None: the base
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -35,7 +37,20 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Abort whatever is in flight and exit 0."""
 
 
-ToCore = AddRequest | AbortRequests | Shutdown
+class LoadLoRA(msgspec.Struct, tag="lora_load"):
+    """/v1/load_lora_adapter: serve the PEFT adapter at `lora_path` as `lora_name`."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="lora_unload"):
+    call_id: int
+    lora_name: str
+
+
+ToCore = AddRequest | AbortRequests | Shutdown | LoadLoRA | UnloadLoRA
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -47,6 +62,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     stats: EngineStats
     server_info: dict  # GET /server_info, computed where the engine config is resolved
+    lora_adapters: list[LoRARequest] | None = None  # served at start; None: LoRA is off
 
 
 class Ack(msgspec.Struct, array_like=True):
@@ -92,7 +108,17 @@ class Heartbeat(msgspec.Struct, tag="beat"):
     step_running_s: float | None  # how long the current step has run; None between steps
 
 
-FromCore = CoreReady | StepOutputs | Heartbeat
+class LoRAUpdated(msgspec.Struct, tag="lora_updated"):
+    """The answer to a LoadLoRA / UnloadLoRA: the adapters served now, or why not."""
+
+    call_id: int
+    served: list[LoRARequest]
+    error: str | None = None
+    param: str | None = None
+    not_found: bool = False  # the error is an unknown adapter (a 404)
+
+
+FromCore = CoreReady | StepOutputs | Heartbeat | LoRAUpdated
 
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

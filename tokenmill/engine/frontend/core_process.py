@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -36,10 +37,12 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.errors import TensorParallelError
 from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.core.lora_manager import UnknownLoRAError
 from tokenmill.engine.core.outputs import RequestOutput
 from tokenmill.engine.core.server_info import server_info
 from tokenmill.engine.core.validation import RequestError
 from tokenmill.engine.frontend import core_messages as m
+from tokenmill.loaders.lora_adapter import LoRAAdapterError
 from tokenmill.startup_timer import mark
 
 logger = logging.getLogger("tokenmill.engine.core")
@@ -96,7 +99,12 @@ class EngineCore:
                            model_config=e.model_config, max_model_len=e.max_model_len,
                            max_num_seqs=e.config.max_num_seqs,
                            eos_token_ids=sorted(e.eos_token_ids), stats=e.get_stats(),
-                           server_info=server_info(e))
+                           server_info=server_info(e),
+                           lora_adapters=self._served_loras())
+
+    def _served_loras(self) -> list | None:
+        lora = self.engine.lora
+        return None if lora is None else list(lora.served.values())
 
     def run(self) -> None:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
@@ -139,13 +147,20 @@ class EngineCore:
             elif isinstance(msg, m.AbortRequests):
                 self.engine.abort_request(msg.request_ids)
                 self.tracker.forget(msg.request_ids)
+            elif isinstance(msg, (m.LoadLoRA, m.UnloadLoRA)):
+                self._send(self._update_lora(msg))
             else:
                 return acks, changed, True
 
     def _add(self, msg: m.AddRequest) -> m.Ack:
+        lora = msg.lora_request
+        if lora is not None:
+            # by name only: an adapter unloaded since the front end looked it up is
+            # refused as unknown, never served again from its path behind the front end
+            lora = dataclasses.replace(lora, lora_path="")
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    arrival_time=msg.arrival_time)
+                                    arrival_time=msg.arrival_time, lora_request=lora)
         except RequestError as e:
             return m.Ack(msg.request_id, str(e), e.param)
         except Exception as e:
@@ -153,6 +168,29 @@ class EngineCore:
             return m.Ack(msg.request_id, f"the engine could not take the request "
                          f"({type(e).__name__})", "internal")
         return m.Ack(msg.request_id)
+
+    def _update_lora(self, msg: m.LoadLoRA | m.UnloadLoRA) -> m.LoRAUpdated:
+        """Load or unload an adapter between two steps, as the in-process routes do."""
+        lora = self.engine.lora
+        if lora is None:
+            return m.LoRAUpdated(msg.call_id, [], "LoRA is off: start the server with "
+                                 "--enable-lora", "lora_name")
+        try:
+            if isinstance(msg, m.LoadLoRA):
+                lora.add(msg.lora_name, msg.lora_path)
+            else:
+                lora.remove(msg.lora_name)
+        except UnknownLoRAError as e:
+            return m.LoRAUpdated(msg.call_id, self._served_loras() or [], str(e),
+                                 "lora_name", not_found=True)
+        except LoRAAdapterError as e:
+            return m.LoRAUpdated(msg.call_id, self._served_loras() or [], str(e), e.param)
+        except Exception as e:
+            logger.exception("LoRA adapter update %r failed", msg.lora_name)
+            return m.LoRAUpdated(msg.call_id, self._served_loras() or [],
+                                 f"LoRA adapter {msg.lora_name!r}: {type(e).__name__}: {e}",
+                                 "lora_path")
+        return m.LoRAUpdated(msg.call_id, self._served_loras() or [])
 
     def _step(self) -> None:
         steps_before = self.engine.stats.num_steps
@@ -187,8 +225,8 @@ class EngineCore:
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.requests))
 
-    def _send(self, msg: m.StepOutputs) -> None:
-        if msg.stats is not None:
+    def _send(self, msg: m.StepOutputs | m.LoRAUpdated) -> None:
+        if isinstance(msg, m.StepOutputs) and msg.stats is not None:
             self._sent_free_blocks = msg.stats.num_free_blocks
         self.outbox.send(m.encoder.encode(msg))
 

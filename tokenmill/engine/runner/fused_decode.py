@@ -33,12 +33,15 @@ no tensor parallelism, Llama layers (with Qwen3's q/k norms; without biases but 
 model's, as Qwen2's q/k/v) and Gemma 3's (issue 58: the record's per-head q/k norms,
 the norms of the attention and MLP outputs, each layer's RoPE table and sliding window,
 GeGLU, the embedding rows scaled by sqrt(hidden) here before the call; no cascade
-over a shared prefix, which has no window). TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+over a shared prefix, which has no window). A batch-1 step under a LoRA adapter takes it
+too, the adapter's low-rank products added inside the call (`run(..., lora_id)`); several
+rows with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -60,6 +63,7 @@ from tokenmill.models.gemma3 import (
 )
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.lora import LoRALinear
 from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
@@ -91,6 +95,7 @@ WIDE_MAX_ROWS = 1 << 30
 # and 48, 1.38 at 64; 12 lies between the tie and the first win.
 WIDE_MIN_ROWS = 12
 FMT_BF16 = 2  # decode_step.c: a plain (N, K) bf16 weight, with the record's bits 0
+MAX_LORA_RANK = 512  # decode_step.c's MAX_LORA_R: one linear's stacked adapter rank
 
 
 def enabled_by_env() -> bool:
@@ -317,6 +322,8 @@ class FusedDecode:
             self.max_rows = WIDE_MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive
+        # LoRA adapter id -> (its weights per linear, a copy of `layers` naming them)
+        self._adapter_layers: dict[int, tuple[tuple, ctypes.Array]] = {}
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object,
@@ -332,6 +339,41 @@ class FusedDecode:
         assert isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))
         return cls(model, kv_caches)
 
+    def _linears(self) -> list[tuple[object, object, object, object]]:
+        return [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj) for layer in self._model.model.layers]
+
+    def adapter_layers(self, lora_id: int) -> ctypes.Array | None:
+        """The layer records with adapter `lora_id`'s low-rank pairs named (batch 1:
+        tm_decode_step adds them after each linear); None when the adapter cannot be
+        fused (a linear not wrapped by models/lora.py, a stacked rank over the kernel's
+        MAX_LORA_R). Rebuilt when the adapter is installed again."""
+        linears = self._linears()
+        weights = tuple(lin.adapters.get(lora_id) if isinstance(lin, LoRALinear) else False
+                        for group in linears for lin in group)
+        if False in weights or any(w is not None and w.a_cat.shape[0] > MAX_LORA_RANK
+                                   for w in weights):
+            return None
+        cached = self._adapter_layers.get(lora_id)
+        if cached is not None and all(a is b for a, b in zip(cached[0], weights)):
+            return cached[1]
+        layers = (native.LayerRecord * len(self._layers))()
+        ctypes.memmove(layers, self._layers, ctypes.sizeof(self._layers))
+        for rec, group, i in zip(layers, linears, range(0, len(weights), 4)):
+            for j, lin in enumerate(group):
+                w = weights[i + j]
+                if w is None:
+                    rec.lora_r[j] = 0
+                    continue
+                a, b = w.dense_pair(int(lin.base.out_features))  # kept alive by w
+                rec.lora_a[j], rec.lora_b[j] = a.data_ptr(), b.data_ptr()
+                rec.lora_r[j] = a.shape[0]
+        self._adapter_layers[lora_id] = (weights, layers)
+        return layers
+
+    def forget_adapters(self) -> None:
+        self._adapter_layers.clear()
+
     def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
         """A decode step of one token per sequence, at most `max_rows` of them, that
         samples every row (the model runner asks before it plans the step: this one
@@ -340,11 +382,25 @@ class FusedDecode:
         return (self.enabled and 1 <= n <= self.max_rows and logit_rows == list(range(n))
                 and all(q == 1 for q in query_lens))
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+            lora_id: int = 0) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """(logits (B, vocab) fp32 or None, final hidden states (B, hidden) bf16) for the
         step's B rows; None when the kernel refuses an input (nothing written: the
-        module path then runs and reports it)."""
+        module path then runs and reports it). `lora_id`: the one row's LoRA adapter
+        (batch 1 only; 0 the base)."""
+        if not lora_id:
+            return self._run(ids, pos, meta)
+        layers = self.adapter_layers(lora_id) if ids.numel() == 1 else None
+        if layers is None:
+            return None
+        self.record.layers = layers
+        try:
+            return self._run(ids, pos, meta)
+        finally:
+            self.record.layers = self._layers
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         tables = meta.block_tables
         n = ids.numel()
         if (tables.dtype != torch.int32 or not tables.is_contiguous() or tables.dim() != 2

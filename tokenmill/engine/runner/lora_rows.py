@@ -26,9 +26,10 @@ def lora_groups(inputs: Any, device: torch.device) -> dict[int, torch.Tensor] | 
 
 
 def log_lora_module_path() -> None:
-    """The fused native decode step has no LoRA products yet: say so once."""
+    """The fused native decode step adds an adapter's products at batch 1 only: say so
+    once."""
     global _logged
     if not _logged:
         _logged = True
-        logger.info("LoRA: steps with an adapter run the module path; the fused native "
-                    "decode step does not apply adapters yet")
+        logger.info("LoRA: decode steps of several rows with an adapter run the module "
+                    "path; the fused native decode step applies adapters at batch 1 only")

@@ -286,12 +286,13 @@ class ModelRunner:
         )
         fused = self.fused_decode
         self._lora = lora_groups(staged.inputs, dev.device) if staged.inputs.lora_ids else None
+        fused_takes = fused is not None and fused.takes(staged.query_lens, staged.logit_rows)
         if self._lora is not None:
             self._lora_meta = meta
-            if fused is not None and fused.takes(staged.query_lens, staged.logit_rows):
+            if fused_takes and len(staged.query_lens) > 1:
                 log_lora_module_path()
-        if (fused is None or self._lora is not None
-                or not fused.takes(staged.query_lens, staged.logit_rows)):
+                fused_takes = False  # batch 1 only: the adapter's products in the step
+        if not fused_takes:
             meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
         # else the fused step needs none (should it refuse the step, the first layer plans)
         self._record(meta, staged)
@@ -335,6 +336,15 @@ class ModelRunner:
             return self.graphs.run(meta)[:len(logit_rows)]
         groups = self._lora if self._lora_meta is meta else None
         if groups is not None:  # adapters: the module path (LoRALinear adds the deltas)
+            fused = self.fused_decode
+            if (fused is not None and len(meta.query_lens_list) == 1
+                    and fused.takes(meta.query_lens_list, logit_rows)):
+                # batch 1: the fused step adds the adapter's products after each linear
+                (lora_id,) = groups
+                result = fused.run(ids, pos, meta, lora_id)
+                if result is not None:
+                    logits, hidden = result
+                    return logits if logits is not None else self.model.compute_logits(hidden)
             with attention_metadata(meta), lora_batch(groups):
                 hidden = self.model(ids, pos)
             return self._logits(hidden, logit_rows)

@@ -32,7 +32,7 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                            serving: ServingDep) -> Any:
     # stamped by the Gate as the request came in: rendering, tokenizing count in TTFT
     arrival = getattr(request.state, "arrival_time", None) or time.monotonic()
-    serving.check_model(req.model)
+    model_name = serving.check_model(req.model)
     tools = plan_tools(req, serving.config.tool_call_parser)
     params = with_tools(serving.sampling_params(req), tools)
     prompt_ids = await serving.render_chat(req.messages, req, tools)
@@ -89,7 +89,7 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
                 for key in ("tool_calls", "reasoning_content"):
                     if dumped["delta"][key] is None:
                         del dumped["delta"][key]
-                events.append(part.progress.chunk(request_id, serving.model_name, dumped))
+                events.append(part.progress.chunk(request_id, model_name, dumped))
             return events
 
         return StreamingResponse(event_stream(serving, request_id, parts, chunks,
@@ -105,7 +105,7 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request,
             stop_reason=c.stop_reason,
             logprobs=chat_logprobs(c, 0, top_k, decode) if req.logprobs else None))
     body = p.dump(p.ChatCompletionResponse(
-        id=request_id, created=parts[0].progress.created, model=serving.model_name,
+        id=request_id, created=parts[0].progress.created, model=model_name,
         choices=choices, usage=serving.usage([final])))
     if serving.reasoning_parser is None:  # without the flag, the response is as before
         for choice in body["choices"]:

@@ -72,7 +72,7 @@ async def completions(req: p.CompletionRequest, request: Request,
                       serving: ServingDep) -> Any:
     # stamped by the Gate as the request came in: parsing, tokenizing count in TTFT
     arrival = getattr(request.state, "arrival_time", None) or time.monotonic()
-    serving.check_model(req.model)
+    model_name = serving.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = serving.completion_prompts(req)
@@ -89,7 +89,7 @@ async def completions(req: p.CompletionRequest, request: Request,
             for c, delta, first_token, sent_text, first in part.progress.deltas(
                     out, shape.want_logprobs, announce=req.echo):
                 choice = shape.choice(part, out, c, delta, first_token, sent_text, first)
-                events.append(part.progress.chunk(request_id, serving.model_name,
+                events.append(part.progress.chunk(request_id, model_name,
                                                   p.dump(choice)))
             return events
 
@@ -102,6 +102,6 @@ async def completions(req: p.CompletionRequest, request: Request,
     choices = [shape.choice(part, final, c, c.text, 0, 0, True)
                for part, final in zip(parts, finals) for c in final.outputs]
     body = p.dump(p.CompletionResponse(
-        id=request_id, created=parts[0].progress.created, model=serving.model_name,
+        id=request_id, created=parts[0].progress.created, model=model_name,
         choices=choices, usage=serving.usage(finals, req.prompt_only)))
     return JSONResponse(p.with_kv_transfer_params(body, finals))

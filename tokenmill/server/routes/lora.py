@@ -75,7 +75,8 @@ async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, serving: ServingDep
 
     manager = _manager(serving)
     try:
-        manager.remove(req.lora_name)
+        # beside an engine core process this waits for the core's answer
+        await asyncio.to_thread(manager.remove, req.lora_name)
     except UnknownLoRAError as e:
         raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
     except LoRAAdapterError as e:

@@ -4,13 +4,17 @@ imports it: benchmarks import nothing from tests/)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -70,3 +74,39 @@ def start_server(*args: str, ready_timeout_s: float = 180.0, env: dict | None = 
     raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{server.log()[-4000:]}")
 
 
+
+
+def router_binary() -> str | None:
+    """vllm-router's executable: this interpreter's venv first, then PATH."""
+    here = str(Path(sys.executable).parent)
+    return shutil.which("vllm-router", path=here) or shutil.which("vllm-router")
+
+
+@contextlib.contextmanager
+def running_router(args: list[str], prefix: tuple[str, ...] = (),
+                   log_path: str | None = None) -> Iterator[str]:
+    """vllm-router on a free loopback port with `args` (its routing flags; `prefix` goes
+    before the binary, e.g. taskset); yields its URL once /health answers, stops it after."""
+    binary = router_binary()
+    if binary is None:
+        raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
+    port = free_port()
+    cmd = [*prefix, binary, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {proc.returncode}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if log is not subprocess.DEVNULL:
+            log.close()

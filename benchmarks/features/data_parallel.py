@@ -18,22 +18,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 HERE = Path(__file__).resolve().parent
 from benchmarks.common import machine
-from benchmarks.server import free_port, start_server
+from benchmarks.server import free_port, router_binary, running_router, start_server
 
 W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
-    shutil.which("vllm-router")
+ROUTER = router_binary()
 
 
 def _counter(base_url: str, name: str) -> float:
@@ -59,30 +56,13 @@ def replicas(n: int, threads: int, kv_events: bool):
             s.stop()
 
 
-@contextlib.contextmanager
 def router(servers, policy: str, event_ports: list[int]):
-    port = free_port()
-    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--worker-urls", *[s.base_url for s in servers],
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args = ["--policy", policy, "--worker-urls", *[s.base_url for s in servers]]
     if event_ports:
-        cmd += ["--kv-event-block-size", "16", "--kv-event-model", "smollm2-135m"]
+        args += ["--kv-event-block-size", "16", "--kv-event-model", "smollm2-135m"]
         for s, p in zip(servers, event_ports):
-            cmd += ["--kv-event-source", f"{s.base_url}=tcp://127.0.0.1:{p}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+            args += ["--kv-event-source", f"{s.base_url}=tcp://127.0.0.1:{p}"]
+    return running_router(args)
 
 
 def bench(base_url: str, extra: list[str]) -> dict:

@@ -30,20 +30,16 @@ import itertools
 import json
 import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from benchmarks.common import machine
-from benchmarks.server import free_port, start_server
+from benchmarks.server import router_binary, running_router, start_server
 
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
-    shutil.which("vllm-router")
+ROUTER = router_binary()
 MODEL = "smollm2-135m"
 VOCAB = 49152
 
@@ -75,25 +71,8 @@ def serve(cpus: str, *extra: str):
                             env={"OMP_NUM_THREADS": threads})
 
 
-@contextlib.contextmanager
 def router(args: list[str], cpus: str):
-    port = free_port()
-    cmd = ["taskset", "-c", cpus, ROUTER, "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return running_router(args, prefix=("taskset", "-c", cpus))
 
 
 @contextlib.contextmanager

@@ -1,22 +1,17 @@
 """Two tokenmill replicas behind vllm-router's `kv_aware` policy: the router follows
 each replica's KV events and sends a prompt to the replica that holds its prefix."""
 
-import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.server import router_binary, running_router
 from tests.serving import free_port, start_server
 
 pytestmark = pytest.mark.slow
 
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
-    shutil.which("vllm-router")
+ROUTER = router_binary()
 
 
 def _prefix_cache_hits(base_url: str) -> float:
@@ -41,29 +36,14 @@ def replicas():
         "--kv-events-config",
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{p}"}}')
         for p in ports]
-    router_port = free_port()
-    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(router_port),
-           "--worker-urls", *[s.base_url for s in servers], "--policy", "kv_aware",
-           "--kv-event-block-size", "16", "--kv-event-model", "smollm2-135m",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args = ["--worker-urls", *[s.base_url for s in servers], "--policy", "kv_aware",
+            "--kv-event-block-size", "16", "--kv-event-model", "smollm2-135m"]
     for s, p in zip(servers, ports):
-        cmd += ["--kv-event-source", f"{s.base_url}=tcp://127.0.0.1:{p}"]
-    log = open(os.path.join("/tmp", f"vllm-router-{router_port}.log"), "w")  # noqa: SIM115
-    router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{router_port}"
+        args += ["--kv-event-source", f"{s.base_url}=tcp://127.0.0.1:{p}"]
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert router.poll() is None, "vllm-router exited"
-            time.sleep(0.5)
-        yield url, servers
+        with running_router(args, log_path=f"/tmp/vllm-router-{free_port()}.log") as url:
+            yield url, servers
     finally:
-        router.terminate()
-        router.wait(10)
         for s in servers:
             s.stop()
 

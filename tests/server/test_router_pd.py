@@ -3,22 +3,16 @@
 the decode instance's own (one instance prefilling and decoding), every prompt token's
 KV arrived by transfer and none fell back; the prefill instance's pins are freed."""
 
-import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.server import router_binary, running_router
 from tests.serving import free_port, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
-    shutil.which("vllm-router")
+ROUTER = router_binary()
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "List three prime numbers and say why they are prime:",
            "Once upon a time, in a quiet village by the river, there lived"]
@@ -37,27 +31,12 @@ def pd():
     common = ["--max-num-seqs", "4", "--kv-cache-memory", "64MiB"]
     prefill = start_server(MODEL, *common, "--kv-transfer-config", '{"kv_role": "kv_producer"}')
     decode = start_server(MODEL, *common, "--kv-transfer-config", '{"kv_role": "kv_consumer"}')
-    port = free_port()
-    log = open(os.path.join("/tmp", f"vllm-router-pd-{port}.log"), "w")  # noqa: SIM115
-    router = subprocess.Popen(
-        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-         "--prefill", prefill.base_url, "--decode", decode.base_url, "--policy", "round_robin",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    args = ["--vllm-pd-disaggregation", "--prefill", prefill.base_url,
+            "--decode", decode.base_url, "--policy", "round_robin"]
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert router.poll() is None, "vllm-router exited"
-            time.sleep(0.5)
-        yield url, prefill, decode
+        with running_router(args, log_path=f"/tmp/vllm-router-pd-{free_port()}.log") as url:
+            yield url, prefill, decode
     finally:
-        router.terminate()
-        router.wait(10)
         prefill.stop()
         decode.stop()
 

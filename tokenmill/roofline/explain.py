@@ -552,10 +552,11 @@ def _prefill_levers(run: _Run, prefill, summary) -> list[Lever]:
                 "prefill/decode disaggregation",
                 f"{stall}; prompts prefilled on an instance of their own leave the decode "
                 "instance's ITL flat, at the price of a KV transfer per request and the "
-                "cores split between the two roles (docs/scale-out.md)",
-                flags=[("--kv-transfer-config '{\"kv_role\": \"kv_producer\"}' on a prefill "
-                        "instance and '{\"kv_role\": \"kv_consumer\"}' on a decode one, "
-                        "behind vllm-router --vllm-pd-disaggregation")]))
+                "cores split between the two roles: the first flag on a prefill instance, "
+                "the second on a decode one, both behind vllm-router "
+                "--vllm-pd-disaggregation (docs/scale-out.md)",
+                flags=["--kv-transfer-config '{\"kv_role\": \"kv_producer\"}'",
+                       "--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'"]))
     e2e = _num(summary, "e2e_ms", "mean")
     ttft = prefill["measured_ttft_ms"]
     if e2e and ttft / e2e > 0.2 and not _on(run.server, "enable_prefix_caching"):

@@ -25,6 +25,7 @@ _JSON = {"Content-Type": "application/json"}
 
 # failure kinds that mean the server went away (the bench exits non-zero on them)
 CONNECTION_FAILURES = ("connect", "disconnected", "timeout")
+STALE_RETRIES = 4  # resends of a request whose kept-alive connection turned out closed
 
 
 # a prompt: text, or (multi-turn) the chat messages so far
@@ -113,6 +114,7 @@ class OpenAIClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self.dropped_fields: list[str] = []
         self._session: aiohttp.ClientSession | None = None
+        self._stale_retries: dict[int, int] = {}  # id(record) -> resends on dead connections
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -163,7 +165,7 @@ class OpenAIClient:
 
     async def send(self, record: RequestRecord, prompt: Prompt, t0: float) -> RequestRecord:
         """Stream one request into `record`; never raises for a server-side failure."""
-        for _ in range(len(self.OPTIONAL_FIELDS) + 1):
+        for _ in range(len(self.OPTIONAL_FIELDS) + 1 + STALE_RETRIES):
             retry = await self._send_once(record, prompt, t0)
             if not retry:
                 break
@@ -175,9 +177,11 @@ class OpenAIClient:
         body = self.payload(prompt, record.max_tokens, record.request_id)
         record.send_time_s = now() - t0
         done = False
+        answered = False
         try:
             async with self.session.post(self.path.lstrip("/"), data=_encode(body),
                                          headers=_JSON) as resp:
+                answered = True
                 if resp.status != 200:
                     text = (await resp.read()).decode(errors="replace")
                     if resp.status in (400, 422) and self._drop_rejected_field(text, body):
@@ -211,6 +215,13 @@ class OpenAIClient:
             return False
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
                 aiohttp.ClientOSError) as e:
+            if not answered and self._stale_retries.get(id(record), 0) < STALE_RETRIES:
+                # a kept-alive connection the server had closed (llama-server closes its
+                # idle ones): the request never reached it, so send it again (the pool
+                # drops the dead connection) rather than count a failure the server did
+                # not make
+                self._stale_retries[id(record)] = self._stale_retries.get(id(record), 0) + 1
+                return True
             record.fail("disconnected", f"server closed the connection mid-stream: "
                         f"{type(e).__name__}: {e}", now() - t0)
             return False

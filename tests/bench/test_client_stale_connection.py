@@ -1,0 +1,58 @@
+"""A server that closes its idle kept-alive connections without saying so (llama-server
+does: W2 against `llama-server -np 16` lost 10-13 of 64 requests as "disconnected" with
+"Can not write request body"): the bench resends a request that never reached the
+server, and counts no failure the server did not make."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tokenmill.bench.client import ClientOptions, OpenAIClient, RequestRecord
+
+
+async def _serve_one_response_per_connection(reader, writer) -> None:
+    """Answer the first request on a connection as a kept-alive SSE stream (no
+    Connection: close); drop the connection when a second request arrives on it, without
+    a byte of response — a server that had closed it while idle, as the client sees it."""
+    for served in range(2):
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            break
+        if served:  # the reused connection: gone before it answered
+            break
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        chunks = [{"choices": [{"index": 0, "text": w, "finish_reason": None}]}
+                  for w in "abc"]
+        chunks[-1]["choices"][0]["finish_reason"] = "length"
+        body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+        body += b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+    writer.close()
+
+
+async def _run(n: int) -> list[RequestRecord]:
+    server = await asyncio.start_server(_serve_one_response_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = OpenAIClient(ClientOptions(base_url=f"http://127.0.0.1:{port}", model="m",
+                                        ignore_eos=False))
+    records = []
+    try:
+        for i in range(n):  # one after another: each reuses the pool's connection
+            record = RequestRecord(request_id=i, prompt_len=None, max_tokens=3)
+            records.append(await client.send(record, "hello", 0.0))
+    finally:
+        await client.aclose()
+        server.close()
+    return records
+
+
+def test_a_connection_the_server_closed_while_idle_costs_no_request():
+    records = asyncio.run(_run(6))
+    assert [r.error_kind for r in records] == [None] * 6
+    assert all(len(r.chunk_times_s) == 3 for r in records)

@@ -31,10 +31,14 @@ def test_client_and_server_means_agree_but_for_the_transport(chat_run):
         r = rows[what]  # within 5%, or within the 10 ms the transport costs (no warning)
         assert not r["warn"], r
         assert abs(r["diff_pct"]) < 5.0 or abs(r["client"] - r["server"]) < 10.0, r
-    for what in ("TTFT mean (ms)", "E2E mean (ms)"):
-        # the client's interval holds the server's: it sends before the server receives
-        # and reads each token after the server made it
-        assert rows[what]["client"] >= rows[what]["server"], rows[what]
+    # the client's interval holds the server's: it sends before the server receives and
+    # reads each token after the server made it
+    assert rows["TTFT mean (ms)"]["client"] >= rows["TTFT mean (ms)"]["server"], rows
+    # ...but the server stamps a request's end after it has flushed the last chunk, so a
+    # client may read that chunk first: E2E may read up to a few ms under the server's
+    # (1 ms under, in two full make test runs on 2026-12-06)
+    e2e = rows["E2E mean (ms)"]
+    assert e2e["client"] >= e2e["server"] - 5.0, e2e
     # counts agree exactly, and the warmup conversation fell outside the scrapes
     assert rows["requests finished"]["server"] == rows["requests finished"]["client"] == 6
     assert rows["output tokens"]["server"] == rows["output tokens"]["client"] == 6 * 8

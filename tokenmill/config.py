@@ -183,18 +183,24 @@ class KVEventsConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv-events-config is not valid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise TypeError("kv-events-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv-events-config: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**raw)
+        return cls(**_json_fields(text, cls, "kv-events-config"))
+
+
+def _json_fields(text: str, cls: type, flag: str) -> dict:
+    """A flag's JSON object, every key a field of the dataclass `cls` (errors name the flag
+    and the unknown fields)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise TypeError(f"{flag} must be a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{flag}: unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return raw
 
 
 KV_CONNECTORS = ("ZmqConnector",)  # tokenmill/kvcache/transfer: ZMQ over TCP
@@ -258,17 +264,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv-transfer-config is not valid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise TypeError("kv-transfer-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv-transfer-config: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        raw = _json_fields(text, cls, "kv-transfer-config")
         if "kv_role" not in raw:
             raise ValueError("kv-transfer-config: kv_role is required (kv_producer, "
                              "kv_consumer or kv_both)")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine.conftest import small_engine
+from tests.engine.test_fused_decode import _greedy
 from tokenmill.kernels import decode_step, q4q8_gemv
-from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (decode_step.available() and q4q8_gemv.available()),
                                 reason="decode_step not built")
@@ -24,20 +24,6 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 FILES = {"embedded": (), "smollm2-135m-Q4_K_M.gguf": ("q5 exact", "q6 requantized per 32"),
          "smollm2-135m-Q5_K_M.gguf": ("q5 exact",),
          "smollm2-135m-Q6_K.gguf": ("q6 requantized per 32",)}
-
-
-def _greedy(engine, n: int, fused: bool) -> list[int]:
-    engine.runner.fused_decode.enabled = fused
-    try:
-        engine.add_request("g", PROMPT, SamplingParams(temperature=0, max_tokens=n,
-                                                       ignore_eos=True))
-        ids: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                ids = list(out.outputs[0].token_ids)
-        return ids
-    finally:
-        engine.runner.fused_decode.enabled = True
 
 
 @pytest.mark.parametrize("name", list(FILES))
@@ -61,6 +47,6 @@ def test_fused_steps_give_the_module_paths_greedy_tokens_on_real_files(name):
     for form in FILES[name]:
         assert form in forms, forms
     assert "q8 requantized" not in forms, forms
-    fused = _greedy(engine, 24, fused=True)
-    assert fused == _greedy(engine, 24, fused=False)
+    fused = _greedy(engine, PROMPT, 24, fused=True)
+    assert fused == _greedy(engine, PROMPT, 24, fused=False)
     assert len(set(fused)) > 3  # a real continuation, not one token repeated

@@ -5,13 +5,17 @@ A decode step streams every packed weight (~100 MB for SmolLM2-135M) from memory
 every page boundary; where those tensors land (heap or a mapping of its own) decides
 how often, so the same kernel ran one step's linears at 16 rows in 8.6 or 12.2 ms
 depending on what the process had allocated before (BENCHMARKS.md, "Huge pages").
-One anonymous mapping, 2 MiB aligned and advised MADV_HUGEPAGE (which Linux honours
-under transparent_hugepage `madvise` or `always`), holds them all instead.
+One private anonymous mapping, 2 MiB aligned and advised MADV_HUGEPAGE (which Linux
+honours under transparent_hugepage `madvise` or `always`), holds them all instead.
+Private, not Python's default MAP_SHARED: a shared anonymous mapping is shmem, whose
+huge pages follow `shmem_enabled` (`never` by default), so the advice was ignored
+and a ~1B model's 698 MiB of records sat in 4 KiB pages (issue 56).
 TOKENMILL_HUGE_PAGES=0 keeps each tensor where it was allocated (for A/B runs).
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 
@@ -51,7 +55,7 @@ def move_into(holders: list[tuple[object, str]]) -> bool:
         return False
     sizes = [_nbytes(getattr(obj, attr)) for obj, attr in holders]
     total = sum(-(-s // ALIGN) * ALIGN for s in sizes)
-    pages = mmap.mmap(-1, total + HUGE_PAGE)
+    pages = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         pages.madvise(advice)
     except OSError:  # a kernel without transparent huge pages
@@ -75,3 +79,27 @@ def move_into(holders: list[tuple[object, str]]) -> bool:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+
+def huge_page_bytes(tensors: list[torch.Tensor]) -> int | None:
+    """Bytes of transparent huge pages (smaps' AnonHugePages) in the mappings that hold
+    `tensors` (CPU), each mapping counted once: what the kernel actually gave, which the
+    advice alone does not decide (the system's THP settings, free contiguous memory).
+    None where /proc/self/smaps cannot be read (not Linux)."""
+    starts = sorted({t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()})
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms...
+            lo, _, hi = head.partition("-")
+            i = bisect.bisect_left(starts, int(lo, 16))  # the first start at or past lo
+            inside = i < len(starts) and starts[i] < int(hi, 16)
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total

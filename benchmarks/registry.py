@@ -78,6 +78,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "a native kernel A/B against its build at another git revision"),
     Benchmark("q4q8-step", "kernel", _K + "q4q8_step",
               "one decode step's linears on q4q8_gemv.c, by rows"),
+    Benchmark("records-stream", "kernel", _K + "records_stream",
+              "batch-1 records streamed vs plain reads: huge pages, bits, prefetch"),
 )
 WORKLOADS = tuple(b.name for b in BENCHMARKS if b.kind == "workload")
 

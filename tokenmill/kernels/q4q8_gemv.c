@@ -69,7 +69,14 @@
 #define Q8_RECORD (ROWS * 32 + ROWS * 2) /* 544 bytes */
 /* activation rows per pass over a group's weights (AVX2: fewer registers, see there) */
 #define MR (TM_AVX2 ? 4 : 8)
-#define PF_RECORDS 6                /* records ahead the first pass over a group prefetches */
+/* records ahead the first pass over a group prefetches, and into which cache (-D for the
+ * sweep of benchmarks/kernels/records_stream.c) */
+#ifndef PF_RECORDS
+#define PF_RECORDS 6
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
 /* 2 is decode_step.c's FMT_BF16 */
@@ -287,7 +294,7 @@ static inline __attribute__((always_inline)) void q4x_group(
         const uint8_t *rec = wg + b * rb;
         if (pf)
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(rec + 64 * c));
@@ -321,7 +328,7 @@ static inline __attribute__((always_inline)) void q8_group(
         const uint8_t *rec = wg + b * Q8_RECORD;
         if (pf)
             for (int l = 0; l < Q8_RECORD + 64; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, PF_HINT);
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(rec + 64 * c));
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
@@ -409,7 +416,7 @@ static inline __attribute__((always_inline)) void q4_half(
         const uint8_t *rec = wg + b * rb;
         if (pf)
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
         __m256i sum16[MR][2]; /* int32 sums with hb */
         for (int i = 0; i < mr; i++) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
         const int8_t *xb = q + b * QK;
@@ -463,7 +470,7 @@ static inline __attribute__((always_inline)) void q4_rows(
         const uint8_t *rec = wg + b * rb;
         if (pf)
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
         __m256i sum16[2][2][2]; /* [row][half][plane] */
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2; h++) sum16[i][h][0] = sum16[i][h][1] = _mm256_setzero_si256();
@@ -573,7 +580,7 @@ static inline __attribute__((always_inline)) void q8_halves(
         const uint8_t *rec = wg + bb * Q8_RECORD;
         if (pf)
             for (int l = 0; l < Q8_RECORD + 64; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)rec + PF_RECORDS * Q8_RECORD + l, PF_HINT);
         const int16_t(*vb)[QK] = v16[bb & 1];
         __m256i dot[MR][2];
         for (int i = 0; i < mr; i++)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import re
 
 import torch
 
@@ -26,6 +27,11 @@ from tokenmill import malloc
 HUGE_PAGE = 2 << 20
 TRIM_EVERY_BYTES = 64 << 20
 ALIGN = 64  # each tensor starts on a cache line
+# the weight report reads smaps (~20-50 ms: the kernel walks every mapping) only for
+# records this large, where 4 KiB pages cost the most and a load takes seconds anyway
+REPORT_MIN_BYTES = 256 << 20
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ", re.MULTILINE)  # smaps' mapping lines
+_HUGE = re.compile(r"^AnonHugePages:\s+(\d+) kB", re.MULTILINE)
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -90,16 +96,13 @@ def huge_page_bytes(tensors: list[torch.Tensor]) -> int | None:
     starts = sorted({t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()})
     try:
         with open("/proc/self/smaps") as f:
-            lines = f.readlines()
+            text = f.read()
     except OSError:
         return None
-    total, inside = 0, False
-    for line in lines:
-        head = line.split(None, 1)[0] if line.strip() else ""
-        if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms...
-            lo, _, hi = head.partition("-")
-            i = bisect.bisect_left(starts, int(lo, 16))  # the first start at or past lo
-            inside = i < len(starts) and starts[i] < int(hi, 16)
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
+    total = 0
+    for m in _MAPPING.finditer(text):  # one regex pass: torch's process has ~1,000 mappings
+        i = bisect.bisect_left(starts, int(m[1], 16))  # the first start at or past lo
+        if i < len(starts) and starts[i] < int(m[2], 16):
+            found = _HUGE.search(text, m.end())
+            total += int(found[1]) * 1024 if found else 0
     return total

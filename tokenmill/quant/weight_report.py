@@ -66,8 +66,9 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         "lowbit_bytes": summary.lowbit_bytes,
         # of the kernel records, how many bytes the OS gave transparent huge pages (a
         # decode step streams them all: 4 KiB pages cost TLB misses and stop the
-        # prefetchers at every page); None where it cannot be read
-        "records_huge_page_bytes": huge_pages.huge_page_bytes(records) if records else None,
+        # prefetchers at every page); None where not read (smaller records) or unreadable
+        "records_huge_page_bytes": huge_pages.huge_page_bytes(records)
+        if records and summary.lowbit_bytes >= huge_pages.REPORT_MIN_BYTES else None,
         "float_copy_bytes": summary.dense_bytes,
         "float_copy": why,
         "kept_float": dict(summary.kept_float),

@@ -14,6 +14,7 @@ run it on a quiet machine, a few seconds a configuration.
 
     python -m benchmarks run records-stream [--model llama-1b] [--threads 2]
         [--prefetch 6:t0,12:t0,24:t1,48:t1]   # records ahead : cache of _mm_prefetch
+        [--kernels OTHER_CHECKOUT/tokenmill/kernels]   # another revision's kernel
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ DEFAULT_PREFETCH = "6:t0"  # q4q8_gemv.c's PF_RECORDS and PF_HINT
 
 
 def compile_variant(compiler: str, workdir: Path, records: int, hint: str,
-                    march: str) -> Path:
+                    march: str, kernels: Path) -> Path:
     exe = workdir / f"records_stream_{records}_{hint}_{march.replace('-', '_')}"
     subprocess.run([compiler, "-O3", f"-march={march}", "-ffast-math", "-fopenmp",
-                    f"-I{KERNELS}", f"-DPF_RECORDS={records}", f"-DPF_HINT={HINTS[hint]}",
+                    f"-I{kernels}", f"-DPF_RECORDS={records}", f"-DPF_HINT={HINTS[hint]}",
                     str(SOURCE), "-o", str(exe), "-lm"], check=True)
     return exe
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="records ahead:cache (t0, t1, t2, nta) per variant, comma separated")
     ap.add_argument("--march", default="native",
                     help="gcc -march (x86-64-v3: the AVX2 build on an AVX-512 machine)")
+    ap.add_argument("--kernels", type=Path, default=KERNELS,
+                    help="the q4q8_gemv.c to build against (another checkout's "
+                    "tokenmill/kernels: an A/B of a kernel change)")
     args = ap.parse_args(argv)
     compiler = build.compiler()
     if compiler is None:
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'read GB/s':>9} {'of read':>7} {'huge MiB':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for records, hint in variants:
-            exe = compile_variant(compiler, Path(tmp), records, hint, args.march)
+            exe = compile_variant(compiler, Path(tmp), records, hint, args.march,
+                                  args.kernels)
             for huge in (True, False):
                 for b in bits:
                     r = run(exe, args.model, huge, b, args.threads, args.steps)

@@ -102,13 +102,15 @@ def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
     return runs
 
 
-def print_floors(runs: dict[str, list[dict]], levels: list[int]) -> None:
-    """Every server's run at every level against this CPU's floor (tokenmill explain)."""
+def print_floors(runs: dict[str, list[dict]], levels: list[int],
+                 model: str | None = None) -> None:
+    """Every server's run at every level against this CPU's floor (tokenmill explain);
+    `model`: the GGUF file the servers ran, when not the embedded model."""
     print("against the floor (tokenmill explain --hardware cpu on each run's result):")
     for name, results in runs.items():
         for c, result in zip(levels, results):
             try:
-                lines = floor_lines(explain(result))
+                lines = floor_lines(explain(result, model))
             except (subprocess.CalledProcessError, ValueError, KeyError) as e:
                 lines = [f"explain failed: {e}"]
             print(f"  {name}, c={c}:")
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
           "tokenmill better")
     print_table(results, levels)
     print_targets(results, levels)
-    print_floors(runs, levels)
+    print_floors(runs, levels, None if default_model else str(gguf))
     if not args.no_result:
         figures = figures_of(results, levels, {"model": gguf.name,
                                                "requests": args.num_requests,

@@ -74,7 +74,7 @@ def explain(result: dict, model: str | None = None) -> dict:
         f.flush()
         cmd = [sys.executable, "-m", "tokenmill.cli", "explain", f.name, "--json",
                "--hardware", "cpu", *(["--model", model] if model else [])]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise ValueError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
                              else f"exit status {done.returncode}")

@@ -46,3 +46,17 @@ def mark(phase: str) -> None:
     took = now - (_last_s or 0.0)
     _last_s = now
     logger.debug("start-up: %-44s done at %6.3f s (%.3f s)", phase, now, took)
+
+
+# what the server's front end must not load on its way to /health (issue 60)
+HEAVY_MODULES = ("torch", "transformers", "xgrammar")
+
+
+def log_heavy_modules() -> None:
+    """Log which of HEAVY_MODULES this process has imported so far (a line that
+    tests and `benchmarks/startup.py` read: "start-up modules: torch=no ...")."""
+    import sys
+
+    found = " ".join(f"{name}={'yes' if name in sys.modules else 'no'}"
+                     for name in HEAVY_MODULES)
+    logger.debug("start-up modules: %s", found)

@@ -35,6 +35,9 @@ _INERT_KEYS = {"backend", "is_local", "local_files_only", "tokenizer_class", "au
 # keys that change nothing at these values
 _INERT_VALUES = {"add_prefix_space": (None,), "split_special_tokens": (False,),
                  "additional_special_tokens": ([],), "extra_special_tokens": ({}, [])}
+# apply_chat_template arguments that only shape a tokenized result
+_TOKENIZE_ONLY = ("return_dict", "return_tensors", "padding", "truncation", "max_length",
+                  "tokenizer_kwargs")
 # transformers' clean-up after decode (WordPiece-era; it skips BPE models)
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
              (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -134,8 +137,12 @@ class FastTokenizer:
                             tokenize: bool = True, **kwargs: Any) -> str | list[int]:
         """transformers' apply_chat_template for one conversation: the text, or (tokenize)
         its token ids without added special tokens (the template writes them)."""
-        for name in ("return_dict", "return_tensors", "padding", "truncation",
-                     "return_assistant_tokens_mask", "sanitize_control_tokens"):
+        # how transformers would shape a tokenized result: nothing to do for text, and
+        # for ids this returns the plain list (tokenmill's callers never ask for more)
+        for name in _TOKENIZE_ONLY:
+            if kwargs.pop(name, None) and tokenize:
+                raise ValueError(f"apply_chat_template: {name} is not supported here")
+        for name in ("return_assistant_tokens_mask", "sanitize_control_tokens"):
             if kwargs.pop(name, None):
                 raise ValueError(f"apply_chat_template: {name} is not supported here")
         template = self._template(chat_template, tools)

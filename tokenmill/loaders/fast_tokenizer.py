@@ -38,6 +38,9 @@ _INERT_VALUES = {"add_prefix_space": (None,), "split_special_tokens": (False,),
 # apply_chat_template arguments that only shape a tokenized result
 _TOKENIZE_ONLY = ("return_dict", "return_tensors", "padding", "truncation", "max_length",
                   "tokenizer_kwargs")
+# longer decodes go through decode_batch, which releases the GIL (a short one is
+# cheaper in one call)
+_GIL_FREE_DECODE_TOKENS = 256
 # transformers' clean-up after decode (WordPiece-era; it skips BPE models)
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
              (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -109,11 +112,18 @@ class FastTokenizer:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call, as transformers makes it: it releases the GIL, `encode` holds it
+        # (a 3.6 MB text: the event loop stalled 7.1 s beside `encode`, 0.15 s beside this)
+        return self.backend_tokenizer.encode_batch(
+            [text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        text = self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if len(ids) > _GIL_FREE_DECODE_TOKENS:  # the batch call releases the GIL
+            text = self.backend_tokenizer.decode_batch(
+                [ids], skip_special_tokens=skip_special_tokens)[0]
+        else:
+            text = self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces:
             for old, new in _CLEANUPS:
                 text = text.replace(old, new)

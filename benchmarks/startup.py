@@ -90,11 +90,16 @@ def _record(args: argparse.Namespace, ready_s: list[float], phases: list[str]) -
     config = {"model": args.model, "flags": " ".join(args.extra)}
     figures = [results.Figure("tokenmill serve -> /health 200", "tokenmill", "start-up", "s",
                               ready_s, False, config)]
-    for line in phases:  # "[core] weights read   done at  2.1 s (0.9 s)"
+    for line in phases:  # "[core] weights read   done at  2.1 s (0.9 s; cpu 0.8 s)"
         name, _, rest = line.partition(" done at ")
+        name = " ".join(name.split())
         took = float(rest.rsplit("(", 1)[1].split()[0])
-        figures.append(results.Figure(f"phase: {' '.join(name.split())}", "tokenmill",
-                                      "start-up phase", "s", [took], False, config))
+        figures.append(results.Figure(f"phase: {name}", "tokenmill", "start-up phase", "s",
+                                      [took], False, config))
+        if "; cpu " in rest:  # the process's CPU seconds on the phase (all its threads)
+            cpu_s = float(rest.rsplit("; cpu ", 1)[1].split()[0])
+            figures.append(results.Figure(f"phase cpu: {name}", "tokenmill",
+                                          "start-up phase cpu", "s", [cpu_s], False, config))
     results.write(results.build(
         "startup", "Start-up: `tokenmill serve` to the first /health 200", figures,
         variant=None if args.model == "smollm2-135m" else args.model,

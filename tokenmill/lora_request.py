@@ -27,3 +27,7 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+class UnknownLoRAError(LookupError):
+    """A request names an adapter that is not served (a 404)."""

@@ -16,6 +16,7 @@ import time
 
 logger = logging.getLogger("tokenmill.startup")
 _last_s: float | None = None
+_last_cpu_s = 0.0
 
 
 def since_exec_s() -> float:
@@ -40,9 +41,27 @@ _exec_at: float | None = None
 
 
 def mark(phase: str) -> None:
-    """Log that `phase` has just ended: when, and how long since the previous mark."""
-    global _last_s
+    """Log that `phase` has just ended: when, how long since the previous mark, and the
+    CPU seconds (user + system, all threads) this process spent on it: on a loaded
+    machine the wall times stretch, the CPU seconds hold."""
+    global _last_s, _last_cpu_s
     now = since_exec_s()
     took = now - (_last_s or 0.0)
-    _last_s = now
-    logger.debug("start-up: %-44s done at %6.3f s (%.3f s)", phase, now, took)
+    cpu = time.process_time()
+    _last_s, cpu_took, _last_cpu_s = now, cpu - _last_cpu_s, cpu
+    logger.debug("start-up: %-44s done at %6.3f s (%.3f s; cpu %.3f s)", phase, now, took,
+                 cpu_took)
+
+
+# what the server's front end must not load on its way to /health (issue 60)
+HEAVY_MODULES = ("torch", "transformers", "xgrammar")
+
+
+def log_heavy_modules() -> None:
+    """Log which of HEAVY_MODULES this process has imported so far (a line that
+    tests and `benchmarks/startup.py` read: "start-up modules: torch=no ...")."""
+    import sys
+
+    found = " ".join(f"{name}={'yes' if name in sys.modules else 'no'}"
+                     for name in HEAVY_MODULES)
+    logger.debug("start-up modules: %s", found)

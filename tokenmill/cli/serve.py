@@ -138,14 +138,19 @@ def _check_startup_choices(args: argparse.Namespace) -> None:
     mark("engine imports, start-up choices checked")
 
 
-def _prepare_front_end(args: argparse.Namespace) -> None:
-    """The front end's own start-up, done while the engine core loads: the same
-    checks the core makes (a usage error exits 2 here, the core is killed), and
-    the HTTP stack's imports (FastAPI, the routes)."""
-    _check_startup_choices(args)
+def _prepare_front_end(tokenizer: Any) -> None:
+    """The front end's own start-up, done while the engine core loads: the HTTP
+    stack's imports (FastAPI, the routes) and what the server derives from the
+    tokenizer alone (cached), so that little is left once the core is ready. The
+    start-up choices that need torch to check (--attention-backend,
+    --kv-cache-dtype, the TP size) are the core's to refuse: it prints the usage
+    error and exits 2, and so does `serve`."""
     import tokenmill.server.api  # noqa: F401 - imported now, used once the core is ready
+    from tokenmill.server.tokenizer_pool import max_token_bytes
 
     mark("HTTP stack imported")
+    max_token_bytes(tokenizer)
+    mark("tokenizer's longest entry measured")
 
 
 def _backlog(args: argparse.Namespace) -> dict:
@@ -188,14 +193,16 @@ def _uvicorn_server(args: argparse.Namespace, engine: Any, serving_config: Any,
 
 def _serve_with_core_process(args: argparse.Namespace, serving_config: Any,
                              api_keys: list[str]) -> int:
-    from tokenmill.engine.frontend.core_client import CoreClient, CoreStartError
+    from tokenmill.engine.frontend.core_client import CoreClient, CoreStartError, CoreUsageError
     from tokenmill.server.engine_watchdog import exit_on_engine_death
 
     try:
         # on the main thread: the core's PR_SET_PDEATHSIG follows the thread that forks
         client = CoreClient(engine_config_from_args(args), max_waiting=args.max_waiting,
                             hang_timeout_s=args.engine_hang_timeout, log_level=args.log_level,
-                            while_loading=lambda: _prepare_front_end(args), **_backlog(args))
+                            while_loading=_prepare_front_end, **_backlog(args))
+    except CoreUsageError:
+        return 2  # the core said why, in one line
     except CoreStartError as e:
         logging.getLogger(__name__).error("%s", e)
         return 1

@@ -20,7 +20,6 @@ import functools
 import mmap
 import os
 import re
-import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,19 +34,18 @@ from gguf.quants import quant_shape_to_byte_shape
 from numpy.lib.array_utils import byte_bounds
 
 from tokenmill.loaders.errors import ModelLoadError
-from tokenmill.loaders.gguf_checks import GGUFLayout, TensorInfo, check_gguf
+from tokenmill.loaders.gguf_checks import (  # noqa: F401 - gguf_layout, gguf_errors: here too
+    GGUF_ARCHITECTURES,
+    GGUFLayout,
+    TensorInfo,
+    check_gguf,
+    gguf_errors,
+    gguf_layout,
+)
 from tokenmill.loaders.gguf_moe import MOE_BLOCK_NAMES, moe_config
 from tokenmill.quant.gguf_dequant import dequantize as dequantize_blocks
 from tokenmill.quant.gguf_dequant import dequantize_torch
 
-# GGUF general.architecture -> Hugging Face architecture
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",  # `llama` with expert_count is Mixtral (gguf_moe.py)
-}
 # architectures whose q/k rows llama.cpp's converter permutes
 _PERMUTED_QK_ARCHS = {"llama"}
 
@@ -216,22 +214,6 @@ def drop_file_pages(view: np.ndarray) -> None:
             mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
-@contextlib.contextmanager
-def gguf_errors(path: Path, what: str) -> Iterator[None]:
-    """Turn the gguf package's and numpy's errors on a bad file into one ModelLoadError."""
-    try:
-        yield
-    except ModelLoadError:
-        raise
-    except FileNotFoundError:
-        raise ModelLoadError(f"GGUF file {path} does not exist") from None
-    except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError,
-            OverflowError, MemoryError, NotImplementedError, AttributeError,
-            ZeroDivisionError, struct.error) as e:
-        raise ModelLoadError(f"cannot {what} GGUF file {path}: the file looks corrupt or "
-                             f"truncated ({type(e).__name__}: {e})") from None
-
-
 class _FastGGUFReader(GGUFReader):
     """GGUFReader reading through a plain ndarray view of its memmap: slicing a
     memmap runs Python-level bookkeeping per slice, and a tokenizer's 100k
@@ -247,22 +229,6 @@ class _FastGGUFReader(GGUFReader):
         arr = plain[offset: offset + dt.itemsize * count].view(dt)[:count]
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
-
-
-@functools.lru_cache(maxsize=8)
-def _checked_layout(path: str, mtime_ns: int, size: int) -> GGUFLayout:
-    return check_gguf(Path(path))  # untrusted bytes: every size, offset and count
-
-
-def gguf_layout(path: str | Path) -> GGUFLayout:
-    """The file's header, checked (gguf_checks.py) and cached per file version: its
-    metadata (arrays as their length) and tensor infos. The loader reads the file
-    through this, not through gguf's GGUFReader, whose per-string Python parse of a
-    tokenizer's 100k metadata strings took a fifth of a start-up (issue 60)."""
-    path = Path(path)
-    with gguf_errors(path, "read"):
-        st = os.stat(path)
-        return _checked_layout(str(path), st.st_mtime_ns, st.st_size)
 
 
 # GGML types gguf's reader maps as typed arrays; every other type as uint8 blocks
@@ -294,7 +260,7 @@ def _tensor_data(mapped: np.ndarray, layout: GGUFLayout, t: TensorInfo) -> np.nd
 
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    _checked_layout(path, mtime_ns, size)
+    gguf_layout(path)  # checked first (cached per file version)
     return _FastGGUFReader(path)
 
 

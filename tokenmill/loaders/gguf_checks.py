@@ -15,9 +15,13 @@ widths, vocabulary vs `token_embd`). llama.cpp's gguf.cpp does the same walk.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import mmap
+import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,15 @@ _SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: 
             6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
 _STRING, _ARRAY = 8, 9
 _INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+# GGUF general.architecture -> Hugging Face architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",  # `llama` with expert_count is Mixtral (gguf_moe.py)
+}
+
 # smallest encoding of one kv pair (empty key, u8 value) and one tensor info (empty name, 1 dim)
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
@@ -392,11 +405,41 @@ def _check_shapes(layout: GGUFLayout, path: Path, arch: str, values: dict[str, A
 
 def check_gguf(path: Path) -> GGUFLayout:
     """Every structural and model-level check; the one entry point gguf.py calls."""
-    from tokenmill.loaders.gguf import GGUF_ARCHITECTURES
-
     layout = walk_gguf(path)
     # an architecture tokenmill does not run is reported as such by gguf.py, not as
     # the keys it lacks
     if layout.metadata.get("general.architecture") in GGUF_ARCHITECTURES:
         check_model_metadata(layout, path)
     return layout
+
+
+@contextlib.contextmanager
+def gguf_errors(path: Path, what: str) -> Iterator[None]:
+    """Turn the gguf package's and numpy's errors on a bad file into one ModelLoadError."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file {path} does not exist") from None
+    except (ValueError, KeyError, IndexError, TypeError, OSError, UnicodeDecodeError,
+            OverflowError, MemoryError, NotImplementedError, AttributeError,
+            ZeroDivisionError, struct.error) as e:
+        raise ModelLoadError(f"cannot {what} GGUF file {path}: the file looks corrupt or "
+                             f"truncated ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_layout(path: str, mtime_ns: int, size: int) -> GGUFLayout:
+    return check_gguf(Path(path))  # untrusted bytes: every size, offset and count
+
+
+def gguf_layout(path: str | Path) -> GGUFLayout:
+    """The file's header, checked (gguf_checks.py) and cached per file version: its
+    metadata (arrays as their length) and tensor infos. The loader reads the file
+    through this, not through gguf's GGUFReader, whose per-string Python parse of a
+    tokenizer's 100k metadata strings took a fifth of a start-up (issue 60)."""
+    path = Path(path)
+    with gguf_errors(path, "read"):
+        st = os.stat(path)
+        return _checked_layout(str(path), st.st_mtime_ns, st.st_size)

@@ -13,18 +13,11 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.loaders.errors import LoRAAdapterError
 from tokenmill.models.lora import TARGET_MODULES
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?"
                   r"\.weight$")
-
-
-class LoRAAdapterError(ValueError):
-    """A bad adapter: `param` names what is wrong (for a 400 body)."""
-
-    def __init__(self, message: str, param: str = "lora_path") -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -10,12 +10,17 @@ PreTrainedTokenizerFast, without AutoTokenizer (whose import alone costs ~1.5 s 
 CPU) and without from_pretrained's Python parse of the JSON. Every cached file is
 checked against the SHA-256 recorded beside it when it was written: a corrupted or
 half-written entry is rebuilt, never trusted.
+
+The server's front end reads a cache hit with `load_front_end_tokenizer`: the same
+entry through the `tokenizers` library alone (loaders/fast_tokenizer.py), so that it
+never imports transformers (nor torch) on its way to the first /health 200.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import mmap
@@ -42,15 +47,36 @@ def load_tokenizer(source: ModelSource) -> Any:
     return _load_tokenizer(source.kind, str(source.path))
 
 
+def load_front_end_tokenizer(source: ModelSource) -> Any:
+    """The server front end's tokenizer: a GGUF's cached tokenizer read without
+    transformers (a FastTokenizer); transformers' own where the entry is missing or
+    asks for more than the FastTokenizer does, and for a Hugging Face directory."""
+    return _load_front_end_tokenizer(source.kind, str(source.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_front_end_tokenizer(kind: str, path: str) -> Any:
+    if kind == "gguf":
+        try:
+            tokenizer = _read_cached_fast(_gguf_cache_path(Path(path)))
+        except Exception as e:  # noqa: BLE001 - damaged: the full loader rebuilds it
+            logger.info("tokenizer cache entry unreadable (%s); loading it with transformers", e)
+            tokenizer = None
+        if tokenizer is not None:
+            _default_template(tokenizer, Path(path))
+            return tokenizer
+    return _load_tokenizer(kind, path)
+
+
 def gguf_tokenizer_key(path: Path) -> str:
     """Hash of what the tokenizer is built from: the file's tokenizer metadata bytes,
     the transformers version that converts them, and the cache format."""
-    import transformers
-
-    from tokenmill.loaders.gguf import gguf_layout
+    from tokenmill.loaders.gguf_checks import gguf_layout
 
     layout = gguf_layout(path)
-    digest = hashlib.sha256(f"{_FORMAT}|{transformers.__version__}|".encode())
+    # the installed version, read without importing transformers (the front end's path)
+    version = importlib.metadata.version("transformers")
+    digest = hashlib.sha256(f"{_FORMAT}|{version}|".encode())
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for start, end in layout.tokenizer_spans:
             digest.update(buf[start:end])
@@ -66,11 +92,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _read_cached(cached: Path) -> Any | None:
-    """The tokenizer saved at `cached`, or None where the entry is missing; a ValueError
-    where a file is damaged (its hash is not the one recorded)."""
-    from transformers import PreTrainedTokenizerFast
-
+def _checked_files(cached: Path) -> dict[str, str] | None:
+    """The entry's files (name -> SHA-256), each checked; None where the entry is
+    missing; a ValueError where a file is damaged (its hash is not the one recorded)."""
     try:
         manifest = json.loads((cached / _MANIFEST).read_text())
     except FileNotFoundError:
@@ -79,6 +103,28 @@ def _read_cached(cached: Path) -> Any | None:
     for name, digest in files.items():
         if _sha256(cached / name) != digest:
             raise ValueError(f"{name} does not match its recorded hash")
+    return files
+
+
+def _read_cached_fast(cached: Path) -> Any | None:
+    """The entry as a FastTokenizer; None where it is missing or needs transformers."""
+    from tokenmill.loaders.fast_tokenizer import FastTokenizer
+
+    files = _checked_files(cached)
+    if files is None:
+        return None
+    template = (cached / _CHAT_TEMPLATE).read_text() if _CHAT_TEMPLATE in files else None
+    return FastTokenizer.from_saved(cached, template)
+
+
+def _read_cached(cached: Path) -> Any | None:
+    """The tokenizer saved at `cached`, or None where the entry is missing; a ValueError
+    where a file is damaged (its hash is not the one recorded)."""
+    from transformers import PreTrainedTokenizerFast
+
+    files = _checked_files(cached)
+    if files is None:
+        return None
     kwargs = {k: v for k, v in json.loads((cached / "tokenizer_config.json").read_text()
                                           ).items() if k not in _NOT_KWARGS}
     if _CHAT_TEMPLATE in files:
@@ -127,9 +173,10 @@ def _load_gguf_tokenizer(path: Path) -> Any:
 def _default_template(tokenizer: Any, path: Path) -> None:
     """A file without a chat template gets its architecture's (loaders/chat_templates.py)."""
     from tokenmill.loaders.chat_templates import fill_missing_chat_template
-    from tokenmill.loaders.gguf import gguf_config_dict
+    from tokenmill.loaders.gguf_checks import gguf_layout
 
-    fill_missing_chat_template(tokenizer, gguf_config_dict(path).get("model_type"))
+    # the config's model_type is the file's general.architecture
+    fill_missing_chat_template(tokenizer, gguf_layout(path).metadata.get("general.architecture"))
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,7 +19,7 @@ from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.gate import DEFAULT_MAX_REQUEST_BYTES, Gate
 from tokenmill.server.routes import admin, chat, completions, lora, responses, tokenize
 from tokenmill.server.serving import Serving, ServingConfig
-from tokenmill.startup_timer import mark
+from tokenmill.startup_timer import log_heavy_modules, mark
 from tokenmill.version import __version__
 
 
@@ -35,6 +35,7 @@ def build_app(engine: EngineClient, served_model_name: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         mark("HTTP server started: /health answers")
+        log_heavy_modules()
         yield
         serving.tokenizers.shutdown()
         await asyncio.to_thread(serving.engine.shutdown)

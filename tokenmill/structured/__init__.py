@@ -6,10 +6,21 @@
   logits.LogitsConstraints the sampler's one batched pass: grammar bitmask,
                            logit_bias, allowed_token_ids and bad_words
 
-xgrammar is imported only when the first constrained request arrives.
+xgrammar is imported only when the first constrained request arrives, and
+`LogitsConstraints` (torch) only when asked for: the server's front end imports the
+compiler without loading torch.
 """
 
+from typing import Any
+
 from tokenmill.structured.compiler import GrammarCache, GrammarError
-from tokenmill.structured.logits import LogitsConstraints
 
 __all__ = ["GrammarCache", "GrammarError", "LogitsConstraints"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LogitsConstraints":
+        from tokenmill.structured.logits import LogitsConstraints
+
+        return LogitsConstraints
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

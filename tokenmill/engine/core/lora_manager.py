@@ -19,14 +19,10 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.loaders.lora_adapter import LoRAAdapter, LoRAAdapterError, load_peft_adapter
-from tokenmill.lora_request import LoRARequest
+from tokenmill.lora_request import LoRARequest, UnknownLoRAError
 from tokenmill.models.lora import LoRALinear, apply_lora
 
 logger = logging.getLogger(__name__)
-
-
-class UnknownLoRAError(LookupError):
-    """A request names an adapter that is not served (a 404)."""
 
 
 class LoRAManager:

@@ -49,11 +49,13 @@ from tokenmill.engine.frontend.request_stream import (
     EngineUnavailableError,
     RequestStream,
 )
+from tokenmill.loaders.deferred_tokenizer import DeferredTokenizer
 from tokenmill.loaders.model_source import resolve_model
-from tokenmill.loaders.tokenizer import load_tokenizer
+from tokenmill.loaders.tokenizer import load_front_end_tokenizer
 from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup_timer import mark
+from tokenmill.structured.compiler import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,13 @@ _DOWN_RETRY_AFTER_S = 5
 
 class CoreStartError(RuntimeError):
     """The engine core process exited before it was ready."""
+
+
+class CoreUsageError(CoreStartError):
+    """The core refused a start-up choice (it printed why): a usage error, exit 2."""
+
+
+_USAGE_ERROR_EXIT = 2  # core_process.USAGE_ERROR_EXIT (that module imports torch)
 
 
 @dataclass
@@ -75,6 +84,11 @@ class FrontEndModel:
     model_config: ModelConfig
     server_info: dict  # what the core runs (GET /server_info)
     eos_token_ids: list[int]
+    # compiles a request's constraint here too, so that one that cannot compile is a
+    # 400 before it is sent (the core compiles its own copy). Its tokenizer is
+    # transformers' (xgrammar reads one), loaded with xgrammar on the first constrained
+    # request: neither is on the way to the first /health 200
+    grammars: GrammarCache
     lora: RemoteLoRAs | None = None  # the served adapters (LoRAManager in-process)
 
 
@@ -83,9 +97,9 @@ class CoreClient(Admission):
                  hang_timeout_s: float = 10.0, stuck_after_s: float = 120.0,
                  log_level: str = "info",
                  max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
-                 while_loading: Callable[[], None] | None = None) -> None:
-        """`while_loading`: the caller's own start-up work, run while the core loads
-        (its exception kills the core and propagates)."""
+                 while_loading: Callable[[Any], None] | None = None) -> None:
+        """`while_loading(tokenizer)`: the caller's own start-up work, run with the front
+        end's tokenizer while the core loads (its exception kills the core and propagates)."""
         self.max_waiting = max_waiting
         self.max_stream_backlog = max_stream_backlog
         self.hang_timeout_s = hang_timeout_s
@@ -105,10 +119,11 @@ class CoreClient(Admission):
             start_new_session=True)
         mark("engine core spawned")
         try:
-            if while_loading is not None:
-                while_loading()
-            tokenizer = load_tokenizer(resolve_model(config.model))  # while the core loads
+            source = resolve_model(config.model)
+            tokenizer = load_front_end_tokenizer(source)  # while the core loads
             mark("front-end tokenizer loaded")
+            if while_loading is not None:
+                while_loading(tokenizer)
             ready = self._wait_ready()
             mark("engine core ready")
         except BaseException:
@@ -116,9 +131,11 @@ class CoreClient(Admission):
             self._close_sockets()
             raise
         self.core_pid = ready.pid
+        grammars = GrammarCache(DeferredTokenizer(source), ready.model_config.vocab_size,
+                                ready.eos_token_ids)
         self.engine = FrontEndModel(ready.model_name, tokenizer, ready.max_model_len,
                                     ready.model_config, ready.server_info,
-                                    ready.eos_token_ids)
+                                    ready.eos_token_ids, grammars)
         if ready.lora_adapters is not None:
             self.engine.lora = RemoteLoRAs(ready.lora_adapters, self._send)
         self.tokenizer = tokenizer
@@ -400,6 +417,8 @@ class CoreClient(Admission):
                 if isinstance(msg, m.CoreReady):
                     return msg
             elif self.proc.poll() is not None:
+                if self.proc.returncode == _USAGE_ERROR_EXIT:
+                    raise CoreUsageError("the engine core refused a start-up choice")
                 raise CoreStartError(f"the engine core {_describe_exit(self.proc.returncode)} "
                                      "before it was ready (its log is above)")
 

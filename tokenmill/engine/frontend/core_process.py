@@ -34,8 +34,10 @@ import time
 import msgspec
 import zmq
 
+from tokenmill.attention.base import BackendUnavailable
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.errors import TensorParallelError
+from tokenmill.engine.core.builder import check_startup_choices
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.core.lora_manager import UnknownLoRAError
 from tokenmill.engine.core.outputs import RequestOutput
@@ -48,6 +50,9 @@ from tokenmill.startup_timer import mark
 logger = logging.getLogger("tokenmill.engine.core")
 
 _PR_SET_PDEATHSIG = 1
+# the exit code of a start-up choice that cannot run (argparse's): the front end
+# exits with it too, the core's one-line message being the user's answer
+USAGE_ERROR_EXIT = 2
 
 
 class _DeltaTracker:
@@ -280,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
     mark("core: interpreter, imports (torch)")
+    try:  # checked here, not in the front end, which imports no torch (issue 60)
+        check_startup_choices(config)
+    except (BackendUnavailable, ValueError) as e:  # e.g. --attention-backend, TP size
+        print(f"tokenmill serve: error: {e}", file=sys.stderr, flush=True)
+        return USAGE_ERROR_EXIT
     engine = LLMEngine(config, detokenize=False)
     mark("core: engine built")
     ctx = zmq.Context()

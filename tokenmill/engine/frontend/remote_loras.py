@@ -13,10 +13,9 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from tokenmill.engine.core.lora_manager import UnknownLoRAError
 from tokenmill.engine.frontend import core_messages as m
-from tokenmill.loaders.lora_adapter import LoRAAdapterError
-from tokenmill.lora_request import LoRARequest
+from tokenmill.loaders.errors import LoRAAdapterError
+from tokenmill.lora_request import LoRARequest, UnknownLoRAError
 
 # loading reads and checks a safetensors file between two engine steps: seconds at most
 CALL_TIMEOUT_S = 120.0

@@ -32,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def _one_thread(device: torch.device) -> Iterator[None]:
-    """Load on one CPU thread. `tokenmill serve`'s front end starts (torch, FastAPI, the
-    tokenizer) while the core loads, so the load's many small torch ops had one core at
-    best; a second OpenMP thread then spun at every op's barrier for a core it did not
+    """Load on one CPU thread. `tokenmill serve`'s front end starts (then torch, FastAPI,
+    the tokenizer) while the core loads, so the load's many small torch ops had one core
+    at best; a second OpenMP thread then spun at every op's barrier for a core it did not
     get: 2.5x the CPU time of the same load on one thread (issue 60, measured under
-    load). The threads the engine runs with are back once the weights are packed."""
+    load). The threads the engine runs with are back once the weights are packed.
+    (The front end no longer imports torch and is idle from ~1 s on: whether the
+    packing, which starts after that, is faster on two threads is not measured yet.)"""
     if device.type != "cpu":
         yield
         return

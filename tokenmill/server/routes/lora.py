@@ -55,7 +55,7 @@ def _manager(serving: Any) -> Any:
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(req: LoadLoRAAdapterRequest, serving: ServingDep
                             ) -> PlainTextResponse:
-    from tokenmill.loaders.lora_adapter import LoRAAdapterError
+    from tokenmill.loaders.errors import LoRAAdapterError
 
     manager = _manager(serving)
     if req.lora_name in serving.model_names:
@@ -70,8 +70,8 @@ async def load_lora_adapter(req: LoadLoRAAdapterRequest, serving: ServingDep
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, serving: ServingDep
                               ) -> PlainTextResponse:
-    from tokenmill.engine.core.lora_manager import UnknownLoRAError
-    from tokenmill.loaders.lora_adapter import LoRAAdapterError
+    from tokenmill.loaders.errors import LoRAAdapterError
+    from tokenmill.lora_request import UnknownLoRAError
 
     manager = _manager(serving)
     try:

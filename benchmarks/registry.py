@@ -48,7 +48,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("long-context", "feature", _F + "long_context",
               "bf16 vs 8-bit KV cache at the same KV memory, long prompts", True),
     Benchmark("soak", "feature", _F + "soak",
-              "serve at saturation for --duration s: RSS, KV blocks, errors"),
+              "serve at saturation for --duration s: RSS, KV blocks, errors", True),
     Benchmark("served-rss", "feature", _F + "served_rss",
               "served RSS / PSS of the engine core and tree vs llama-server, same file", True,
               ("--model",)),

@@ -120,9 +120,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random,
 
 
 async def client_loop(base_url: str, headers: dict, seed: int, deadline: float,
-                      counts: collections.Counter) -> None:
+                      counts: collections.Counter, timeout_s: float = 300.0) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=headers,
+                                 timeout=timeout_s) as client:
         while time.monotonic() < deadline:
             try:
                 await one_request(client, rng, counts)
@@ -164,14 +165,15 @@ def kv_usage(base_url: str, headers: dict) -> tuple[float, float]:
 
 
 async def soak(base_url: str, pid: int, duration_s: float, concurrency: int,
-               headers: dict) -> dict:
+               headers: dict, timeout_s: float = 300.0) -> dict:
     counts: collections.Counter = collections.Counter()
     samples: list = []
     start = time.monotonic()
     deadline = start + duration_s
     samples.append((0, {**tree_usage(pid), "kv_committed_mib": kv_committed_mib(base_url,
                                                                               headers)}))
-    tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts))
+    tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts,
+                                                       timeout_s))
              for seed in range(concurrency)]
     tasks.append(asyncio.create_task(sampler(pid, start, deadline, samples, base_url,
                                              headers)))
@@ -241,6 +243,7 @@ def record(result: dict, problems: list[str], server_args: list[str],
     usage = result["usage"]
     warm = usage[1] if len(usage) > 1 else usage[0]
     config = {"duration_s": result["duration_s"], "concurrency": result["concurrency"],
+              "client_timeout_s": result.get("client_timeout_s", 300.0),
               "server_args": " ".join(server_args) or "(defaults)",
               "window_s": f"{first['at_s']}-{last['at_s']}"}
 
@@ -268,6 +271,9 @@ def record(result: dict, problems: list[str], server_args: list[str],
     ]
     notes = ["PASS" if not problems else "FAIL: " + "; ".join(problems),
              "outcomes: " + ", ".join(f"{kind} {n}" for kind, n in result["outcomes"].items()),
+             "RSS by process (MiB), first sample -> last under load: " + ", ".join(
+                 f"{name.split(' ', 1)[1]} {usage[0]['rss_mib_by_process'].get(name, 0)} -> {mib}"
+                 for name, mib in usage[-1]["rss_mib_by_process"].items()),
              ("RSS is summed over the server's process tree (front end + engine core); the "
               "window is the last 10 minutes of load (the second half of a shorter run)")]
     results.write(results.build("soak", "Soak: serve at c=32 with the issue-64 mix",
@@ -286,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefault", action="store_true",
                     help="start the server without --kv-cache-prefault (RSS then climbs "
                          "while the KV pool is touched for the first time)")
+    ap.add_argument("--client-timeout", type=float, default=300.0,
+                    help="each client's httpx timeout in seconds (a read with no byte for "
+                         "this long is a transport error); raise it on a loaded machine, "
+                         "where at c=32 a request can wait minutes")
     ap.add_argument("--variant", default=None,
                     help="the result's name suffix (soak-VARIANT), e.g. int8-kv")
     ap.add_argument("--no-result", action="store_true",
@@ -309,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--base-url needs --server-pid (to read the process tree's RSS)")
         base_url, pid = args.base_url, args.server_pid
     try:
-        result = asyncio.run(soak(base_url, pid, args.duration, args.concurrency, headers))
+        result = asyncio.run(soak(base_url, pid, args.duration, args.concurrency, headers,
+                                      args.client_timeout))
         result["prefault"] = server is not None and not args.no_prefault
+        result["client_timeout_s"] = args.client_timeout
     finally:
         if server is not None:
             server.stop()

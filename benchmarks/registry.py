@@ -49,6 +49,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "bf16 vs 8-bit KV cache at the same KV memory, long prompts", True),
     Benchmark("soak", "feature", _F + "soak",
               "serve at saturation for --duration s: RSS, KV blocks, errors", True),
+    Benchmark("spec-stress", "feature", _F + "spec_stress",
+              "ngram speculation under a randomized mix and a small KV pool: stall hunt"),
     Benchmark("served-rss", "feature", _F + "served_rss",
               "served RSS / PSS of the engine core and tree vs llama-server, same file", True,
               ("--model",)),

@@ -9,8 +9,9 @@ minutes (and the end); KV usage once the load stops.
     python -m benchmarks run soak --duration 600           # starts its own server
     python -m benchmarks run soak --base-url http://127.0.0.1:8000 --server-pid PID
 
-Not part of `make test`; the figures go to BENCHMARKS.md. Pass criteria printed
-at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%
+Not part of `make test`; the figures go to benchmarks/results/ (schema 1: `soak`, or
+`soak-<variant>` with --variant; --no-result to skip) and from there to BENCHMARKS.md.
+Pass criteria printed at the end: 0 unexpected errors, KV usage 0, RSS growth over the last half <= 2%
 (the server it starts pre-touches its KV pool, --kv-cache-prefault, so RSS is flat
 once warm; RSS net of the KV pool's touched bytes is held to the same 2% either way).
 """
@@ -119,9 +120,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random,
 
 
 async def client_loop(base_url: str, headers: dict, seed: int, deadline: float,
-                      counts: collections.Counter) -> None:
+                      counts: collections.Counter, timeout_s: float = 300.0) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=headers,
+                                 timeout=timeout_s) as client:
         while time.monotonic() < deadline:
             try:
                 await one_request(client, rng, counts)
@@ -163,14 +165,15 @@ def kv_usage(base_url: str, headers: dict) -> tuple[float, float]:
 
 
 async def soak(base_url: str, pid: int, duration_s: float, concurrency: int,
-               headers: dict) -> dict:
+               headers: dict, timeout_s: float = 300.0) -> dict:
     counts: collections.Counter = collections.Counter()
     samples: list = []
     start = time.monotonic()
     deadline = start + duration_s
     samples.append((0, {**tree_usage(pid), "kv_committed_mib": kv_committed_mib(base_url,
                                                                               headers)}))
-    tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts))
+    tasks = [asyncio.create_task(client_loop(base_url, headers, seed, deadline, counts,
+                                                       timeout_s))
              for seed in range(concurrency)]
     tasks.append(asyncio.create_task(sampler(pid, start, deadline, samples, base_url,
                                              headers)))
@@ -203,9 +206,7 @@ def verdict(result: dict) -> list[str]:
     if result["kv_cache_usage_after"] != 0:
         problems.append(f"KV usage {result['kv_cache_usage_after']} after the load")
     usage = result["usage"]
-    # the last 10 minutes (or the second half of a shorter run)
-    half = [u for u in usage if u["at_s"] >= max(result["duration_s"] / 2,
-                                                 result["duration_s"] - 600)]
+    half = last_window(result)
     if len(half) >= 2:
         # net of the KV pool's first touches (all at start-up with --kv-cache-prefault)
         first, last = (u["rss_mib"] - max(u["kv_committed_mib"], 0) for u in (half[0], half[-1]))
@@ -221,6 +222,64 @@ def verdict(result: dict) -> list[str]:
     return problems
 
 
+def last_window(result: dict) -> list[dict]:
+    """The samples of the last 10 minutes (or the second half of a shorter run)."""
+    return [u for u in result["usage"] if u["at_s"] >= max(result["duration_s"] / 2,
+                                                           result["duration_s"] - 600)]
+
+
+def record(result: dict, problems: list[str], server_args: list[str],
+           variant: str | None) -> None:
+    """The run as a schema-1 result: counts, the last window's RSS and its growth, fds and
+    threads after warm-up and at the end, KV usage once idle; the verdict in the notes."""
+    from benchmarks import results
+
+    expected = ("completed", "disconnected mid-stream (on purpose)",
+                "invalid: 4xx as expected", "in flight at the deadline (cut)")
+    unexpected = sum(n for kind, n in result["outcomes"].items()
+                     if kind not in expected and not kind.endswith(": ok"))
+    window = last_window(result)
+    first, last = window[0], window[-1]
+    usage = result["usage"]
+    warm = usage[1] if len(usage) > 1 else usage[0]
+    config = {"duration_s": result["duration_s"], "concurrency": result["concurrency"],
+              "client_timeout_s": result.get("client_timeout_s", 300.0),
+              "server_args": " ".join(server_args) or "(defaults)",
+              "window_s": f"{first['at_s']}-{last['at_s']}"}
+
+    def fig(label: str, metric: str, unit: str, value: float, higher: bool = False):
+        return results.Figure(label, "tokenmill", metric, unit, [float(value)], higher, config)
+
+    def net(u: dict) -> float:  # net of the KV pool's first touches
+        return u["rss_mib"] - max(u["kv_committed_mib"], 0)
+
+    figures = [
+        fig("requests", "requests", "count", result["requests"], True),
+        fig("unexpected outcomes", "unexpected outcomes", "count", unexpected),
+        fig("RSS at the window's start", "tree RSS, window start", "MiB", first["rss_mib"]),
+        fig("RSS at the window's end", "tree RSS, window end", "MiB", last["rss_mib"]),
+        fig("RSS growth over the window", "tree RSS growth", "%",
+            100 * (last["rss_mib"] / first["rss_mib"] - 1)),
+        fig("RSS net of the KV pool, growth over the window", "net RSS growth", "%",
+            100 * (net(last) / net(first) - 1)),
+        fig("KV usage after the load", "KV usage after", "%",
+            100 * result["kv_cache_usage_after"]),
+        fig("fds after warm-up", "fds, 1 min", "count", warm["fds"]),
+        fig("fds at the end", "fds, end", "count", last["fds"]),
+        fig("threads after warm-up", "threads, 1 min", "count", warm["threads"]),
+        fig("threads at the end", "threads, end", "count", last["threads"]),
+    ]
+    notes = ["PASS" if not problems else "FAIL: " + "; ".join(problems),
+             "outcomes: " + ", ".join(f"{kind} {n}" for kind, n in result["outcomes"].items()),
+             "RSS by process (MiB), first sample -> last under load: " + ", ".join(
+                 f"{name.split(' ', 1)[1]} {usage[0]['rss_mib_by_process'].get(name, 0)} -> {mib}"
+                 for name, mib in usage[-1]["rss_mib_by_process"].items()),
+             ("RSS is summed over the server's process tree (front end + engine core); the "
+              "window is the last 10 minutes of load (the second half of a shorter run)")]
+    results.write(results.build("soak", "Soak: serve at c=32 with the issue-64 mix",
+                                figures, variant=variant, notes=notes))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
@@ -233,7 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefault", action="store_true",
                     help="start the server without --kv-cache-prefault (RSS then climbs "
                          "while the KV pool is touched for the first time)")
-    ap.add_argument("server_args", nargs="*", help="extra `tokenmill serve` arguments")
+    ap.add_argument("--client-timeout", type=float, default=300.0,
+                    help="each client's httpx timeout in seconds (a read with no byte for "
+                         "this long is a transport error); raise it on a loaded machine, "
+                         "where at c=32 a request can wait minutes")
+    ap.add_argument("--variant", default=None,
+                    help="the result's name suffix (soak-VARIANT), e.g. int8-kv")
+    ap.add_argument("--no-result", action="store_true",
+                    help="print only; write no benchmarks/results/ file")
+    ap.add_argument("server_args", nargs="*", help="extra `tokenmill serve` arguments "
+                    "(after --: -- --kv-cache-dtype int8)")
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = None
@@ -251,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--base-url needs --server-pid (to read the process tree's RSS)")
         base_url, pid = args.base_url, args.server_pid
     try:
-        result = asyncio.run(soak(base_url, pid, args.duration, args.concurrency, headers))
+        result = asyncio.run(soak(base_url, pid, args.duration, args.concurrency, headers,
+                                      args.client_timeout))
         result["prefault"] = server is not None and not args.no_prefault
+        result["client_timeout_s"] = args.client_timeout
     finally:
         if server is not None:
             server.stop()
@@ -277,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     print("PASS" if not problems else "FAIL: " + "; ".join(problems))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if not args.no_result:
+        record(result, problems, args.server_args, args.variant)
     return 0 if not problems else 1
 
 

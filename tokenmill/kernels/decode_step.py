@@ -29,7 +29,15 @@ class LayerRecord(ctypes.Structure):
                 ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
                 # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
                 # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
-                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4)]
+                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4),
+                # a sparse MoE layer (num_experts 0: dense; kernels/moe_step.h): the router
+                # (E, hidden) bf16, arrays of E record pointers and E formats (int64) for
+                # gate_up and down, top_k, norm_topk, the experts' width, and (E + 1,)
+                # int64 read counters or None
+                ("router", _PTR), ("expert_gate_up", _PTR), ("expert_down", _PTR),
+                ("expert_gate_up_fmt", _PTR), ("expert_down_fmt", _PTR),
+                ("num_experts", _I64), ("top_k", _I64), ("norm_topk", _I64),
+                ("expert_inter", _I64), ("expert_reads", _PTR)]
 
 
 class ModelRecord(ctypes.Structure):

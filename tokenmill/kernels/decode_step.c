@@ -876,3 +876,25 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     }
     return failed ? -2 : 0;
 }
+
+/* Sparse layer `layer`'s MLP alone (moe_step.h's moe_layer, as a step runs it) on B rows
+ * x (B, hidden) bf16, the post-attention norm's output, into y (B, hidden) bf16: for
+ * tests that hold it against the module path's SparseMoeBlock layer by layer. Returns
+ * 0; -1 when the layer is not a sparse one the kernel takes; -2 without scratch. */
+int64_t tm_moe_layer(const tm_model_t *m, int64_t layer, const uint16_t *x, int64_t B,
+                     uint16_t *y, int64_t num_threads) {
+    if (layer < 0 || layer >= m->num_layers || !m->layers[layer].num_experts || B < 1 ||
+        num_threads < 1 || m->hidden % QK || !moe_ok(m))
+        return -1;
+    const size_t moe_bytes = moe_scratch_bytes(m, B);
+    char *buf = aligned_alloc(64, moe_bytes + runs_bytes(num_threads));
+    if (!buf) return -2;
+    uint64_t *runs = (uint64_t *)(buf + moe_bytes);
+    memset(runs, 0, runs_bytes(num_threads));
+    const moe_scratch_t moe = moe_scratch(m, B, buf);
+#pragma omp parallel num_threads(num_threads)
+    moe_layer(m, m->layers + layer, x, B, y, &moe, runs, omp_get_thread_num(),
+              omp_get_num_threads());
+    free(buf);
+    return 0;
+}

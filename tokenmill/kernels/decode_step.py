@@ -63,6 +63,7 @@ _lib = Library("decode_step", {
                         _I64], _I64),
     "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64,
                          _PTR, _PTR, _PTR, _I64], _I64),
+    "tm_moe_layer": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _I64, _PTR, _I64], _I64),
 })
 
 
@@ -101,3 +102,15 @@ def step_batch(model: ModelRecord, tokens: torch.Tensor, positions: torch.Tensor
               seq_lens.data_ptr(),
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
               torch.get_num_threads())
+
+
+def moe_layer(model: ModelRecord, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Sparse layer `layer`'s MLP alone, as a step runs it (kernels/moe_step.h): x (B,
+    hidden) bf16 contiguous, the post-attention norm's output -> (B, hidden) bf16; None
+    when the kernel refuses the layer. For tests against the module path."""
+    y = torch.empty_like(x)
+    rc = _lib.get("tm_moe_layer")(ctypes.byref(model), layer, x.data_ptr(), x.shape[0],
+                                   y.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("moe_layer: no scratch memory")
+    return None if rc else y

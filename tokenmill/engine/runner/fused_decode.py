@@ -163,11 +163,11 @@ def _moe_unsupported(block: SparseMoeBlock, hidden: int, bits: int | None) -> st
     if bits is None or experts.bits != bits or experts.hidden != hidden:
         return "MoE experts on other activations than the attention's linears"
     e, k = experts.num_experts, block.top_k
-    if not _plain_bf16(gate, bias=False) or gate.out_features != e or gate.in_features != hidden:
-        return "an MoE router that is not a bf16 (experts, hidden) linear"
     if not 1 <= k <= MAX_TOP_K or k * 64 <= e:
         return (f"top {k} of {e} experts (the kernel takes top k with k * 64 > experts, "
                 f"k <= {MAX_TOP_K})")
+    if not _plain_bf16(gate, bias=False) or gate.out_features != e or gate.in_features != hidden:
+        return "an MoE router that is not a bf16 (experts, hidden) linear"
     if experts.intermediate % 32 or experts.intermediate < 32:
         return f"expert width {experts.intermediate} is not a multiple of 32"
     return None

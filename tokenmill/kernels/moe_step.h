@@ -26,7 +26,7 @@
  *   3. one thread: pairs sorted by expert, the active experts listed,
  *      the layer's read counters;                                             barrier
  *   4. pairs split: each pair's input row gathered and quantized, in the layout of
- *      its expert's rows;                                                     barrier
+ *      its expert's rows (one row: quantized once, blocks split);             barrier
  *   5. (active expert, group of 16 gate_up rows) items, in runs;              barrier
  *   6. pairs split: silu * up, quantized;                                     barrier
  *   7. (active expert, group of 16 down rows) items, in runs;                 barrier
@@ -268,8 +268,14 @@ static void moe_layer(const tm_model_t *m, const tm_layer_t *L, const uint16_t *
     }
 #pragma omp barrier
     const int64_t n_active = *S->n_active;
-    /* 4. each place's input row, quantized in the layout of its expert's rows */
-    {
+    /* 4. each place's input row, quantized in the layout of its expert's rows; at one row
+     * (every expert's one row the same) once, at place 0, for all of them */
+    if (B == 1) {
+        int64_t b0, b1;
+        share(nbH, tid, nth, &b0, &b1);
+        for (int64_t b = b0; b < b1; b++)
+            quantize_block(xin, 1, H, bits, S->q, S->d, S->s, S->sum, 0, b);
+    } else {
         int64_t p0, p1;
         share(P, tid, nth, &p0, &p1);
         for (int64_t p = p0; p < p1; p++)
@@ -293,10 +299,10 @@ static void moe_layer(const tm_model_t *m, const tm_layer_t *L, const uint16_t *
         int from = 0;
         for (int64_t it; (it = next_group(runs, tid, nth, &from)) >= 0;) {
             const int32_t e = S->active[it / groups];
-            const int64_t st = S->start[e], n = S->count[e];
+            const int64_t st = S->start[e], n = S->count[e], qs = B == 1 ? 0 : st;
             linear_group(L->expert_gate_up[e], it % groups, n, H, 2 * I,
-                         L->expert_gate_up_fmt[e], bits, S->q + 2 * st * H, S->d + st * nbH,
-                         S->s + st * nbH, S->sum + st * nbH, S->gu + st * 2 * I, 0);
+                         L->expert_gate_up_fmt[e], bits, S->q + 2 * qs * H, S->d + qs * nbH,
+                         S->s + qs * nbH, S->sum + qs * nbH, S->gu + st * 2 * I, 0);
         }
     }
 #pragma omp barrier

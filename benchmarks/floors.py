@@ -64,9 +64,13 @@ def prefill_floor_ms(prompt_len: int, tflop_s: float = QUIET_BF16_TFLOP_S,
     return r["prefill"]["ttft_floor_ms"]
 
 
-def explain(result: dict) -> dict:
+def explain(result: dict, model: str | None = None) -> dict:
     """`tokenmill explain --json --hardware cpu` on a result (tokenmill bench's JSON shape):
-    the run against this CPU's measured floor, as a user would hold it."""
+    the run against this CPU's measured floor, as a user would hold it. `model`: the file
+    the server ran, where the name it served is not one explain resolves (a GGUF served
+    under its stem)."""
+    if model is not None:
+        result = {**result, "config": {**result["config"], "model": model}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="explain-") as f:
         json.dump(result, f)
         f.flush()

@@ -57,6 +57,9 @@ HERE = Path(__file__).resolve().parent
 W2_PROMPTS = HERE.parents[2] / "shared" / "data" / "w2_prompts_128.json"
 PEERS = ("vllm", "llama")
 TITLE = "W2 online serving"
+# how long `tokenmill serve` may take to answer /health: the synthetic MoE file (1.2 GiB,
+# 3,072 expert record sets repacked at load) missed the shared 180 s on a busy 2-core host
+READY_S = 600.0
 
 
 def run_bench(base_url: str, levels: list[int], num_requests: int, output_len: int,
@@ -102,13 +105,15 @@ def bench_server(name: str, server, args, levels: list[int]) -> list[dict]:
     return runs
 
 
-def print_floors(runs: dict[str, list[dict]], levels: list[int]) -> None:
-    """Every server's run at every level against this CPU's floor (tokenmill explain)."""
+def print_floors(runs: dict[str, list[dict]], levels: list[int],
+                 model: str | None = None) -> None:
+    """Every server's run at every level against this CPU's floor (tokenmill explain);
+    `model`: the GGUF file every server ran (--model FILE)."""
     print("against the floor (tokenmill explain --hardware cpu on each run's result):")
     for name, results in runs.items():
         for c, result in zip(levels, results):
             try:
-                lines = floor_lines(explain(result))
+                lines = floor_lines(explain(result, model))
             except (subprocess.CalledProcessError, ValueError, KeyError) as e:
                 lines = [f"explain failed: {e}"]
             print(f"  {name}, c={c}:")
@@ -195,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"W2 online serving · {gguf.name} · {machine()}")
     vllm, llama = ensure_servers(peers)
     runs: dict[str, list[dict]] = {}
-    runs["tokenmill"] = bench_server("tokenmill", start_server(args.model, *args.serve_args),
-                                     args, levels)
+    runs["tokenmill"] = bench_server(
+        "tokenmill", start_server(args.model, *args.serve_args, ready_timeout_s=READY_S),
+        args, levels)
     for threads in vllm_threads if vllm is not None else []:
         name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
         try:
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
           "tokenmill better")
     print_table(results, levels)
     print_targets(results, levels)
-    print_floors(runs, levels)
+    print_floors(runs, levels, None if default_model else str(gguf))
     if not args.no_result:
         figures = figures_of(results, levels, {"model": gguf.name,
                                                "requests": args.num_requests,

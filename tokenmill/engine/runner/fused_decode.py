@@ -198,7 +198,11 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
     # every layer's linears on the quantized-activation kernel, or every one plain bf16
     # (Gemma's MLP is its own module either way: GeGLU, nothing fused into down_proj)
-    plain = _plain_bf16(first.self_attn.o_proj)
+    if type(first.mlp) is SparseMoeBlock:  # an MoE model's first layer: its attention says
+        plain = type(first.self_attn.o_proj) is not Int4Linear
+    else:
+        plain = (type(first.mlp) is LlamaMLP if not gemma
+                 else type(first.mlp) is Gemma3MLP and _plain_bf16(first.mlp.down_proj))
     mlp_types = (Gemma3MLP,) if gemma else (FusedSiluMLP, LlamaMLP)
     dense = [layer.mlp for layer in inner.layers if type(layer.mlp) in mlp_types]
     inter = dense[0].down_proj.in_features if dense else 0

@@ -17,6 +17,8 @@
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits, as the module path's).
+ * A sparse MoE layer (num_experts > 0) runs moe_step.h's moe_layer in place of 4's
+ * gate_up and 5: router, top k, the routed experts on their records, their weighted sum.
  * The groups of 3-5 and the LM head go to the threads in runs (runs.h): each its
  * own contiguous run, then what is left of the others' (each thread holds the whole
  * quantized row), so that each reads one stream and a vCPU that runs slower on a busy

@@ -33,7 +33,10 @@ no tensor parallelism, Llama layers (with Qwen3's q/k norms; without biases but 
 model's, as Qwen2's q/k/v) and Gemma 3's (issue 58: the record's per-head q/k norms,
 the norms of the attention and MLP outputs, each layer's RoPE table and sliding window,
 GeGLU, the embedding rows scaled by sqrt(hidden) here before the call; no cascade
-over a shared prefix, which has no window). A batch-1 step under a LoRA adapter takes it
+over a shared prefix, which has no window), and an MoE model's sparse layers (issue 59:
+router, top-k and the routed experts on their GGUF records inside the call,
+kernels/moe_step.h; experts kept float, a top k torch picks by partial sort, or a LoRA
+adapter keep the module path). A batch-1 step under a LoRA adapter takes it
 too, the adapter's low-rank products added inside the call (`run(..., lora_id)`); several
 rows with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.

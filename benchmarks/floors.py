@@ -65,19 +65,20 @@ def prefill_floor_ms(prompt_len: int, tflop_s: float = QUIET_BF16_TFLOP_S,
 
 
 def explain(result: dict, model: str | None = None) -> dict:
-    """`tokenmill explain --json --hardware cpu` on a result (tokenmill bench's JSON shape):
-    the run against this CPU's measured floor, as a user would hold it. `model`: the file
-    the server ran, where the name it served is not one explain resolves (a GGUF served
-    under its stem)."""
-    if model is not None:
-        result = {**result, "config": {**result["config"], "model": model}}
+    """`tokenmill explain --json --hardware cpu [--model MODEL]` on a result (tokenmill
+    bench's JSON shape): the run against this CPU's measured floor, as a user would hold
+    it. `model`: the file the servers ran (a server on a GGUF file names it by its base
+    name). A failure raises ValueError with explain's own message."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="explain-") as f:
         json.dump(result, f)
         f.flush()
         cmd = [sys.executable, "-m", "tokenmill.cli", "explain", f.name, "--json",
-               "--hardware", "cpu"]
-        return json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                         text=True).stdout)
+               "--hardware", "cpu", *(["--model", model] if model else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise ValueError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
+                             else f"exit status {done.returncode}")
+        return json.loads(done.stdout)
 
 
 def floor_lines(ex: dict) -> list[str]:

@@ -68,6 +68,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "batch-1 decode TPOT of each weight path, one process", True),
     Benchmark("cascade-decode", "kernel", _K + "cascade_decode",
               "shared-prefix (cascade) decode attention A/B"),
+    Benchmark("decode-split", "kernel", _K + "decode_split",
+              "a batched fused decode step's LM head against its layers (Gemma 3 at c=16)"),
     Benchmark("int-peak", "kernel", _K + "int_peak",
               "integer multiply-add ceiling (vpmaddwd / vpdpbusd)", True),
     Benchmark("kv-adjacency", "kernel", _K + "kv_adjacency",
@@ -78,6 +80,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "a native kernel A/B against its build at another git revision"),
     Benchmark("q4q8-step", "kernel", _K + "q4q8_step",
               "one decode step's linears on q4q8_gemv.c, by rows"),
+    Benchmark("records-stream", "kernel", _K + "records_stream",
+              "batch-1 records streamed vs plain reads: huge pages, bits, prefetch"),
 )
 WORKLOADS = tuple(b.name for b in BENCHMARKS if b.kind == "workload")
 

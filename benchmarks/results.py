@@ -191,6 +191,28 @@ def file_name(result: dict) -> str:
     return f"{result['date'][:10]}-{result['machine']['class']}-{result['name']}.json"
 
 
+def write_plot(result: dict, kind: str, draw, results_dir: Path | None = None) -> Path:
+    """A figure beside the result's JSON (`<result file>.<kind>.png`, same directory):
+    `draw(plt)` returns a matplotlib figure. Returns the path, relative to the repo when
+    it is inside it (for the result's notes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = results_dir or Path(os.environ.get("TOKENMILL_RESULTS_DIR", RESULTS_DIR))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / file_name(result).replace(".json", f".{kind}.png")
+    fig = draw(plt)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"plot: {path}", flush=True)
+    try:
+        return path.resolve().relative_to(RESULTS_DIR.resolve().parents[1])
+    except ValueError:
+        return path
+
+
 def write(result: dict, results_dir: Path | None = None) -> Path:
     """Write a result (one file per date, machine class and name: a later run the same day
     replaces the earlier one); returns its path."""

@@ -160,3 +160,26 @@ def test_a_built_result_has_the_ratios_of_its_run_each_way_up(tmp_path):
     assert results.load(path) == r
     with pytest.raises(ResultError, match="engine 'llama' is not one of"):
         results.build("w3", "W3", [Figure("x", "llama", "decode", "tok/s", [1.0], True)])
+
+
+def test_pareto_plot_lands_beside_its_result_and_report_still_reads_the_folder(tmp_path):
+    """W2's sweep plot (every server's Pareto front) is a PNG named after the result file;
+    the report reads only the JSON beside it."""
+    from tokenmill.bench.pareto import pareto_figure, pareto_section
+
+    def run(c: int, tok_s: float, tpot: float) -> dict:
+        return {"config": {"concurrency": c}, "summary": {
+            "output_throughput_tok_s": tok_s, "tpot_ms": {"mean": tpot, "p50": tpot},
+            "num_completed": 8, "num_failed": 0}}
+
+    sweeps = {name: {"pareto": pareto_section(
+        [run(1, k * 100, 10 / k), run(4, k * 300, 13 / k), run(16, k * 450, 35 / k)],
+        "concurrency")} for name, k in (("tokenmill", 1.0), ("vLLM (both cores)", 0.5))}
+    result = results.build("w2", "W2", [Figure("tokenmill", "tokenmill", "m", "tok/s", [1.0],
+                                               True, {})])
+    folder = _folder(tmp_path)
+    plot = results.write_plot(result, "pareto", lambda plt: pareto_figure(
+        plt, list(sweeps.values()), list(sweeps)), results_dir=folder)
+    png = folder / results.file_name(result).replace(".json", ".pareto.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(plot).name == png.name
+    assert report.main(_args(folder, tmp_path / "BENCHMARKS.md")) == 0

@@ -46,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Fraction of memory bandwidth reached in decode, MFU in prefill, the share "
         "of step time outside the model, the bottleneck and the next lever to try.")
     e.add_argument("result", help="a `tokenmill bench` (or offline run) result JSON")
+    e.add_argument("--model", help="the model the run served (a preset name or a file), when "
+                   "the result names one that is not a file here (default: the result's)")
     _add_hardware_args(e, default=None)
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     e.add_argument("--plot", metavar="FILE.png", help="write a roofline chart with the "

@@ -5,15 +5,20 @@ A decode step streams every packed weight (~100 MB for SmolLM2-135M) from memory
 every page boundary; where those tensors land (heap or a mapping of its own) decides
 how often, so the same kernel ran one step's linears at 16 rows in 8.6 or 12.2 ms
 depending on what the process had allocated before (BENCHMARKS.md, "Huge pages").
-One anonymous mapping, 2 MiB aligned and advised MADV_HUGEPAGE (which Linux honours
-under transparent_hugepage `madvise` or `always`), holds them all instead.
+One private anonymous mapping, 2 MiB aligned and advised MADV_HUGEPAGE (which Linux
+honours under transparent_hugepage `madvise` or `always`), holds them all instead.
+Private, not Python's default MAP_SHARED: a shared anonymous mapping is shmem, whose
+huge pages follow `shmem_enabled` (`never` by default), so the advice was ignored
+and a ~1B model's 698 MiB of records sat in 4 KiB pages (issue 56).
 TOKENMILL_HUGE_PAGES=0 keeps each tensor where it was allocated (for A/B runs).
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
+import re
 
 import torch
 
@@ -22,6 +27,11 @@ from tokenmill import malloc
 HUGE_PAGE = 2 << 20
 TRIM_EVERY_BYTES = 64 << 20
 ALIGN = 64  # each tensor starts on a cache line
+# the weight report reads smaps (~20-50 ms: the kernel walks every mapping) only for
+# records this large, where 4 KiB pages cost the most and a load takes seconds anyway
+REPORT_MIN_BYTES = 256 << 20
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ", re.MULTILINE)  # smaps' mapping lines
+_HUGE = re.compile(r"^AnonHugePages:\s+(\d+) kB", re.MULTILINE)
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -51,7 +61,7 @@ def move_into(holders: list[tuple[object, str]]) -> bool:
         return False
     sizes = [_nbytes(getattr(obj, attr)) for obj, attr in holders]
     total = sum(-(-s // ALIGN) * ALIGN for s in sizes)
-    pages = mmap.mmap(-1, total + HUGE_PAGE)
+    pages = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         pages.madvise(advice)
     except OSError:  # a kernel without transparent huge pages
@@ -75,3 +85,24 @@ def move_into(holders: list[tuple[object, str]]) -> bool:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+
+def huge_page_bytes(tensors: list[torch.Tensor]) -> int | None:
+    """Bytes of transparent huge pages (smaps' AnonHugePages) in the mappings that hold
+    `tensors` (CPU), each mapping counted once: what the kernel actually gave, which the
+    advice alone does not decide (the system's THP settings, free contiguous memory).
+    None where /proc/self/smaps cannot be read (not Linux)."""
+    starts = sorted({t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()})
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    for m in _MAPPING.finditer(text):  # one regex pass: torch's process has ~1,000 mappings
+        i = bisect.bisect_left(starts, int(m[1], 16))  # the first start at or past lo
+        if i < len(starts) and starts[i] < int(m[2], 16):
+            found = _HUGE.search(text, m.end())
+            total += int(found[1]) * 1024 if found else 0
+    return total

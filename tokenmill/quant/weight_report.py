@@ -13,8 +13,10 @@ import logging
 from collections import Counter, defaultdict
 from typing import Any
 
+import torch
 from torch import nn
 
+from tokenmill.quant import huge_pages
 from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.linear import QuantizedLinear
 from tokenmill.quant.moe_experts import RecordExperts
@@ -30,7 +32,10 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
     classes: dict[str, Counter[str]] = defaultdict(Counter)
     lowbit_ptrs: set[int] = set()
     embedding_bytes = 0
+    records = []
     for name, module in model.named_modules():
+        if isinstance(getattr(module, "vnni_packed", None), torch.Tensor):
+            records.append(module.vnni_packed)
         if isinstance(module, QuantizedLinear):
             form = getattr(module, "weight_form", None) or type(module).__name__
             types = getattr(module, "gguf_types", None)
@@ -59,6 +64,11 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         "method": summary.method,
         "linears": {k: dict(v) for k, v in classes.items()},
         "lowbit_bytes": summary.lowbit_bytes,
+        # of the kernel records, how many bytes the OS gave transparent huge pages (a
+        # decode step streams them all: 4 KiB pages cost TLB misses and stop the
+        # prefetchers at every page); None where not read (smaller records) or unreadable
+        "records_huge_page_bytes": huge_pages.huge_page_bytes(records)
+        if records and summary.lowbit_bytes >= huge_pages.REPORT_MIN_BYTES else None,
         "float_copy_bytes": summary.dense_bytes,
         "float_copy": why,
         "kept_float": dict(summary.kept_float),
@@ -74,10 +84,12 @@ def log_report(report: dict[str, Any]) -> None:
     """The start-up lines: one for the forms, a warning per GGUF type left float."""
     forms = "; ".join(f"{cls}: " + ", ".join(f"{form} x{n}" for form, n in sorted(v.items()))
                       for cls, v in report["linears"].items())
-    logger.info("weights (%s): %s; %.1f MiB in all: records %.1f MiB, float copies %.1f MiB (%s), other "
+    huge = report.get("records_huge_page_bytes")
+    logger.info("weights (%s): %s; %.1f MiB in all: records %.1f MiB%s, float copies %.1f MiB (%s), other "
                 "float parameters %.1f MiB; embedding %s", report["method"],
                 forms or "no low-bit linears", report["resident_bytes"] / _MIB,
                 report["lowbit_bytes"] / _MIB,
+                "" if huge is None else f" ({huge / _MIB:.1f} MiB on huge pages)",
                 report["float_copy_bytes"] / _MIB, report["float_copy"],
                 report["other_float_bytes"] / _MIB, report["embedding"]
                 + (f" ({report['embedding_bytes'] / _MIB:.1f} MiB)" if report["embedding_bytes"]

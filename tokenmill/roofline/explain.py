@@ -213,11 +213,29 @@ def _weight_bits(model, config: dict) -> WeightBits:
     return model.default_bits
 
 
+def _model(config: dict, given: str | None):
+    """The run's model: `--model` when given, else the name the client sent, else the file
+    the server said it loaded (a server on a GGUF file serves it under its base name,
+    which is no file here)."""
+    if given:
+        return load_model(given)
+    named = str(config["model"])
+    try:
+        return load_model(named)
+    except UsageError as e:
+        server = target_config(config) or {}
+        for key in ("model_path", "model"):
+            loaded = server.get(key)
+            if isinstance(loaded, str) and loaded != named and Path(loaded).is_file():
+                return load_model(loaded)
+        raise UsageError(f"{e}; pass --model with the file or preset the run served") from None
+
+
 def explain(result: dict, args: argparse.Namespace) -> Explanation:
     config, summary = result["config"], result["summary"]
     engine = result.get("engine") if isinstance(result.get("engine"), dict) else None
     notes: list[str] = []
-    model = load_model(str(config["model"]))
+    model = _model(config, getattr(args, "model", None))
     bits = _weight_bits(model, config)
     hw_name = _hardware_name(args, config, notes)
     hardware = load_hardware(hw_name, bits, args)

@@ -22,6 +22,7 @@ def server_info(llm: Any) -> dict[str, Any]:
         "engine": "tokenmill",
         "version": __version__,
         "model": getattr(llm, "model_name", config.model),
+        "model_path": str(config.model),  # what was loaded: explain finds the file by it
         "dtype": str(getattr(llm, "dtype", config.dtype)).removeprefix("torch."),
         "quantization": getattr(llm, "quantization", config.quantization),
         "batched_linears": getattr(config, "batched_linears", "auto"),

@@ -106,10 +106,11 @@ def _k_blocks(shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> n
 
 
 def write_moe_gguf(hf_model: torch.nn.Module, path: Path, expert_types: tuple[str, str, str],
-                   ) -> Path:
+                   down_types: tuple[str, ...] = ()) -> Path:
     """Write a transformers Qwen3-MoE (as `qwen3moe`) or Mixtral (as `llama` with
     expert_count) to GGUF, experts stacked in ffn_{gate,up,down}_exps of `expert_types`
-    (gate, up, down: Q8_0 from the weights, or a K-quant as random blocks), attention
+    (gate, up, down: Q8_0 / Q5_0 from the weights, or a K-quant as random blocks; `down_types`:
+    each layer's down type instead, as llama-quantize's mixes give), attention
     and embeddings Q8_0, norms and router F32; then put the file's dequantized weights
     back into `hf_model`, so transformers is the reference for exactly these weights."""
     import gguf
@@ -153,8 +154,8 @@ def write_moe_gguf(hf_model: torch.nn.Module, path: Path, expert_types: tuple[st
             data = llama_cpp_permute(data, permute_heads)
         if qtype == "F32":
             raw = data
-        elif qtype == "Q8_0":
-            raw = gguf.quants.quantize(data, Q.Q8_0)
+        elif qtype in ("Q8_0", "Q5_0"):
+            raw = gguf.quants.quantize(data, Q[qtype])
         else:
             raw = _k_blocks(data.shape, qtype, rng)
         w.add_tensor(name, raw, raw_dtype=Q[qtype])
@@ -195,7 +196,8 @@ def write_moe_gguf(hf_model: torch.nn.Module, path: Path, expert_types: tuple[st
         up = add(f"{b}ffn_up_exps.weight", gate_up[:, inter:], expert_types[1])
         new[f"{p}mlp.experts.gate_up_proj"] = torch.cat((gate, up), dim=1)
         new[f"{p}mlp.experts.down_proj"] = add(f"{b}ffn_down_exps.weight",
-                                               state[f"{p}mlp.experts.down_proj"], expert_types[2])
+                                               state[f"{p}mlp.experts.down_proj"],
+                                               down_types[i] if down_types else expert_types[2])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -217,6 +219,19 @@ def qwen3moe_q8(tmp_path_factory):
                         norm_topk_prob=True, mlp_only_layers=[0])
     path = write_moe_gguf(model, tmp_path_factory.mktemp("gguf") / "qwen3moe.gguf",
                           ("Q8_0", "Q8_0", "Q8_0"))
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_synthetic_shaped(tmp_path_factory):
+    """The synthetic benchmark file's shape at tiny width (benchmarks/peers/
+    synthetic_moe_gguf.py: Qwen3-MoE, 128 experts top 8, gate and up Q4_K, the down
+    projections Q8_0 on one layer and Q5_0 on the other, as llama-quantize's Q4_K_M
+    gives at an expert width of 384)."""
+    model = make_hf_moe("qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=64, norm_topk_prob=True, hidden_size=256)
+    path = write_moe_gguf(model, tmp_path_factory.mktemp("gguf") / "qwen3moe-128x8.gguf",
+                          ("Q4_K", "Q4_K", "Q8_0"), down_types=("Q8_0", "Q5_0"))
     return path, model
 
 

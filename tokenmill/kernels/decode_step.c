@@ -17,6 +17,8 @@
  *   4. residual add + norm per thread, gate_up groups;                            barrier
  *   5. silu * up per thread, down groups;                                         barrier
  * then the final norm and the LM head's groups (fp32 logits, as the module path's).
+ * A sparse MoE layer (num_experts > 0) runs moe_step.h's moe_layer in place of 4's
+ * gate_up and 5: router, top k, the routed experts on their records, their weighted sum.
  * The groups of 3-5 and the LM head go to the threads in runs (runs.h): each its
  * own contiguous run, then what is left of the others' (each thread holds the whole
  * quantized row), so that each reads one stream and a vCPU that runs slower on a busy
@@ -72,6 +74,16 @@ typedef struct {
      * (both hold bf16 values: the module path's installed weights); R 0: none */
     const float *lora_a[4], *lora_b[4];
     int64_t lora_r[4];
+    /* a sparse MoE layer (num_experts 0: the dense MLP above; moe_step.h): the router
+     * (E, hidden) bf16; per expert its gate_up records (2 I rows) and down records
+     * (hidden rows), each with its own format; top_k, norm_topk (renormalize the top k's
+     * weights to sum 1), the experts' width I; expert_reads (E + 1,) int64 counters or
+     * NULL: [e] += 1 for each step expert e ran in, [E] += the step's rows */
+    const uint16_t *router;
+    const uint8_t *const *expert_gate_up, *const *expert_down;
+    const int64_t *expert_gate_up_fmt, *expert_down_fmt;
+    int64_t num_experts, top_k, norm_topk, expert_inter;
+    int64_t *expert_reads;
 } tm_layer_t;
 
 typedef struct {
@@ -166,8 +178,9 @@ static int formats_ok(const tm_model_t *m) {
         const tm_layer_t *L = m->layers + l;
         const int64_t f[4] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt};
         const uint16_t *b[4] = {L->qkv_bias, L->o_bias, L->gate_up_bias, L->down_bias};
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < (L->num_experts ? 2 : 4); i++)
             if ((f[i] == FMT_BF16) != (m->bits == 0) || (b[i] && f[i] != FMT_BF16)) return 0;
+        if (L->num_experts && (L->lora_r[2] || L->lora_r[3])) return 0;
     }
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
 }
@@ -465,6 +478,8 @@ static void attend_layer(const tm_model_t *m, const tm_layer_t *L, int64_t kh, i
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+#include "moe_step.h" /* a sparse MoE layer's MLP: moe_layer */
+
 /* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
  * seq_len tokens of the blocks `table`. hidden_out (hidden,) bf16: the final norm's
  * output; logits (vocab,) fp32 when the model has an LM head here. Returns 0; -1 when an
@@ -477,7 +492,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
-        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 1))
+        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 1) ||
+        !moe_ok(m))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
         if (table[j] < 0 || table[j] >= NB) return -1;
@@ -491,10 +507,12 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + 2 * H)) + up64(2 * (size_t)K_ATTN) +
                                 up64(12 * (size_t)(K_ATTN / QK)) +
                                 up64(4 * (size_t)(G * seq_len));
+    const size_t moe_bytes = moe_scratch_bytes(m, 1);
     char *buf = aligned_alloc(64, shared_bytes + (size_t)num_threads * thread_bytes +
-                                      runs_bytes(num_threads));
+                                      runs_bytes(num_threads) + moe_bytes);
     if (!buf) return -2;
     uint64_t *runs = (uint64_t *)(buf + shared_bytes + (size_t)num_threads * thread_bytes);
+    const moe_scratch_t moe = moe_scratch(m, 1, (char *)runs + runs_bytes(num_threads));
     memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
     uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
     uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
@@ -588,6 +606,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 rms_norm_row(o_out, NULL, NULL, L->attn_out_norm, normed, H, m->eps);
             rms_norm_row(o_in, res[cur], tid == 0 ? res[cur ^ 1] : my_res, L->post_norm, xn,
                          H, m->eps);
+            if (L->num_experts) { /* router, top k and the routed experts, into x */
+                moe_layer(m, L, xn, 1, x, &moe, runs, tid, nth);
+                cur ^= 1;
+                continue;
+            }
             quantize_row(xn, H, m->bits, &a);
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
                        gu, 0, runs, tid, nth, NULL);
@@ -662,7 +685,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
         (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 0) ||
-        (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 ||
+        (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 || !moe_ok(m) ||
         shared_blocks > table_stride || (shared_blocks && (m->kv_fmt >= 0 || windowed(m))))
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
@@ -704,8 +727,9 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
      * batch and its longest sequence, fragmented the heap (RSS crept up under a soak) */
     static __thread char *kept = NULL;
     static __thread size_t kept_bytes = 0;
+    const size_t moe_bytes = moe_scratch_bytes(m, B);
     const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes +
-                        cascade_bytes + runs_bytes(num_threads);
+                        cascade_bytes + moe_bytes + runs_bytes(num_threads);
     if (need > kept_bytes) {
         const size_t grown = up64(need + need / 4);
         char *fresh = aligned_alloc(64, grown);
@@ -736,6 +760,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     }
     uint64_t *runs = (uint64_t *)(buf + need - runs_bytes(num_threads));
     memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
+    const moe_scratch_t moe = moe_scratch(m, B, (char *)runs - moe_bytes);
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
@@ -813,6 +838,11 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 rms_norm_row(o_out + r * H, res + r * H, res + r * H, L->post_norm, xn + r * H,
                              H, m->eps);
             }
+            if (L->num_experts) { /* router, top k, the experts grouped by expert, into x */
+#pragma omp barrier
+                moe_layer(m, L, xn, B, x, &moe, runs, tid, nth);
+                continue;
+            }
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
             failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
@@ -847,4 +877,26 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
 #undef TM_QUANTIZE_MINE
     }
     return failed ? -2 : 0;
+}
+
+/* Sparse layer `layer`'s MLP alone (moe_step.h's moe_layer, as a step runs it) on B rows
+ * x (B, hidden) bf16, the post-attention norm's output, into y (B, hidden) bf16: for
+ * tests that hold it against the module path's SparseMoeBlock layer by layer. Returns
+ * 0; -1 when the layer is not a sparse one the kernel takes; -2 without scratch. */
+int64_t tm_moe_layer(const tm_model_t *m, int64_t layer, const uint16_t *x, int64_t B,
+                     uint16_t *y, int64_t num_threads) {
+    if (layer < 0 || layer >= m->num_layers || !m->layers[layer].num_experts || B < 1 ||
+        num_threads < 1 || m->hidden % QK || !moe_ok(m))
+        return -1;
+    const size_t moe_bytes = moe_scratch_bytes(m, B);
+    char *buf = aligned_alloc(64, moe_bytes + runs_bytes(num_threads));
+    if (!buf) return -2;
+    uint64_t *runs = (uint64_t *)(buf + moe_bytes);
+    memset(runs, 0, runs_bytes(num_threads));
+    const moe_scratch_t moe = moe_scratch(m, B, buf);
+#pragma omp parallel num_threads(num_threads)
+    moe_layer(m, m->layers + layer, x, B, y, &moe, runs, omp_get_thread_num(),
+              omp_get_num_threads());
+    free(buf);
+    return 0;
 }

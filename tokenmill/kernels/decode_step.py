@@ -29,7 +29,15 @@ class LayerRecord(ctypes.Structure):
                 ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
                 # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
                 # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
-                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4)]
+                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4),
+                # a sparse MoE layer (num_experts 0: dense; kernels/moe_step.h): the router
+                # (E, hidden) bf16, arrays of E record pointers and E formats (int64) for
+                # gate_up and down, top_k, norm_topk, the experts' width, and (E + 1,)
+                # int64 read counters or None
+                ("router", _PTR), ("expert_gate_up", _PTR), ("expert_down", _PTR),
+                ("expert_gate_up_fmt", _PTR), ("expert_down_fmt", _PTR),
+                ("num_experts", _I64), ("top_k", _I64), ("norm_topk", _I64),
+                ("expert_inter", _I64), ("expert_reads", _PTR)]
 
 
 class ModelRecord(ctypes.Structure):
@@ -55,6 +63,7 @@ _lib = Library("decode_step", {
                         _I64], _I64),
     "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64,
                          _PTR, _PTR, _PTR, _I64], _I64),
+    "tm_moe_layer": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _I64, _PTR, _I64], _I64),
 })
 
 
@@ -93,3 +102,15 @@ def step_batch(model: ModelRecord, tokens: torch.Tensor, positions: torch.Tensor
               seq_lens.data_ptr(),
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
               torch.get_num_threads())
+
+
+def moe_layer(model: ModelRecord, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Sparse layer `layer`'s MLP alone, as a step runs it (kernels/moe_step.h): x (B,
+    hidden) bf16 contiguous, the post-attention norm's output -> (B, hidden) bf16; None
+    when the kernel refuses the layer. For tests against the module path."""
+    y = torch.empty_like(x)
+    rc = _lib.get("tm_moe_layer")(ctypes.byref(model), layer, x.data_ptr(), x.shape[0],
+                                   y.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("moe_layer: no scratch memory")
+    return None if rc else y

@@ -205,5 +205,8 @@ def expert_bytes_read(model: nn.Module) -> int:
     """Routed-expert weight bytes this rank's MoE layers have read so far (CPU path;
     0 for a dense model): the measured side of the active-expert floor."""
     # float Experts and the GGUF records' experts (quant/moe_experts.py) count alike
-    return sum(m.traffic.bytes_read for m in model.modules()
-               if isinstance(getattr(m, "traffic", None), ExpertTraffic))
+    traffic = [m.traffic for m in model.modules()
+               if isinstance(getattr(m, "traffic", None), ExpertTraffic)]
+    for t in traffic:
+        t.fold()  # the fused decode step's counts
+    return sum(t.bytes_read for t in traffic)

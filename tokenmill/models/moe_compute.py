@@ -63,11 +63,32 @@ class ExpertTraffic:
     tokens: int = 0
     expert_reads: int = 0  # active experts summed over calls
     bytes_read: int = 0
+    # the fused decode step's counters (engine/runner/fused_decode.py, kernels/
+    # moe_step.h: [e] steps expert e ran in, [E] rows), folded in by `fold`
+    native: torch.Tensor | None = None
+    native_bytes: Sequence[int] = ()
 
     def record(self, tokens: int, active: int, bytes_read: int) -> None:
         self.tokens += tokens
         self.expert_reads += active
         self.bytes_read += bytes_read
+
+    def native_counters(self, expert_bytes: Sequence[int]) -> torch.Tensor:
+        """(E + 1,) int64 zeros a native step counts this layer's reads into; kept here."""
+        if self.native is None:
+            self.native = torch.zeros(len(expert_bytes) + 1, dtype=torch.int64)
+            self.native_bytes = list(expert_bytes)
+        return self.native
+
+    def fold(self) -> None:
+        """Add what the native step counted since the last fold to the totals."""
+        if self.native is None:
+            return
+        counts = self.native.tolist()
+        self.native.zero_()
+        per_expert = counts[:-1]
+        self.record(counts[-1], sum(per_expert),
+                    sum(n * b for n, b in zip(per_expert, self.native_bytes, strict=True)))
 
 
 # (expert, x rows routed to it (n, H)) -> that expert's MLP output (n, H)

@@ -33,7 +33,10 @@ no tensor parallelism, Llama layers (with Qwen3's q/k norms; without biases but 
 model's, as Qwen2's q/k/v) and Gemma 3's (issue 58: the record's per-head q/k norms,
 the norms of the attention and MLP outputs, each layer's RoPE table and sliding window,
 GeGLU, the embedding rows scaled by sqrt(hidden) here before the call; no cascade
-over a shared prefix, which has no window). A batch-1 step under a LoRA adapter takes it
+over a shared prefix, which has no window), and an MoE model's sparse layers (issue 59:
+router, top-k and the routed experts on their GGUF records inside the call,
+kernels/moe_step.h; experts kept float, a top k torch picks by partial sort, or a LoRA
+adapter keep the module path). A batch-1 step under a LoRA adapter takes it
 too, the adapter's low-rank products added inside the call (`run(..., lora_id)`); several
 rows with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
@@ -64,9 +67,11 @@ from tokenmill.models.gemma3 import (
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill.models.lora import LoRALinear
+from tokenmill.models.moe import MoeForCausalLM, SparseMoeBlock
 from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
 from tokenmill.quant.linear import Int4Linear
+from tokenmill.quant.moe_experts import RecordExperts
 from tokenmill.quant.widened import WidenedWeight
 
 logger = logging.getLogger(__name__)
@@ -96,6 +101,7 @@ WIDE_MAX_ROWS = 1 << 30
 WIDE_MIN_ROWS = 12
 FMT_BF16 = 2  # decode_step.c: a plain (N, K) bf16 weight, with the record's bits 0
 MAX_LORA_RANK = 512  # decode_step.c's MAX_LORA_R: one linear's stacked adapter rank
+MAX_TOP_K = 64  # moe_step.h's MAX_TOP_K
 
 
 def enabled_by_env() -> bool:
@@ -149,13 +155,34 @@ def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
 
+def _moe_unsupported(block: SparseMoeBlock, hidden: int, bits: int | None) -> str | None:
+    """Why a sparse MoE layer cannot run inside the step (kernels/moe_step.h); None if
+    it can: its experts in their records (a GGUF's, gguf-a16 / gguf-a8), a bf16 router,
+    a top k that torch.topk picks by nth_element (the order moe_step.h reproduces)."""
+    experts, gate = block.experts, block.gate
+    if type(experts) is not RecordExperts:
+        return ("MoE experts not in GGUF kernel records (float experts: the module path "
+                "runs them)")
+    if bits is None or experts.bits != bits or experts.hidden != hidden:
+        return "MoE experts on other activations than the attention's linears"
+    e, k = experts.num_experts, block.top_k
+    if not 1 <= k <= MAX_TOP_K or k * 64 <= e:
+        return (f"top {k} of {e} experts (the kernel takes top k with k * 64 > experts, "
+                f"k <= {MAX_TOP_K})")
+    if not _plain_bf16(gate, bias=False) or gate.out_features != e or gate.in_features != hidden:
+        return "an MoE router that is not a bf16 (experts, hidden) linear"
+    if experts.intermediate % 32 or experts.intermediate < 32:
+        return f"expert width {experts.intermediate} is not a multiple of 32"
+    return None
+
+
 def unsupported_reason(model: torch.nn.Module, backend: object,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why `model` with this backend and pool cannot take the fused step; None if it can."""
     if not enabled_by_env():
         return f"{ENV}=0"
     gemma = type(model) is Gemma3ForCausalLM
-    if type(model) is not LlamaForCausalLM and not gemma:
+    if type(model) not in (LlamaForCausalLM, MoeForCausalLM) and not gemma:
         return f"not a Llama-family or Gemma 3 model ({type(model).__name__})"
     if get_tp().world_size != 1:
         return "tensor parallelism"
@@ -174,10 +201,14 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
     heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
     # every layer's linears on the quantized-activation kernel, or every one plain bf16
     # (Gemma's MLP is its own module either way: GeGLU, nothing fused into down_proj)
-    plain = (type(first.mlp) is LlamaMLP if not gemma
-             else type(first.mlp) is Gemma3MLP and _plain_bf16(first.mlp.down_proj))
+    if type(first.mlp) is SparseMoeBlock:  # an MoE model's first layer: its attention says
+        plain = type(first.self_attn.o_proj) is not Int4Linear
+    else:
+        plain = (type(first.mlp) is LlamaMLP if not gemma
+                 else type(first.mlp) is Gemma3MLP and _plain_bf16(first.mlp.down_proj))
     mlp_types = (Gemma3MLP,) if gemma else (FusedSiluMLP, LlamaMLP)
-    inter = first.mlp.down_proj.in_features if type(first.mlp) in mlp_types else 0
+    dense = [layer.mlp for layer in inner.layers if type(layer.mlp) in mlp_types]
+    inter = dense[0].down_proj.in_features if dense else 0
     layer_type, attn_type = ((Gemma3DecoderLayer, Gemma3Attention) if gemma
                              else (LlamaDecoderLayer, LlamaAttention))
     rotaries = (inner.rotary_emb, inner.rotary_emb_local) if gemma else (inner.rotary_emb,)
@@ -185,7 +216,14 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         attn = layer.self_attn
         if type(layer) is not layer_type or type(attn) is not attn_type:
             return f"layer {i} is not a plain {'Gemma 3' if gemma else 'Llama'} layer"
-        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        sparse = type(layer.mlp) is SparseMoeBlock
+        if sparse:
+            bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
+            why = _moe_unsupported(layer.mlp, hidden, bits)
+            if why is not None:
+                return f"layer {i}: {why}"
+        linears = ((attn.qkv_proj, attn.o_proj) if sparse else
+                   (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if gemma and (type(layer.mlp) is not Gemma3MLP or layer.mlp.approximate != "tanh"):
             return f"layer {i}: a GeGLU other than gelu's tanh approximation"
         if plain:
@@ -193,7 +231,7 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
                 return (f"layer {i}: a linear neither on the quantized-activation kernel "
                         "(--quantization gguf-a16 / gguf-a8) nor bf16")
         else:
-            if not gemma and type(layer.mlp) is not FusedSiluMLP:
+            if not gemma and not sparse and type(layer.mlp) is not FusedSiluMLP:
                 return (f"layer {i}: its MLP does not run silu * up in the down projection "
                         "(--quantization gguf-a16 / gguf-a8)")
             bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
@@ -216,7 +254,8 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         if (attn.attn.scale != first.self_attn.attn.scale or (not gemma and attn.attn.scale != d ** -0.5)
                 or attn.head_dim != d or all(attn.rotary is not r for r in rotaries)
                 or (attn.attn.sliding_window is not None and not gemma)
-                or [(lin.in_features, lin.out_features) for lin in linears] != shapes):
+                or [(lin.in_features, lin.out_features) for lin in linears]
+                != shapes[:len(linears)]):
             return f"layer {i}: attention or MLP shapes unlike a Llama layer's"
     for rotary in rotaries:
         if rotary.cos_cache.dtype != torch.float32 or not rotary.cos_cache.is_contiguous() \
@@ -245,7 +284,8 @@ class FusedDecode:
         layers = (native.LayerRecord * len(inner.layers))()
         gemma = type(model) is Gemma3ForCausalLM
         # a bf16 model (every linear plain bf16: unsupported_reason) or the kernel's
-        self.plain = _plain_bf16(inner.layers[0].mlp.down_proj)
+        self.plain = _plain_bf16(inner.layers[0].self_attn.o_proj)
+        self._moe_arrays: list[object] = []  # what the MoE layers' records point into
         wide = not self.plain  # every linear's large-batch path is gemm16 (widened.py)
         for rec, layer, (k, v) in zip(layers, inner.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -259,8 +299,12 @@ class FusedDecode:
                 rec.window = attn.attn.sliding_window or 0
             if attn.q_norm is not None:
                 rec.q_norm, rec.k_norm = norms[-2], norms[-1]
+            sparse = type(mlp) is SparseMoeBlock
+            if sparse:
+                self._name_experts(rec, mlp)
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
-                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                              *(() if sparse else (("gate_up", mlp.gate_up_proj),
+                                                   ("down", mlp.down_proj)))):
                 if self.plain:
                     setattr(rec, name, lin.weight.data_ptr())
                     setattr(rec, f"{name}_fmt", FMT_BF16)
@@ -303,7 +347,7 @@ class FusedDecode:
         self.record = native.ModelRecord(
             num_layers=len(inner.layers), hidden=cfg.hidden_size, heads=first.num_heads,
             kv_heads=first.num_kv_heads, head_dim=cfg.head_dim,
-            inter=mlp.down_proj.in_features, vocab=cfg.vocab_size,
+            inter=self._inter(inner.layers), vocab=cfg.vocab_size,
             bits=bits, num_blocks=num_blocks, block_size=block_size,
             max_pos=rotary.cos_cache.shape[0], eps=cfg.rms_norm_eps, scale=first.attn.scale,
             embed=0 if self.row_embed else inner.embed_tokens.weight.data_ptr(),
@@ -325,6 +369,32 @@ class FusedDecode:
         # LoRA adapter id -> (its weights per linear, a copy of `layers` naming them)
         self._adapter_layers: dict[int, tuple[tuple, ctypes.Array]] = {}
 
+    @staticmethod
+    def _inter(layers: torch.nn.ModuleList) -> int:
+        """The dense MLPs' width (an all-sparse model's: its experts')."""
+        mlps = [layer.mlp for layer in layers]
+        dense = [m for m in mlps if type(m) is not SparseMoeBlock]
+        return dense[0].down_proj.in_features if dense else mlps[0].experts.intermediate
+
+    def _name_experts(self, rec: native.LayerRecord, block: SparseMoeBlock) -> None:
+        """A sparse layer's router, its experts' records and formats, and the read
+        counters the step adds to (folded into the experts' traffic when read)."""
+        experts = block.experts
+        e = experts.num_experts
+        gate_up = (ctypes.c_void_p * e)(*[r.data_ptr() for r in experts.gate_up_records])
+        down = (ctypes.c_void_p * e)(*[r.data_ptr() for r in experts.down_records])
+        gate_up_fmt = torch.tensor(experts.gate_up_formats, dtype=torch.int64)
+        down_fmt = torch.tensor(experts.down_formats, dtype=torch.int64)
+        reads = experts.traffic.native_counters(experts.expert_bytes)
+        self._moe_arrays += [gate_up, down, gate_up_fmt, down_fmt]
+        rec.router = block.gate.weight.data_ptr()
+        rec.expert_gate_up = ctypes.cast(gate_up, ctypes.c_void_p)
+        rec.expert_down = ctypes.cast(down, ctypes.c_void_p)
+        rec.expert_gate_up_fmt, rec.expert_down_fmt = gate_up_fmt.data_ptr(), down_fmt.data_ptr()
+        rec.num_experts, rec.top_k = e, block.top_k
+        rec.norm_topk, rec.expert_inter = int(bool(block.norm_topk_prob)), experts.intermediate
+        rec.expert_reads = reads.data_ptr()
+
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object,
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecode | None:
@@ -332,7 +402,7 @@ class FusedDecode:
         if reason is not None:
             if getattr(model, "is_moe", False):  # models/moe.py: say it once, at info
                 logger.info("MoE model: decode runs the module path (routed experts grouped "
-                            "by expert); the fused native decode step has no MoE layer")
+                            "by expert), not the fused native decode step: %s", reason)
             else:
                 logger.debug("batch-1 decode runs the module path: %s", reason)
             return None
@@ -348,6 +418,8 @@ class FusedDecode:
         tm_decode_step adds them after each linear); None when the adapter cannot be
         fused (a linear not wrapped by models/lora.py, a stacked rank over the kernel's
         MAX_LORA_R). Rebuilt when the adapter is installed again."""
+        if any(type(layer.mlp) is SparseMoeBlock for layer in self._model.model.layers):
+            return None  # adapters on an MoE model: the module path
         linears = self._linears()
         weights = tuple(lin.adapters.get(lora_id) if isinstance(lin, LoRALinear) else False
                         for group in linears for lin in group)

@@ -3,8 +3,10 @@ through tokenmill's ZMQ connector, against a plain TCP socket copy of the same b
 
 The pool has the embedded SmolLM2's shape (30 layers, 3 KV heads, head_dim 64, 16-token
 blocks) in bf16 and in int8 (+ fp32 scales); a producer pins the blocks of one
-N-token prompt and a consumer pulls them (layout handshake, frames, size checks) and
-copies them into its own pool, as a decode instance does. No model is loaded. The
+N-token prompt and a consumer pulls them (layout handshake, one payload frame, size
+checks) and copies them into its own pool, as a decode instance does, over the
+connection it keeps to the producer (the first pull, which opens it, is not counted). No
+model is loaded. The
 socket copy sends the same number of bytes once over a loopback TCP connection
 (sendall / recv_into a preallocated buffer): the floor the connector is held to.
 
@@ -28,12 +30,12 @@ from tokenmill.attention.kv_quant import kv_format
 from tokenmill.attention.quantized import QuantizedPool
 from tokenmill.kvcache.block_manager import BlockManager
 from tokenmill.kvcache.transfer.producer import KVProducer
-from tokenmill.kvcache.transfer.transport import BlockServer, pull
+from tokenmill.kvcache.transfer.transport import BlockServer, Puller
 from tokenmill.kvcache.transfer.wire import (
     PullRequest,
-    frame_sizes,
     layout_of,
     scatter_blocks,
+    segment_sizes,
 )
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -68,24 +70,29 @@ def connector_ms(num_tokens: int, kv: str, repeats: int) -> tuple[float, int]:
     producer = KVProducer(bm, src, 1, layout, pin_timeout_s=600)
     ctx = zmq.Context()
     server = BlockServer(ctx, "127.0.0.1", None, producer.serve)
-    sizes = frame_sizes(dst, nb, 1)
+    sizes = segment_sizes(dst, nb, 1)
+    puller = Puller(ctx)
     times = []
     try:
-        for i in range(repeats):
+        for i in range(repeats + 1):
             seq = Sequence(f"r{i}", list(range(num_tokens)), SamplingParams())
             bm.allocate_slots(seq, num_tokens)
             assert seq.block_table[:nb] == list(range(nb))
             producer.pin(seq.request_id, seq.block_table[:nb], seq.prompt_token_ids)
             bm.free(seq)
             t0 = time.perf_counter()
-            _, frames = pull(ctx, "127.0.0.1", server.port,
-                             PullRequest(f"r{i}", list(range(nb)), layout), 30, sizes, layout)
-            scatter_blocks(dst, list(range(nb)), 1, frames)
-            times.append((time.perf_counter() - t0) * 1e3)
+            _, payload = puller.pull("127.0.0.1", server.port,
+                                     PullRequest(f"r{i}", list(range(nb)), layout), 30, sizes,
+                                     layout)
+            scatter_blocks(dst, list(range(nb)), 1, payload)
+            del payload  # the receive buffer goes before the next pull, as in a consumer
+            if i:  # the first opened the connection
+                times.append((time.perf_counter() - t0) * 1e3)
             producer.release_finished()
         first = (lambda pool: pool[0][0] if kv == "bf16" else pool[0][0].data)
         assert torch.equal(first(dst)[:, :nb], first(src)[:, :nb]), "the copy differs"
     finally:
+        puller.close()
         server.close()
         ctx.term()
     return statistics.median(times), sum(sizes)

@@ -117,11 +117,11 @@ class KVTransferConnector:
 
     def abort(self, request_id: str) -> None:
         """The request's pull result (if any) is dropped: nothing was allocated for it;
-        the producer frees its pin once the pull completes or its timeout passes."""
+        a producer that has not sent the blocks yet is told to drop its pin now."""
         self._producing.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            pending.pulled.cancel()
+            self.consumer.release(pending)
 
     # ---- each step -----------------------------------------------------------------
 
@@ -136,17 +136,18 @@ class KVTransferConnector:
                 continue
             seq = pending.seq
             try:
-                _, frames = self.consumer.check(pending)
+                _, payload = self.consumer.check(pending)
             except Exception as e:  # noqa: BLE001 - TransferError, or the pull's own error
                 logger.warning("request %s: KV transfer failed (%s); prefilling here", rid, e)
                 del self._pending[rid]
+                self.consumer.release(pending)  # a late pull's pin goes now, not at timeout
                 stats.kv_transfer_fallbacks += 1
                 scheduler.add(seq)
                 continue
             if scheduler.num_running >= self.max_num_seqs or not self.consumer.can_install(seq):
-                continue  # no room yet: retried next step, the frames kept
+                continue  # no room yet: retried next step, the payload kept
             del self._pending[rid]
-            self.consumer.install(seq, frames)
+            self.consumer.install(seq, payload)
             scheduler.running.append(seq)
             stats.kv_transfer_received_tokens += seq.num_prompt_tokens
             emitted.append((seq, [pending.remote.first_token_id],

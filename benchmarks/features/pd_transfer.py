@@ -10,8 +10,12 @@ model is loaded. The
 socket copy sends the same number of bytes once over a loopback TCP connection
 (sendall / recv_into a preallocated buffer): the floor the connector is held to.
 
-    python -m benchmarks run pd-transfer                     # 1k, 4k and 16k tokens
-    python -m benchmarks run pd-transfer --tokens 64 --repeats 2   # smoke
+    python -m benchmarks run pd-transfer                     # 64, 1k, 4k, 16k tokens, ~1 min
+    python -m benchmarks run pd-transfer --tokens 64 --repeats 2 --no-result   # smoke
+
+The figures go to benchmarks/results/ (--no-result skips it): each size's connector ms
+and the socket copy's, the ratio in the notes (the socket copy is the floor, not a peer
+engine).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import time
 import torch
 import zmq
 
+from benchmarks import results
 from benchmarks.common import machine
+from benchmarks.results import Figure
 from tokenmill.attention.kv_quant import kv_format
 from tokenmill.attention.quantized import QuantizedPool
 from tokenmill.kvcache.block_manager import BlockManager
@@ -131,12 +137,15 @@ def socket_ms(num_bytes: int, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1000, 4000, 16000])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1000, 4000, 16000])
     ap.add_argument("--kv", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--no-result", action="store_true",
+                    help="do not write the result to benchmarks/results/")
     args = ap.parse_args(argv)
     print(f"KV transfer over loopback · {machine()} · torch {torch.__version__}")
     print("kv    tokens      MB   connector ms  GB/s  ms/1k tok   socket ms  GB/s   ratio")
+    figures, notes = [], []
     for kv in args.kv:
         for n in args.tokens:
             ms, nbytes = connector_ms(n, kv, args.repeats)
@@ -144,6 +153,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{kv:5s} {n:6d} {nbytes / 1e6:7.1f} {ms:12.2f} {nbytes / ms / 1e6:5.2f} "
                   f"{ms * 1000 / n:10.2f} {sock:11.2f} {nbytes / sock / 1e6:5.2f} "
                   f"{ms / sock:6.2f}x", flush=True)
+            config = {"kv": kv, "tokens": n, "bytes": nbytes}
+            figures += [Figure(f"connector pull + install, {kv}, {n} tokens", "tokenmill",
+                               f"pull {kv} {n} tokens", "ms", [ms], False, config),
+                        Figure(f"plain socket copy, {kv}, {n} tokens", "tokenmill",
+                               f"socket {kv} {n} tokens", "ms", [sock], False, config)]
+            notes.append(f"{kv} {n} tokens ({nbytes / 1e6:.1f} MB): connector {ms:.2f} ms "
+                         f"= {ms / sock:.2f}x the socket copy's {sock:.2f} ms")
+    if not args.no_result:
+        print(results.write(results.build("pd-transfer", "PD KV transfer over loopback",
+                                          figures, notes=notes)))
 
 
 if __name__ == "__main__":

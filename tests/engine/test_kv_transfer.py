@@ -20,13 +20,46 @@ from tokenmill.sampling_params import SamplingParams
 PROMPTS = ["The capital of France is",
            "Write a haiku about the sea and the stars over the harbour, with care",
            "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17",  # ends exactly on a block edge?
-           "def fibonacci(n):\n    "]
+           "def fibonacci(n):\n    ",
+           "Explain why the sky is blue in one sentence.",
+           "Translate to French: The cat sleeps on the warm windowsill.",
+           "List three uses of a paperclip:",
+           "Q: What is 17 times 3?\nA:",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "import numpy as np\n\ndef normalize(x):\n",
+           "Dear team,\n\nI am writing to let you know that",
+           "A short story about a robot who learns to paint:",
+           "The three primary colors are",
+           "Summarize: Photosynthesis turns light, water and carbon dioxide into sugar.",
+           "In 1969, the first humans",
+           "SELECT name, age FROM users WHERE",
+           "Recipe for pancakes. Ingredients:",
+           "The mitochondria is",
+           ("Why do leaves change color in autumn? Give a careful, detailed answer for a child "
+            "who is seven years old and loves trees."),
+           "Monday, Tuesday, Wednesday,",
+           "<html>\n<head>\n<title>",
+           "The best way to learn a new language is",
+           "Write a limerick about a cat named Pat.",
+           ("Once upon a time, in a quiet village by the river, there lived an old miller who "
+            "had three sons and a single grey donkey"),
+           "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
+           "Water boils at",
+           "A B C D E F G H I J K L M N O P",
+           "My favourite book is",
+           "Compare cats and dogs as pets:",
+           "The Pythagorean theorem states that",
+           "Hello! How are you today?",
+           "Rules of chess: the knight moves",
+           ]  # the 32: short and multi-block, text and code
 NEW_TOKENS = 12
 
 
 def _engine(role: str, dtype: str, kv_cache_dtype: str, **transfer) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=8, dtype=dtype, cache=CacheConfig(
-        kv_cache_memory_bytes=24 * 2**20, kv_cache_dtype=kv_cache_dtype,
+    # all 32 prompts in one batch (see _decode), and room for every prompt's pinned
+    # blocks at once (fp32 KV: 46 KiB a token)
+    return LLMEngine(EngineConfig(max_num_seqs=32, dtype=dtype, cache=CacheConfig(
+        kv_cache_memory_bytes=96 * 2**20, kv_cache_dtype=kv_cache_dtype,
         kv_transfer=KVTransferConfig(kv_role=role, **transfer))))
 
 
@@ -60,6 +93,12 @@ def pair(pairs):
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
+    # every pull landed before the first step: all requests are installed together and
+    # decode in the same batches as the one-engine reference, whose prompts are one
+    # prefill step (the default-dtype path is not batch-invariant: a batch of 4 and of
+    # 32 give different greedy tokens for the same prompt on one engine)
+    while engine.kv_transfer.pulls_in_flight():
+        engine.kv_transfer.wait_for_pull(0.05)
     finals = {}
     while engine.requests:
         for out in engine.step():

@@ -13,13 +13,16 @@ Engine calls: `hold` (add_request: checks kv_transfer_params; a decode request i
 while its KV is pulled), `admit` (each step: pins served or expired are freed, pulled
 requests installed and their first token returned), `on_finished` (the scheduler's
 hook before it frees a finished sequence: a prefill request's blocks are pinned),
-`abort`, `holders` (pins count as live block holders for check_integrity), `busy`.
+`abort`, `holders` (pins count as live block holders for check_integrity), `busy`,
+`wait_for_pull` (an idle loop's pause, cut short when a pull lands).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from tokenmill.config import KVTransferConfig
@@ -173,6 +176,18 @@ class KVTransferConnector:
             "first_logprobs": None if lps is None else [
                 [tid, lp.logprob, lp.rank] for tid, lp in lps.items()],
         }
+
+    def pulls_in_flight(self) -> int:
+        return sum(not p.pulled.done() for p in self._pending.values())
+
+    def wait_for_pull(self, timeout_s: float) -> None:
+        """Sleep up to timeout_s (an idle engine loop's pause between empty steps), or
+        until a pull in flight lands, so that its request is installed at once."""
+        futures = [p.pulled for p in self._pending.values() if not p.pulled.done()]
+        if futures:
+            wait(futures, timeout_s, FIRST_COMPLETED)
+        else:
+            time.sleep(timeout_s)
 
     def holders(self) -> list:
         return self.producer.holders() if self.producer is not None else []

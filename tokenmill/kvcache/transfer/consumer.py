@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from tokenmill.kvcache.block_manager import BlockManager
@@ -122,8 +123,8 @@ class KVConsumer:
         blocks = seq.block_table[:bm.num_blocks_for(seq.num_prompt_tokens)]
         scatter_blocks(self.kv_caches, blocks, self.block_dim, payload)
         if self.fresh is not None:
-            for b in blocks:
-                self.fresh[b] = 0  # written whole: a step must not zero it now
+            # written whole: a step must not zero them now (one store, not a loop)
+            np.frombuffer(self.fresh, dtype=np.uint8)[np.asarray(blocks, dtype=np.intp)] = 0
         seq.num_computed_tokens = seq.num_prompt_tokens
         bm.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING

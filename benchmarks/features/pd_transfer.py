@@ -67,8 +67,8 @@ def _pool(num_blocks: int, kv: str) -> list:
     return pools
 
 
-def connector_ms(num_tokens: int, kv: str, repeats: int) -> tuple[float, int]:
-    """Median ms of one pull + install of `num_tokens` tokens' KV, and its bytes."""
+def connector_ms(num_tokens: int, kv: str, repeats: int) -> tuple[list[float], int]:
+    """The ms of each pull + install of `num_tokens` tokens' KV, and its bytes."""
     nb = -(-num_tokens // BLOCK)
     src, dst = _pool(nb + 1, kv), _pool(nb + 1, kv)
     layout = layout_of(src, BLOCK, 1)
@@ -101,11 +101,11 @@ def connector_ms(num_tokens: int, kv: str, repeats: int) -> tuple[float, int]:
         puller.close()
         server.close()
         ctx.term()
-    return statistics.median(times), sum(sizes)
+    return times, sum(sizes)
 
 
-def socket_ms(num_bytes: int, repeats: int) -> float:
-    """Median ms to send `num_bytes` over a loopback TCP connection into a buffer."""
+def socket_ms(num_bytes: int, repeats: int) -> list[float]:
+    """The ms of each send of `num_bytes` over a loopback TCP connection into a buffer."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     payload = bytes(num_bytes)
@@ -132,7 +132,7 @@ def socket_ms(num_bytes: int, repeats: int) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
     t.join(5)
     listener.close()
-    return statistics.median(times)
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,16 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     figures, notes = [], []
     for kv in args.kv:
         for n in args.tokens:
-            ms, nbytes = connector_ms(n, kv, args.repeats)
-            sock = socket_ms(nbytes, args.repeats)
+            ms_runs, nbytes = connector_ms(n, kv, args.repeats)
+            sock_runs = socket_ms(nbytes, args.repeats)
+            ms, sock = statistics.median(ms_runs), statistics.median(sock_runs)
             print(f"{kv:5s} {n:6d} {nbytes / 1e6:7.1f} {ms:12.2f} {nbytes / ms / 1e6:5.2f} "
                   f"{ms * 1000 / n:10.2f} {sock:11.2f} {nbytes / sock / 1e6:5.2f} "
                   f"{ms / sock:6.2f}x", flush=True)
             config = {"kv": kv, "tokens": n, "bytes": nbytes}
             figures += [Figure(f"connector pull + install, {kv}, {n} tokens", "tokenmill",
-                               f"pull {kv} {n} tokens", "ms", [ms], False, config),
+                               f"pull {kv} {n} tokens", "ms", ms_runs, False, config),
                         Figure(f"plain socket copy, {kv}, {n} tokens", "tokenmill",
-                               f"socket {kv} {n} tokens", "ms", [sock], False, config)]
+                               f"socket {kv} {n} tokens", "ms", sock_runs, False, config)]
             notes.append(f"{kv} {n} tokens ({nbytes / 1e6:.1f} MB): connector {ms:.2f} ms "
                          f"= {ms / sock:.2f}x the socket copy's {sock:.2f} ms")
     if not args.no_result:

@@ -3,7 +3,7 @@ through tokenmill's ZMQ connector, against a plain TCP socket copy of the same b
 
 The pool has the embedded SmolLM2's shape (30 layers, 3 KV heads, head_dim 64, 16-token
 blocks) in bf16 and in int8 (+ fp32 scales); a producer pins the blocks of one
-N-token prompt and a consumer pulls them (layout handshake, one payload frame, size
+N-token prompt and a consumer pulls them (layout handshake, a few large frames, size
 checks) and copies them into its own pool, as a decode instance does, over the
 connection it keeps to the producer (the first pull, which opens it, is not counted). No
 model is loaded. The
@@ -87,11 +87,11 @@ def connector_ms(num_tokens: int, kv: str, repeats: int) -> tuple[list[float], i
             producer.pin(seq.request_id, seq.block_table[:nb], seq.prompt_token_ids)
             bm.free(seq)
             t0 = time.perf_counter()
-            _, payload = puller.pull("127.0.0.1", server.port,
+            _, segments = puller.pull("127.0.0.1", server.port,
                                      PullRequest(f"r{i}", list(range(nb)), layout), 30, sizes,
                                      layout)
-            scatter_blocks(dst, list(range(nb)), 1, payload)
-            del payload  # the receive buffer goes before the next pull, as in a consumer
+            scatter_blocks(dst, list(range(nb)), 1, segments)
+            del segments  # the receive buffers go before the next pull, as in a consumer
             if i:  # the first opened the connection
                 times.append((time.perf_counter() - t0) * 1e3)
             producer.release_finished()

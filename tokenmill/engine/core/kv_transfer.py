@@ -139,7 +139,7 @@ class KVTransferConnector:
                 continue
             seq = pending.seq
             try:
-                _, payload = self.consumer.check(pending)
+                _, segments = self.consumer.check(pending)
             except Exception as e:  # noqa: BLE001 - TransferError, or the pull's own error
                 logger.warning("request %s: KV transfer failed (%s); prefilling here", rid, e)
                 del self._pending[rid]
@@ -148,9 +148,9 @@ class KVTransferConnector:
                 scheduler.add(seq)
                 continue
             if scheduler.num_running >= self.max_num_seqs or not self.consumer.can_install(seq):
-                continue  # no room yet: retried next step, the payload kept
+                continue  # no room yet: retried next step, the segments kept
             del self._pending[rid]
-            self.consumer.install(seq, payload)
+            self.consumer.install(seq, segments)
             scheduler.running.append(seq)
             stats.kv_transfer_received_tokens += seq.num_prompt_tokens
             emitted.append((seq, [pending.remote.first_token_id],

@@ -45,7 +45,7 @@ class RemotePrefill:
 class Pending:
     seq: Sequence
     remote: RemotePrefill
-    pulled: Future  # -> (PullReply, payload)
+    pulled: Future  # -> (PullReply, segments)
 
     @property
     def pulled_ok(self) -> bool:
@@ -98,9 +98,9 @@ class KVConsumer:
         """Wait until every release asked so far has had its answer."""
         self._releases.submit(lambda: None).result()
 
-    def check(self, pending: Pending) -> tuple[PullReply, memoryview]:
+    def check(self, pending: Pending) -> tuple[PullReply, list]:
         """The pulled reply, checked against the request; raises TransferError."""
-        reply, payload = pending.pulled.result()
+        reply, segments = pending.pulled.result()
         seq = pending.seq
         if reply.prompt_token_ids != seq.prompt_token_ids:
             raise TransferError(f"the producer's KV is for a different prompt "
@@ -110,18 +110,18 @@ class KVConsumer:
         if len(pending.remote.block_ids) != self.block_manager.num_blocks_for(reply.num_tokens):
             raise TransferError(f"remote_block_ids has {len(pending.remote.block_ids)} blocks "
                                 f"for {reply.num_tokens} tokens")
-        return reply, payload
+        return reply, segments
 
     def can_install(self, seq: Sequence) -> bool:
         return self.block_manager.can_allocate_slots(seq, seq.num_prompt_tokens)
 
-    def install(self, seq: Sequence, payload: memoryview) -> None:
+    def install(self, seq: Sequence, segments: list) -> None:
         """Blocks for the prompt (check `can_install` first), the pulled bytes in them."""
         bm = self.block_manager
         if not bm.allocate_slots(seq, seq.num_prompt_tokens):
             raise AssertionError("install without room: check can_install first")
         blocks = seq.block_table[:bm.num_blocks_for(seq.num_prompt_tokens)]
-        scatter_blocks(self.kv_caches, blocks, self.block_dim, payload)
+        scatter_blocks(self.kv_caches, blocks, self.block_dim, segments)
         if self.fresh is not None:
             # written whole: a step must not zero them now (one store, not a loop)
             np.frombuffer(self.fresh, dtype=np.uint8)[np.asarray(blocks, dtype=np.intp)] = 0

@@ -26,6 +26,7 @@ from tokenmill.kvcache.transfer.wire import (
     Released,
     decoder,
     encoder,
+    frame_groups,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,15 +100,27 @@ class BlockServer:
                 except Exception as e:
                     logger.exception("KV transfer message for %s failed", msg.request_id)
                     reply = PullReply(msg.request_id, error=f"producer error: {e}")
-            header = encoder.encode(reply)
             if payload is None:
-                self._sock.send_multipart([ident, header])
+                self._sock.send_multipart([ident, encoder.encode(reply)])
             else:
-                tracker = self._sock.send_multipart([ident, header, payload], copy=False,
-                                                    track=True)
-                if payload.base is self._staging or payload is self._staging:
-                    self._sending = tracker
+                self._send_payload(ident, reply, payload)
             self.num_messages += 1
+
+    def _send_payload(self, ident: bytes, reply: PullReply, payload: np.ndarray) -> None:
+        """The header, then the payload in frames of whole segments (wire.frame_groups),
+        each a view of the staging buffer sent without a copy."""
+        reply.frame_segments = frame_groups(reply.segment_bytes)
+        self._sock.send_multipart([ident, encoder.encode(reply)], zmq.SNDMORE)
+        trackers = []
+        at = seg = 0
+        for i, count in enumerate(reply.frame_segments):
+            size = sum(reply.segment_bytes[seg:seg + count])
+            last = i == len(reply.frame_segments) - 1
+            trackers.append(self._sock.send(payload[at:at + size], 0 if last else zmq.SNDMORE,
+                                            copy=False, track=True))
+            at, seg = at + size, seg + count
+        if payload.base is self._staging or payload is self._staging:
+            self._sending = zmq.MessageTracker(*trackers)
 
     def close(self) -> None:
         self._stop.set()
@@ -128,9 +141,10 @@ class Puller:
         self.num_connects = 0
 
     def pull(self, host: str, port: int, request: PullRequest, timeout_s: float,
-             expect_sizes: list[int], layout: KVLayout) -> tuple[PullReply, memoryview]:
-        """Fetch a request's blocks: the reply and its payload, checked against this
-        engine's layout and the segment sizes its pool expects. Raises TransferError."""
+             expect_sizes: list[int], layout: KVLayout) -> tuple[PullReply, list]:
+        """Fetch a request's blocks: the reply and its segments (one bytes-like view per
+        pool tensor), checked against this engine's layout and the segment sizes its pool
+        expects. Raises TransferError."""
         reply, parts = self._ask(host, port, request, timeout_s)
         if not isinstance(reply, PullReply):
             raise TransferError("malformed reply from the producer (not a PullReply)")
@@ -138,15 +152,23 @@ class Puller:
             raise TransferError(reply.error)
         if reply.layout != layout:
             raise TransferError("the producer's reply carries a different KV layout")
-        if len(parts) != 1 or reply.segment_bytes != expect_sizes:
-            raise TransferError(f"truncated transfer: {len(parts)} payload frames with "
-                                f"segments {reply.segment_bytes}, expected 1 with "
-                                f"{expect_sizes}")
-        payload = parts[0].buffer
-        if payload.nbytes != sum(expect_sizes):
-            raise TransferError(f"truncated transfer: the payload has {payload.nbytes} bytes, "
-                                f"expected {sum(expect_sizes)}")
-        return reply, payload
+        if reply.segment_bytes != expect_sizes or len(parts) != len(reply.frame_segments) \
+                or sum(reply.frame_segments) != len(expect_sizes):
+            raise TransferError(f"truncated transfer: {len(parts)} payload frames holding "
+                                f"{reply.frame_segments} segments of {reply.segment_bytes} "
+                                f"bytes, expected segments of {expect_sizes}")
+        segments = []
+        for i, (part, count) in enumerate(zip(parts, reply.frame_segments)):
+            frame = part.buffer
+            sizes = expect_sizes[len(segments):len(segments) + count]
+            if frame.nbytes != sum(sizes):
+                raise TransferError(f"truncated transfer: frame {i} has {frame.nbytes} "
+                                    f"bytes, expected {sum(sizes)}")
+            at = 0
+            for size in sizes:
+                segments.append(frame[at:at + size])
+                at += size
+        return reply, segments
 
     def release(self, host: str, port: int, request_id: str, timeout_s: float) -> bool:
         """Tell the producer its pin of request_id will never be pulled; True if it held

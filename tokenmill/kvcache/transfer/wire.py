@@ -3,15 +3,18 @@
 Messages go over a DEALER -> ROUTER connection the consumer keeps open per producer;
 every message gets exactly one reply, so a kept connection stays in step:
   consumer -> producer: [PullRequest]
-  producer -> consumer: [PullReply, payload]          (error: [PullReply], no payload)
+  producer -> consumer: [PullReply, frame, ...]       (error: [PullReply], no frames)
   consumer -> producer: [Release]                     (the consumer will never pull)
   producer -> consumer: [Released]
-The payload is one frame: the segments of every pool tensor back to back, in order:
+The payload is the segments of every pool tensor back to back, in order:
 for each layer, K then V; for each, its tensors (a plain pool: the K or V tensor; an
 int8/fp8 pool: its bytes, then its fp32 scales). A segment holds the pulled blocks one
 after another in the pool's own layout, as little-endian bytes (`index_select` of the
 blocks along the pool's block dimension); `PullReply.segment_bytes` gives each one's
-size. The layout (`KVLayout`) travels in the pull: a pull whose layout differs from the
+size. It goes in a few large frames, each whole segments of up to FRAME_BYTES in all
+(one bigger segment: a frame of its own; `PullReply.frame_segments` gives each frame's
+count): a receive buffer over glibc's 32 MiB mmap ceiling would be fresh pages on every
+pull. The layout (`KVLayout`) travels in the pull: a pull whose layout differs from the
 producer's is refused before any bytes move, the error naming the first field that
 differs.
 """
@@ -56,6 +59,7 @@ class PullReply(msgspec.Struct, tag="blocks"):
     num_tokens: int = 0  # tokens whose KV the blocks hold (the prompt)
     prompt_token_ids: list[int] = []
     segment_bytes: list[int] = []  # each pool tensor's segment of the payload, checked
+    frame_segments: list[int] = []  # how many segments each payload frame holds
 
 
 class Release(msgspec.Struct, tag="release"):
@@ -71,6 +75,22 @@ class Released(msgspec.Struct, tag="released"):
 
 
 Message = PullRequest | PullReply | Release | Released
+FRAME_BYTES = 8 << 20
+
+
+def frame_groups(segment_bytes: list[int], max_bytes: int = FRAME_BYTES) -> list[int]:
+    """Consecutive segments per frame, each frame at most max_bytes unless one segment
+    alone is bigger."""
+    counts: list[int] = []
+    size = 0
+    for b in segment_bytes:
+        if counts and size + b <= max_bytes:
+            counts[-1] += 1
+            size += b
+        else:
+            counts.append(1)
+            size = b
+    return counts
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)
 
@@ -149,20 +169,16 @@ def segment_sizes(kv_caches: list, num_blocks: int, block_dim: int) -> list[int]
 
 
 def scatter_blocks(kv_caches: list, block_ids: list[int], block_dim: int,
-                   payload) -> None:
-    """Write the payload (bytes-like, its size checked by the caller) into `block_ids`:
-    one slice copy per tensor and run of adjacent blocks (a fresh table is mostly one
-    run), one fancy-index copy per tensor when the table is scattered."""
+                   segments: list) -> None:
+    """Write the segments (bytes-like, one per pool tensor, sizes checked by the caller)
+    into `block_ids`: one slice copy per tensor and run of adjacent blocks (a fresh
+    table is mostly one run), one fancy-index copy per tensor when it is scattered."""
     runs = _runs(block_ids)
-    flat = np.frombuffer(payload, dtype=np.uint8)
-    at = 0
-    for t in pool_tensors(kv_caches):
+    for t, segment in zip(pool_tensors(kv_caches), segments, strict=True):
         raw = t.view(torch.uint8)  # bytes: one copy for every dtype (fp8 has no kernels)
         shape = list(raw.shape)
         shape[block_dim] = len(block_ids)
-        size = raw.nbytes // raw.shape[block_dim] * len(block_ids)
-        src = flat[at:at + size].reshape(shape)
-        at += size
+        src = np.frombuffer(segment, dtype=np.uint8).reshape(shape)
         if raw.device.type == "cpu":
             _copy_blocks(raw.numpy(), src, runs, block_ids, block_dim, gather=False)
         else:

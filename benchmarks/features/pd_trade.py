@@ -16,9 +16,13 @@ ITL figures are scheduler noise. Reports, per layout: ITL p50/p99 of the decode 
 their TTFT p50, the long prompts' TTFT p50, output tok/s. Target: (b) ITL p99 <= 1/2 of
 (a)'s; the TTFT and throughput it costs are printed beside it.
 
-    python -m benchmarks run pd-trade                         # ~4 min (3 x 60 s + start-ups)
-    python -m benchmarks run pd-trade --layouts a --duration 5 --concurrency 2 \\
-        --decode-tokens 8 --long-prompt 64 --interval 1     # smoke
+    python -m benchmarks run pd-trade                         # ~5 min (3 x 60 s + start-ups)
+    python -m benchmarks run pd-trade --repeats 3             # ~13 min: medians of 3
+    python -m benchmarks run pd-trade --duration 4 --concurrency 2 --decode-tokens 8 \
+        --long-prompt 64 --interval 1 --no-result             # smoke, ~1.5 min
+
+The figures go to benchmarks/results/ (one result, every layout's figures; --no-result
+skips it); `python -m benchmarks report` then regenerates BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import time
 
 import httpx
 
+from benchmarks import results
 from benchmarks.common import machine
+from benchmarks.results import Figure
 from benchmarks.server import router_binary, running_router, start_server
 
 ROUTER = router_binary()
@@ -164,25 +170,58 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long-max-tokens", type=int, default=16)
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--client-cpus", default="0", help="this client's and the router's CPUs")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each layout (in turn: a b c a b c ...); medians reported")
+    ap.add_argument("--no-result", action="store_true",
+                    help="do not write the result to benchmarks/results/")
     args = ap.parse_args(argv)
     if ROUTER is None and set(args.layouts) - {"a"}:
         sys.exit("vllm-router is not installed: pip install vllm-router==0.1.17")
     print(f"PD trade · {machine()} · client+router on CPUs {args.client_cpus}")
     os.sched_setaffinity(0, _cpus(args.client_cpus))
     print("layout                         ITL p50  ITL p99  TTFT p50  long TTFT p50  out tok/s")
-    names = {"a": "(a) 1 instance, 2 cores", "b": "(b) 1P + 1D, 1 core each",
-             "c": "(c) 2 replicas, round robin"}
-    results = {}
-    for name in args.layouts:
-        with pinned(set(range(os.cpu_count() or 1))), layout(name, args) as url:
-            os.sched_setaffinity(0, _cpus(args.client_cpus))
-            r = results[name] = asyncio.run(run_load(url, args))
-        print(f"{names[name]:30s} {r['itl_p50_ms']:7.1f} {r['itl_p99_ms']:8.1f} "
-              f"{r['ttft_p50_ms']:9.0f} {r['long_ttft_p50_ms']:14.0f} {r['out_tok_s']:10.1f}",
-              flush=True)
-    if "a" in results and "b" in results:
-        ratio = results["b"]["itl_p99_ms"] / results["a"]["itl_p99_ms"]
-        print(f"(b)/(a) ITL p99: {ratio:.2f} (target <= 0.50)")
+    runs: dict[str, list[dict]] = {name: [] for name in args.layouts}
+    for _ in range(args.repeats):
+        for name in args.layouts:
+            with pinned(set(range(os.cpu_count() or 1))), layout(name, args) as url:
+                os.sched_setaffinity(0, _cpus(args.client_cpus))
+                r = asyncio.run(run_load(url, args))
+            runs[name].append(r)
+            print(f"{NAMES[name]:30s} {r['itl_p50_ms']:7.1f} {r['itl_p99_ms']:8.1f} "
+                  f"{r['ttft_p50_ms']:9.0f} {r['long_ttft_p50_ms']:14.0f} "
+                  f"{r['out_tok_s']:10.1f}", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in METRICS}
+           for name, rs in runs.items()}
+    notes = [(f"workload: c={args.concurrency} streams of {args.decode_tokens} new tokens "
+             f"({args.decode_prompt}-token prompts) while a {args.long_prompt}-token prompt "
+             f"arrives every {args.interval:g} s, {args.duration:g} s per run; servers pinned "
+             f"one core each ((b), (c)) or both ((a)); client and router on CPUs "
+             f"{args.client_cpus}")]
+    if "a" in med and "b" in med:
+        ratio = med["b"]["itl_p99_ms"] / med["a"]["itl_p99_ms"]
+        line = f"(b)/(a) ITL p99: {ratio:.2f} (target <= 0.50)"
+        for key, what in (("ttft_p50_ms", "TTFT p50"), ("long_ttft_p50_ms", "long TTFT p50"),
+                          ("out_tok_s", "output tok/s")):
+            line += f"; {what} {med['b'][key] / med['a'][key]:.2f}x"
+        print(line)
+        notes.append(line)
+    if not args.no_result:
+        figures = [Figure(NAMES[name], "tokenmill", metric, unit, [r[key] for r in rs],
+                          higher, {"model": MODEL, "layout": name})
+                   for name, rs in runs.items()
+                   for key, (metric, unit, higher) in METRICS.items()
+                   if all(r[key] == r[key] for r in rs)]  # NaN: too few samples
+        print(results.write(results.build("pd-trade", "PD disaggregation's trade", figures,
+                                          notes=notes)))
+
+
+NAMES = {"a": "(a) 1 instance, 2 cores", "b": "(b) 1P + 1D, 1 core each",
+         "c": "(c) 2 replicas, round robin"}
+# result key -> (metric, unit, higher is better)
+METRICS = {"itl_p50_ms": ("ITL p50", "ms", False), "itl_p99_ms": ("ITL p99", "ms", False),
+           "ttft_p50_ms": ("TTFT p50", "ms", False),
+           "long_ttft_p50_ms": ("long-prompt TTFT p50", "ms", False),
+           "out_tok_s": ("output throughput", "tok/s", True)}
 
 
 if __name__ == "__main__":

@@ -13,20 +13,53 @@ from tests.engine.conftest import assert_no_leak
 from tokenmill.config import CacheConfig, EngineConfig, KVTransferConfig
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.core.validation import RequestError
-from tokenmill.kvcache.transfer.transport import TransferError, pull
+from tokenmill.kvcache.transfer.transport import Puller, TransferError
 from tokenmill.kvcache.transfer.wire import PullRequest
 from tokenmill.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is",
            "Write a haiku about the sea and the stars over the harbour, with care",
            "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17",  # ends exactly on a block edge?
-           "def fibonacci(n):\n    "]
+           "def fibonacci(n):\n    ",
+           "Explain why the sky is blue in one sentence.",
+           "Translate to French: The cat sleeps on the warm windowsill.",
+           "List three uses of a paperclip:",
+           "Q: What is 17 times 3?\nA:",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "import numpy as np\n\ndef normalize(x):\n",
+           "Dear team,\n\nI am writing to let you know that",
+           "A short story about a robot who learns to paint:",
+           "The three primary colors are",
+           "Summarize: Photosynthesis turns light, water and carbon dioxide into sugar.",
+           "In 1969, the first humans",
+           "SELECT name, age FROM users WHERE",
+           "Recipe for pancakes. Ingredients:",
+           "The mitochondria is",
+           ("Why do leaves change color in autumn? Give a careful, detailed answer for a child "
+            "who is seven years old and loves trees."),
+           "Monday, Tuesday, Wednesday,",
+           "<html>\n<head>\n<title>",
+           "The best way to learn a new language is",
+           "Write a limerick about a cat named Pat.",
+           ("Once upon a time, in a quiet village by the river, there lived an old miller who "
+            "had three sons and a single grey donkey"),
+           "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
+           "Water boils at",
+           "A B C D E F G H I J K L M N O P",
+           "My favourite book is",
+           "Compare cats and dogs as pets:",
+           "The Pythagorean theorem states that",
+           "Hello! How are you today?",
+           "Rules of chess: the knight moves",
+           ]  # the issue's 32: short and multi-block, text and code
 NEW_TOKENS = 12
 
 
 def _engine(role: str, dtype: str, kv_cache_dtype: str, **transfer) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=8, dtype=dtype, cache=CacheConfig(
-        kv_cache_memory_bytes=24 * 2**20, kv_cache_dtype=kv_cache_dtype,
+    # all 32 prompts in one batch (see _decode), and room for every prompt's pinned
+    # blocks at once (fp32 KV: 46 KiB a token)
+    return LLMEngine(EngineConfig(max_num_seqs=32, dtype=dtype, cache=CacheConfig(
+        kv_cache_memory_bytes=96 * 2**20, kv_cache_dtype=kv_cache_dtype,
         kv_transfer=KVTransferConfig(kv_role=role, **transfer))))
 
 
@@ -60,6 +93,12 @@ def pair(pairs):
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
+    # every pull landed before the first step: all requests are installed together and
+    # decode in the same batches as the one-engine reference, whose prompts are one
+    # prefill step (the default-dtype path is not batch-invariant: a batch of 4 and of
+    # 32 give different greedy tokens for the same prompt on one engine)
+    while engine.kv_transfer.pulls_in_flight():
+        engine.kv_transfer.wait_for_pull(0.05)
     finals = {}
     while engine.requests:
         for out in engine.step():
@@ -138,8 +177,8 @@ def test_unknown_request_is_named_by_the_producer(pair):
     layout = consumer.kv_transfer.consumer.layout
     port = producer.kv_transfer.server.port
     with pytest.raises(TransferError, match="unknown request 'nobody'"):
-        pull(zmq.Context.instance(), "127.0.0.1", port, PullRequest("nobody", [1], layout),
-             5, [], layout)
+        Puller(zmq.Context.instance()).pull("127.0.0.1", port,
+                                            PullRequest("nobody", [1], layout), 5, [], layout)
 
 
 def test_layout_mismatch_is_refused_naming_the_field(pair):
@@ -149,9 +188,10 @@ def test_layout_mismatch_is_refused_naming_the_field(pair):
     wrong = type(layout)(**{**{f: getattr(layout, f) for f in layout.__struct_fields__},
                             "block_size": layout.block_size * 2})
     with pytest.raises(TransferError, match="mismatch in block_size"):
-        pull(zmq.Context.instance(), "127.0.0.1", params["remote_port"],
-             PullRequest(params["remote_request_id"], params["remote_block_ids"], wrong),
-             5, [], wrong)
+        Puller(zmq.Context.instance()).pull(
+            "127.0.0.1", params["remote_port"],
+            PullRequest(params["remote_request_id"], params["remote_block_ids"], wrong),
+            5, [], wrong)
     _drain_pins(producer)  # a refused pull frees the pin at once
     assert_no_leak(producer)
 
@@ -162,9 +202,10 @@ def test_truncated_transfer_is_refused(pair):
     layout = consumer.kv_transfer.consumer.layout
     sizes = [1] * (4 * layout.num_layers)  # what a shorter frame set would be
     with pytest.raises(TransferError, match="truncated transfer"):
-        pull(zmq.Context.instance(), "127.0.0.1", params["remote_port"],
-             PullRequest(params["remote_request_id"], params["remote_block_ids"], layout),
-             5, sizes, layout)
+        Puller(zmq.Context.instance()).pull(
+            "127.0.0.1", params["remote_port"],
+            PullRequest(params["remote_request_id"], params["remote_block_ids"], layout),
+            5, sizes, layout)
     _drain_pins(producer)
     assert_no_leak(producer)
 
@@ -188,16 +229,45 @@ def test_a_dead_producer_times_out_into_a_local_prefill(pair):
 
 
 def test_abort_while_pulling_frees_both_sides(pair):
+    """A client that leaves before its blocks arrive: nothing is allocated on the
+    decode side, and the producer drops its pin at its next step after the consumer's
+    release is answered (whether the release or the pull reached it first), not at
+    pin_timeout_s."""
     producer, consumer = pair
     params = _prefill(producer, "x", PROMPTS[:1])[0]
+    expired = producer.kv_transfer.producer.num_expired
+    assert producer.block_manager.num_free_blocks < producer.block_manager.num_total_blocks
     consumer.add_request("x-d", PROMPTS[0], SamplingParams(
         max_tokens=4, temperature=0, kv_transfer_params=params))
     consumer.abort_request("x-d")
     assert_no_leak(consumer)
-    for entry in producer.kv_transfer.holders():  # nobody will pull it: the timeout frees it
-        entry.deadline = 0
-    _drain_pins(producer)
+    consumer.kv_transfer.consumer.drain_releases()
+    producer.step()
     assert_no_leak(producer)
+    assert producer.kv_transfer.producer.num_expired == expired  # not the timeout
+
+
+def test_a_release_drops_the_pin_at_the_next_step(pair):
+    """The release message itself: the pin goes at the producer's next step, a second
+    release finds nothing, and a pull after it is refused by name."""
+    producer, consumer = pair
+    params = _prefill(producer, "r", PROMPTS[:1])[0]
+    puller = Puller(zmq.Context.instance())
+    port, rid = params["remote_port"], params["remote_request_id"]
+    released = producer.kv_transfer.producer.num_released
+    try:
+        assert puller.release("127.0.0.1", port, rid, 5) is True
+        producer.step()
+        assert_no_leak(producer)
+        assert producer.kv_transfer.producer.num_released == released + 1
+        assert puller.release("127.0.0.1", port, rid, 5) is False
+        layout = consumer.kv_transfer.consumer.layout
+        with pytest.raises(TransferError, match="already pulled or released"):
+            puller.pull("127.0.0.1", port, PullRequest(rid, params["remote_block_ids"],
+                                                        layout), 5, [], layout)
+        assert puller.num_connects == 1  # one kept connection for all three messages
+    finally:
+        puller.close()
 
 
 @pytest.mark.parametrize("params, field", [

@@ -13,13 +13,16 @@ Engine calls: `hold` (add_request: checks kv_transfer_params; a decode request i
 while its KV is pulled), `admit` (each step: pins served or expired are freed, pulled
 requests installed and their first token returned), `on_finished` (the scheduler's
 hook before it frees a finished sequence: a prefill request's blocks are pinned),
-`abort`, `holders` (pins count as live block holders for check_integrity), `busy`.
+`abort`, `holders` (pins count as live block holders for check_integrity), `busy`,
+`wait_for_pull` (an idle loop's pause, cut short when a pull lands).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from tokenmill.config import KVTransferConfig
@@ -117,11 +120,11 @@ class KVTransferConnector:
 
     def abort(self, request_id: str) -> None:
         """The request's pull result (if any) is dropped: nothing was allocated for it;
-        the producer frees its pin once the pull completes or its timeout passes."""
+        a producer that has not sent the blocks yet is told to drop its pin now."""
         self._producing.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            pending.pulled.cancel()
+            self.consumer.release(pending)
 
     # ---- each step -----------------------------------------------------------------
 
@@ -136,17 +139,18 @@ class KVTransferConnector:
                 continue
             seq = pending.seq
             try:
-                _, frames = self.consumer.check(pending)
+                _, segments = self.consumer.check(pending)
             except Exception as e:  # noqa: BLE001 - TransferError, or the pull's own error
                 logger.warning("request %s: KV transfer failed (%s); prefilling here", rid, e)
                 del self._pending[rid]
+                self.consumer.release(pending)  # a late pull's pin goes now, not at timeout
                 stats.kv_transfer_fallbacks += 1
                 scheduler.add(seq)
                 continue
             if scheduler.num_running >= self.max_num_seqs or not self.consumer.can_install(seq):
-                continue  # no room yet: retried next step, the frames kept
+                continue  # no room yet: retried next step, the segments kept
             del self._pending[rid]
-            self.consumer.install(seq, frames)
+            self.consumer.install(seq, segments)
             scheduler.running.append(seq)
             stats.kv_transfer_received_tokens += seq.num_prompt_tokens
             emitted.append((seq, [pending.remote.first_token_id],
@@ -172,6 +176,18 @@ class KVTransferConnector:
             "first_logprobs": None if lps is None else [
                 [tid, lp.logprob, lp.rank] for tid, lp in lps.items()],
         }
+
+    def pulls_in_flight(self) -> int:
+        return sum(not p.pulled.done() for p in self._pending.values())
+
+    def wait_for_pull(self, timeout_s: float) -> None:
+        """Sleep up to timeout_s (an idle engine loop's pause between empty steps), or
+        until a pull in flight lands, so that its request is installed at once."""
+        futures = [p.pulled for p in self._pending.values() if not p.pulled.done()]
+        if futures:
+            wait(futures, timeout_s, FIRST_COMPLETED)
+        else:
+            time.sleep(timeout_s)
 
     def holders(self) -> list:
         return self.producer.holders() if self.producer is not None else []

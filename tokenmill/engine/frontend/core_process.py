@@ -218,8 +218,9 @@ class EngineCore:
             self.step_started_at = None
         if self.engine.stats.num_steps == steps_before and not outputs:
             # nothing could be scheduled: do not spin (--async-scheduling's last
-            # step runs no batch but brings the step before's outputs)
-            time.sleep(0.005)
+            # step runs no batch but brings the step before's outputs); a KV pull
+            # that lands ends the pause
+            self.engine.kv_transfer.wait_for_pull(0.005)
             stats = self.engine.get_stats()
             if stats.num_free_blocks != self._sent_free_blocks:  # a KV-transfer pin freed
                 self._send(m.StepOutputs([], [], stats))

@@ -54,9 +54,10 @@ def _runner(tmp_path, quantization: str) -> ModelRunner:
 
 
 def _step(runner: ModelRunner, tokens: list[list[int]], starts: list[int],
-          tables: list[list[int]], fresh: list[int]) -> torch.Tensor:
+          tables: list[list[int]], fresh: list[int], row_loras: list[int] = ROW_LORAS
+          ) -> torch.Tensor:
     """One step of len(tokens) sequences (sequence i: tokens[i] from position
-    starts[i]) under ROW_LORAS: the logits of each sequence's last row."""
+    starts[i]) under row_loras: the logits of each sequence's last row."""
     ids, positions, slots, qstart, lens, qlens, rows = [], [], [], [0], [], [], []
     for toks, start, table in zip(tokens, starts, tables):
         pos = list(range(start, start + len(toks)))
@@ -68,28 +69,29 @@ def _step(runner: ModelRunner, tokens: list[list[int]], starts: list[int],
         qlens.append(len(toks))
         rows.append(qstart[-1] - 1)
     inputs = StepInputs(ids, positions, slots, qstart, lens, qlens, tables, fresh, rows,
-                        lora_ids=ROW_LORAS[:len(tokens)])
+                        lora_ids=row_loras[:len(tokens)])
     ids_t, pos, meta, logit_rows = runner.upload(runner.stage_inputs(inputs))
     return runner.forward(ids_t, pos, meta, logit_rows)
 
 
-def _decode_both_ways(runner: ModelRunner) -> int:
-    """Prefill ROW_LORAS' sequences (the module path), then decode them across two block
+def _decode_both_ways(runner: ModelRunner, row_loras: list[int] = ROW_LORAS) -> int:
+    """Prefill row_loras' sequences (the module path), then decode them across two block
     boundaries, each step on the module path and then fused (over the same K/V slots):
     the same logits to ATOL, the same greedy tokens. Returns the fused steps taken."""
     fused = runner.fused_decode
-    n = len(ROW_LORAS)
+    n = len(row_loras)
     tables = [[3 * i + 2, 3 * i, 3 * i + 1] for i in range(n)]  # out of order
     prompts = [[5 + i, 17, 200, 33 + i, 9, 101, 64 + 2 * i][:4 + i % 4] for i in range(n)]
-    logits = _step(runner, prompts, [0] * n, tables, [b for t in tables for b in t])
+    logits = _step(runner, prompts, [0] * n, tables, [b for t in tables for b in t],
+                   row_loras)
     tokens = [int(t) for t in logits.argmax(-1)]
     pos = [len(p) for p in prompts]
     steps = 0
     while max(pos) < 2 * BLOCK + 3:
         fused.enabled = False
-        expected = _step(runner, [[t] for t in tokens], pos, tables, [])
+        expected = _step(runner, [[t] for t in tokens], pos, tables, [], row_loras)
         fused.enabled = True
-        got = _step(runner, [[t] for t in tokens], pos, tables, [])
+        got = _step(runner, [[t] for t in tokens], pos, tables, [], row_loras)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         tokens, pos, steps = got.argmax(-1).tolist(), [p + 1 for p in pos], steps + 1
@@ -122,6 +124,23 @@ def test_a_mixed_batch_of_adapters_and_the_base_in_the_fused_step(tmp_path, quan
     finally:
         torch.set_num_threads(before)
     assert slots == [3] * steps  # every decode step fused, with its 3 adapters
+
+
+@pytest.mark.parametrize("lora_id", [1, 3])
+def test_batch_one_with_an_adapter_in_the_fused_step(tmp_path, lora_id, monkeypatch):
+    """One row (tm_decode_step, each thread adding its share of the delta) under an
+    adapter on every projection (1) or on some (3), 2 threads."""
+    runner = _runner(tmp_path, "gguf-a16")
+    calls = []
+    step = decode_step.step
+    monkeypatch.setattr(decode_step, "step", lambda *a: calls.append(a[8]) or step(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        steps = _decode_both_ways(runner, [lora_id])
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == steps and all(lora is not None for lora in calls)
 
 
 def test_the_adapters_change_the_rows_they_run_under(tmp_path):

@@ -689,6 +689,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      down groups;                                                            barrier
  *      (between the groups of 5 and 6, the next layer's K/V blocks are prefetched:
  *      kv_prefetch_step)
+ *   with LoRA adapters, at each linear: the adapters' shrink (their rows' x A) beside
+ *   the linear's groups, then their expand into its output;                   barrier
  * then the final norm, hidden_out, and the LM head's groups (fp32 logits, as
  * the module path's). tokens, positions, slots, seq_lens: (B,) int64; tables
  * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading

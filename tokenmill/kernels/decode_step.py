@@ -31,10 +31,11 @@ class LayerRecord(ctypes.Structure):
 
 
 class LoraRecord(ctypes.Structure):
-    """One layer of an adapter, per linear (qkv, o, gate_up, down): A (r, K) fp32 (every
-    targeted sub-projection's A stacked), B fp32 (each targeted sub-projection's scaled
-    (rows, rank) B one after the other), the rank r and each sub-projection's rank (q, k,
-    v / o / gate, up / down; 0: not targeted). r 0: no delta on the linear."""
+    """One layer of an adapter, per linear (qkv, o, gate_up, down): A^T (K, r) fp32
+    (every targeted sub-projection's A stacked along the rank), B fp32 (each targeted
+    sub-projection's scaled B transposed, (rank, rows), one after the other), the rank r
+    and each sub-projection's rank (q, k, v / o / gate, up / down; 0: not targeted).
+    r 0: no delta on the linear."""
     _fields_ = [("a", _PTR * 4), ("b", _PTR * 4), ("r", _I64 * 4), ("part_r", (_I64 * 3) * 4)]
 
 

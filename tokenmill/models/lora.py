@@ -56,17 +56,17 @@ class _Weights:
     _dense: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def native_pair(self, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(A (R, in) fp32, B fp32 flat, each sub-projection's rank) contiguous, for the
+        """(A^T (in, R) fp32, B fp32 flat, each sub-projection's rank) contiguous, for the
         fused decode step (kernels/lora_delta.h): B holds each targeted sub-projection's
-        (size, rank) B one after the other, in output order; `sizes` the linear's
-        sub-projection sizes (a rank 0 where the adapter has none). Built once."""
+        transposed (rank, size) B one after the other, in output order; `sizes` the
+        linear's sub-projection sizes (a rank 0 where the adapter has none). Built once."""
         if self._dense is None:
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            by_start = {start: (r, b) for start, _, _, r, b in self.parts}
-            ranks = [by_start[s][0] if s in by_start else 0 for s in starts]
-            b_flat = torch.cat([b.float().reshape(-1) for _, _, _, _, b in
+            by_start = {start: r for start, _, _, r, _ in self.parts}
+            ranks = [by_start.get(s, 0) for s in starts]
+            b_flat = torch.cat([b.float().t().reshape(-1) for _, _, _, _, b in
                                 sorted(self.parts, key=lambda part: part[0])])
-            self._dense = (self.a_cat.float().contiguous(), b_flat.contiguous(), ranks)
+            self._dense = (self.a_cat.float().t().contiguous(), b_flat.contiguous(), ranks)
         return self._dense
 
 

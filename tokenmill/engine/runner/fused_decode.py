@@ -367,7 +367,7 @@ class FusedDecode:
                 if w is None:
                     continue  # r 0: no delta on this linear
                 a, b, ranks = w.native_pair(lin.sizes)  # kept alive by w
-                rec.a[j], rec.b[j], rec.r[j] = a.data_ptr(), b.data_ptr(), a.shape[0]
+                rec.a[j], rec.b[j], rec.r[j] = a.data_ptr(), b.data_ptr(), a.shape[1]
                 for p, r in enumerate(ranks):
                     rec.part_r[j][p] = r
         self._adapters[lora_id] = (weights, records)

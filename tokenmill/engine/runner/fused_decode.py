@@ -446,9 +446,9 @@ class FusedDecode:
         else:
             def i64(t: torch.Tensor) -> torch.Tensor:
                 return t.to(torch.int64).contiguous()
-            rc = native.step_batch(self.record, i64(ids), i64(pos), i64(meta.slot_mapping),
-                                   tables, torch.tensor(meta.seq_lens_list, dtype=torch.int64),
-                                   hidden, logits, shared, loras, row_slot)
+            args = (self.record, i64(ids), i64(pos), i64(meta.slot_mapping), tables,
+                    torch.tensor(meta.seq_lens_list, dtype=torch.int64), hidden, logits, shared)
+            rc = native.step_batch(*args, loras, row_slot) if loras else native.step_batch(*args)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")
         return None if rc else (logits, hidden)

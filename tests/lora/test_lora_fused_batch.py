@@ -28,7 +28,7 @@ ADAPTERS = {1: (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 ROW_LORAS = [0, 1, 2, 0, 3, 1]
 # The kernel sums A x and B (A x) in its own (vector) order, torch in oneDNN's: the same
 # values to one bf16 rounding of a delta, which can move a later bf16 activation by one
-# rounding step. Seen on these models: max |logit difference| <= 0.03.
+# rounding step. Seen on these tiny models (K <= 128): 0.0, the same bits.
 ATOL = 0.1
 
 

@@ -39,6 +39,7 @@
 #include "paged_decode.c"
 #include "bf16_gemv.c"
 #include "layer_ops.h"
+#include "lora_delta.h"
 
 /* a linear's weight as plain (N, K) bf16 rows, multiplied as bf16_gemv.c does (its rows
  * of 16 are q4q8_gemv.c's groups): a bf16 model's, whose record says bits 0 (no
@@ -68,12 +69,6 @@ typedef struct {
     const uint16_t *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin;
     int64_t window;
-    /* a LoRA adapter's low-rank pair on qkv, o, gate_up, down (tm_decode_step only):
-     * A (R, K) fp32, every sub-projection's A stacked; B (N, R) fp32, each
-     * sub-projection's scaled B in its rows and its rank's columns, zeros elsewhere
-     * (both hold bf16 values: the module path's installed weights); R 0: none */
-    const float *lora_a[4], *lora_b[4];
-    int64_t lora_r[4];
     /* a sparse MoE layer (num_experts 0: the dense MLP above; moe_step.h): the router
      * (E, hidden) bf16; per expert its gate_up records (2 I rows) and down records
      * (hidden rows), each with its own format; top_k, norm_topk (renormalize the top k's
@@ -185,40 +180,23 @@ static int formats_ok(const tm_model_t *m) {
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
 }
 
-#define MAX_LORA_R 512 /* stacked rank of one linear's adapter: its (R,) product on the stack */
-
-/* every layer's adapter ranks within MAX_LORA_R; with `allowed` 0 (the batched step),
- * no adapter at all */
-static int lora_ok(const tm_model_t *m, int allowed) {
-    for (int64_t l = 0; l < m->num_layers; l++)
-        for (int i = 0; i < 4; i++) {
-            const int64_t r = m->layers[l].lora_r[i];
-            if (r < 0 || r > MAX_LORA_R || (r && (!allowed || !m->layers[l].lora_a[i] ||
-                                                  !m->layers[l].lora_b[i])))
-                return 0;
-        }
-    return 1;
+/* the sub-projections of qkv (q, k, v), o, gate_up (gate, up) and down: what an
+ * adapter's delta on each is split by (lora_delta.h) */
+static void lora_parts(const tm_model_t *m, lora_parts_t parts[LORA_LINEARS]) {
+    memset(parts, 0, sizeof(lora_parts_t) * LORA_LINEARS);
+    parts[0].size[0] = m->heads * m->head_dim;
+    parts[0].size[1] = parts[0].size[2] = m->kv_heads * m->head_dim;
+    parts[1].size[0] = parts[3].size[0] = m->hidden;
+    parts[2].size[0] = parts[2].size[1] = m->inter;
 }
 
-/* out rows [n0, n1) += B (A x), rounded as the module path's bf16 products are
- * (models/lora.py: x @ A^T to bf16, then @ B^T to bf16, then added to the bf16 output).
- * x: (K,) bf16, the linear's own input row. Every caller computes the (R,) product
- * A x itself (R x K multiply-adds, a few microseconds): no barrier to share it. */
-static void lora_add(const float *A, const float *B, int64_t R, int64_t K,
-                     const uint16_t *x, uint16_t *out, int64_t n0, int64_t n1) {
-    float xa[MAX_LORA_R];
-    for (int64_t r = 0; r < R; r++) {
-        const float *a = A + r * K;
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) sum += a[k] * bf16_to_f32(x[k]);
-        xa[r] = round_bf16(sum);
-    }
-    for (int64_t n = n0; n < n1; n++) {
-        const float *b = B + n * R;
-        float sum = 0.0f;
-        for (int64_t r = 0; r < R; r++) sum += b[r] * xa[r];
-        out[n] = f32_to_bf16(bf16_to_f32(out[n]) + round_bf16(sum));
-    }
+/* an adapter's records for every layer (NULL: none) are consistent */
+static int lora_ok(const tm_model_t *m, const tm_lora_t *lora) {
+    lora_parts_t parts[LORA_LINEARS];
+    lora_parts(m, parts);
+    for (int64_t l = 0; lora && l < m->num_layers; l++)
+        if (!lora_layer_ok(lora + l, parts)) return 0;
+    return 1;
 }
 
 /* the KV pools' format is one the kernels read (the 8-bit ones' tables filled) */
@@ -242,6 +220,65 @@ static int windowed(const tm_model_t *m) {
 static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nth;
     *hi = n * (tid + 1) / nth;
+}
+
+/* A batched step's adapters: its rows grouped by adapter slot (SGMV's segments), the
+ * rank vectors of every adapter row between a linear's shrink and its expand. */
+typedef struct {
+    int64_t slots;                /* 0: no adapter in the step */
+    const tm_lora_t *const *lora; /* (slots,): each slot's records, one per layer */
+    const int64_t *order;         /* (B,): the adapter rows, slot by slot */
+    const int64_t *start;         /* (slots + 1,): slot s's rows order[start[s]..start[s+1]) */
+    float *xa;                    /* (B, MAX_LORA_R) fp32 */
+    lora_parts_t parts[LORA_LINEARS];
+} lora_batch_t;
+
+/* some slot has a delta on linear i of layer l (the same answer on every thread: the
+ * barriers around the expand stay paired) */
+static inline int lora_any(const lora_batch_t *lb, int64_t l, int i) {
+    for (int64_t s = 0; s < lb->slots; s++)
+        if (lb->lora[s][l].r[i]) return 1;
+    return 0;
+}
+
+/* this thread's share of the shrink of linear i of layer l (K inputs, the rows x (B, K)):
+ * the (slot, A row) items, weighed by the slot's rows, split evenly */
+static void lora_shrink_share(const lora_batch_t *lb, int64_t l, int i, int64_t K,
+                              const uint16_t *x, int tid, int nth) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < lb->slots; s++)
+        total += lb->lora[s][l].r[i] * (lb->start[s + 1] - lb->start[s]);
+    int64_t t0, t1, off = 0;
+    share(total, tid, nth, &t0, &t1);
+    for (int64_t s = 0; s < lb->slots; s++) {
+        const tm_lora_t *lo = &lb->lora[s][l];
+        const int64_t count = lb->start[s + 1] - lb->start[s], R = lo->r[i];
+        if (!R || !count) continue;
+        /* item j spans [off + j count, off + (j + 1) count): it is this thread's when it
+         * starts in [t0, t1) */
+        int64_t j0 = t0 <= off ? 0 : (t0 - off + count - 1) / count;
+        int64_t j1 = t1 <= off ? 0 : (t1 - off + count - 1) / count;
+        j0 = j0 < R ? j0 : R;
+        j1 = j1 < R ? j1 : R;
+        if (j1 > j0)
+            lora_shrink(lo, i, K, x, lb->xa, MAX_LORA_R, lb->order + lb->start[s], count, j0,
+                        j1);
+        off += R * count;
+    }
+}
+
+/* this thread's share of the output columns (N of them) of linear i of layer l, every
+ * slot's delta added into out (B, out_stride) */
+static void lora_expand_share(const lora_batch_t *lb, int64_t l, int i, int64_t N,
+                              uint16_t *out, int64_t out_stride, int tid, int nth) {
+    int64_t n0, n1;
+    share(N, tid, nth, &n0, &n1);
+    for (int64_t s = 0; s < lb->slots; s++) {
+        const tm_lora_t *lo = &lb->lora[s][l];
+        if (lo->r[i])
+            lora_expand(lo, i, &lb->parts[i], lb->xa, MAX_LORA_R, out, out_stride,
+                        lb->order + lb->start[s], lb->start[s + 1] - lb->start[s], n0, n1);
+    }
 }
 
 /* a share's boundary b (in groups of 16 rows) moved up to a head's first group past
@@ -482,17 +519,19 @@ static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
  * seq_len tokens of the blocks `table`. hidden_out (hidden,) bf16: the final norm's
- * output; logits (vocab,) fp32 when the model has an LM head here. Returns 0; -1 when an
- * input is out of range (nothing written), -2 when the scratch cannot be allocated. */
+ * output; logits (vocab,) fp32 when the model has an LM head here; lora: the sequence's
+ * LoRA adapter (lora_delta.h, one record per layer; NULL: the base), its delta added
+ * after each linear. Returns 0; -1 when an input is out of range (nothing written), -2
+ * when the scratch cannot be allocated. */
 int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t slot,
                        const int32_t *table, int64_t seq_len, uint16_t *hidden_out,
-                       float *logits, int64_t num_threads) {
+                       float *logits, const tm_lora_t *lora, int64_t num_threads) {
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (token < 0 || token >= m->vocab || pos < 0 || pos >= m->max_pos || slot < 0 ||
         slot >= NB * BS || seq_len < 1 || num_threads < 1 || D > MAX_D || D % ROWS ||
         KVH < 1 || NH % KVH || NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM ||
-        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 1) ||
+        H % QK || I % QK || (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, lora) ||
         !moe_ok(m))
         return -1;
     for (int64_t j = 0; j < (seq_len + BS - 1) / BS; j++)
@@ -517,6 +556,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     uint16_t *x = (uint16_t *)buf, *res[2] = {x + H, x + 2 * H}, *o_out = x + 3 * H;
     uint16_t *qkv = x + 4 * H, *attn = qkv + QKV, *gu = attn + NH * D;
     memcpy(res[0], m->embed + token * H, (size_t)H * 2);
+    lora_parts_t parts[LORA_LINEARS];
+    lora_parts(m, parts);
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -536,6 +577,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
+            const tm_lora_t *lo = lora ? lora + l : NULL;
             /* 1. norm (layer 0: of the embedding itself, which is then the residual) */
             if (l == 0) {
                 rms_norm_row(res[0], NULL, NULL, L->input_norm, xn, H, m->eps);
@@ -554,9 +596,9 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 for (int64_t g = g0; g < g1; g++)
                     group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, m->bits, &a, qkv,
                               0);
-                if (L->lora_r[0]) /* this thread's rows, before they are rotated and stored */
-                    lora_add(L->lora_a[0], L->lora_b[0], L->lora_r[0], H, xn, qkv, g0 * ROWS,
-                             g1 * ROWS);
+                if (lo && lo->r[0]) /* this thread's rows, before they are rotated and stored */
+                    lora_add_row(lo, 0, &parts[0], H, xn, qkv, g0 * ROWS,
+                                 g1 * ROWS < QKV ? g1 * ROWS : QKV);
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
@@ -594,10 +636,10 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
                        tid, nth, NULL);
 #pragma omp barrier
-            if (L->lora_r[1]) { /* the same on every thread: the barriers stay paired */
+            if (lo && lo->r[1]) { /* the same on every thread: the barriers stay paired */
                 int64_t n0, n1;
                 share(H, tid, nth, &n0, &n1);
-                lora_add(L->lora_a[1], L->lora_b[1], L->lora_r[1], NH * D, attn, o_out, n0, n1);
+                lora_add_row(lo, 1, &parts[1], NH * D, attn, o_out, n0, n1);
 #pragma omp barrier
             }
             /* 4. residual add + norm, gate_up */
@@ -615,10 +657,10 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
                        gu, 0, runs, tid, nth, NULL);
 #pragma omp barrier
-            if (L->lora_r[2]) {
+            if (lo && lo->r[2]) {
                 int64_t n0, n1;
                 share(2 * I, tid, nth, &n0, &n1);
-                lora_add(L->lora_a[2], L->lora_b[2], L->lora_r[2], H, xn, gu, n0, n1);
+                lora_add_row(lo, 2, &parts[2], H, xn, gu, n0, n1);
 #pragma omp barrier
             }
             cur ^= 1;
@@ -628,10 +670,10 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
                        tid, nth, NULL);
 #pragma omp barrier
-            if (L->lora_r[3]) {
+            if (lo && lo->r[3]) {
                 int64_t n0, n1;
                 share(H, tid, nth, &n0, &n1);
-                lora_add(L->lora_a[3], L->lora_b[3], L->lora_r[3], I, xn, x, n0, n1);
+                lora_add_row(lo, 3, &parts[3], I, xn, x, n0, n1);
 #pragma omp barrier
             }
         }
@@ -670,21 +712,30 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      down groups;                                                            barrier
  *      (between the groups of 5 and 6, the next layer's K/V blocks are prefetched:
  *      kv_prefetch_step)
+ *   with LoRA adapters, at each linear: the adapters' shrink (their rows' x A) beside
+ *   the linear's groups, then their expand into its output;                   barrier
  * then the final norm, hidden_out, and the LM head's groups (fp32 logits, as
  * the module path's). tokens, positions, slots, seq_lens: (B,) int64; tables
  * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading
  * blocks every row's table has in common (the module path's cascade: same bits);
- * hidden_out (B, hidden) bf16; logits (B, vocab) fp32 or NULL. Returns 0; -1 when an
- * input is out of range (nothing written), -2 when the scratch cannot be allocated. */
+ * hidden_out (B, hidden) bf16; logits (B, vocab) fp32 or NULL. LoRA: lora_slots
+ * adapters, slot_lora[s] the records (one per layer, lora_delta.h) of slot s, row_slot
+ * (B,) each row's slot or -1 (the base; NULL: every row); after each linear, each slot's
+ * rows get its delta, the slot's A and B read once for all of them (lora_batch_t).
+ * Returns 0; -1 when an input is out of range (nothing written), -2 when the scratch
+ * cannot be allocated. */
 int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                         const int64_t *positions, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, int64_t shared_blocks, const int64_t *seq_lens,
-                        uint16_t *hidden_out, float *logits, int64_t num_threads) {
+                        uint16_t *hidden_out, float *logits, int64_t lora_slots,
+                        const tm_lora_t *const *slot_lora, const int64_t *row_slot,
+                        int64_t num_threads) {
     const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t I = m->inter, BS = m->block_size, NB = m->num_blocks;
     if (B < 1 || num_threads < 1 || D > MAX_D || D % ROWS || KVH < 1 || NH % KVH ||
         NH / KVH > MAX_GROUP || (NH / KVH) * D > MAX_GROUP_DIM || H % QK || I % QK ||
-        (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || !lora_ok(m, 0) ||
+        (NH * D) % QK || !formats_ok(m) || !kv_ok(m) || lora_slots < 0 ||
+        (lora_slots && (!slot_lora || !row_slot)) ||
         (m->bits == 0 && B > tm_bf16_gemv_max_rows()) || shared_blocks < 0 || !moe_ok(m) ||
         shared_blocks > table_stride || (shared_blocks && (m->kv_fmt >= 0 || windowed(m))))
         return -1;
@@ -705,8 +756,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (own < 1) return -1;
         max_own = own > max_own ? own : max_own;
     }
+    for (int64_t s = 0; s < lora_slots; s++)
+        if (!slot_lora[s] || !lora_ok(m, slot_lora[s])) return -1;
+    for (int64_t r = 0; lora_slots && r < B; r++)
+        if (row_slot[r] < -1 || row_slot[r] >= lora_slots) return -1;
     const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
     const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX, nbk = K_ATTN / QK;
+    /* with adapters: the rows grouped by slot, and their rank vectors */
+    const size_t lora_bytes = lora_slots ? up64(8 * (size_t)(B + lora_slots + 1)) +
+                                               up64(4 * (size_t)B * MAX_LORA_R)
+                                         : 0;
     /* shared, B rows each: down output, residual, o_proj output, the linears' input
      * rows (the attention output too), qkv, gate_up; the quantized activations (two planes) */
     const size_t rows_bytes = up64(2 * (size_t)B * (3 * H + K_ATTN + QKV + 2 * I));
@@ -729,7 +788,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     static __thread size_t kept_bytes = 0;
     const size_t moe_bytes = moe_scratch_bytes(m, B);
     const size_t need = rows_bytes + act_bytes + (size_t)num_threads * thread_bytes +
-                        cascade_bytes + moe_bytes + runs_bytes(num_threads);
+                        cascade_bytes + moe_bytes + lora_bytes + runs_bytes(num_threads);
     if (need > kept_bytes) {
         const size_t grown = up64(need + need / 4);
         char *fresh = aligned_alloc(64, grown);
@@ -758,9 +817,28 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         if (cascade_setup(&cas, cascade_words, num_threads))
             return -1; /* tables that differ in the shared blocks */
     }
+    lora_batch_t lb = {0};
+    lora_parts(m, lb.parts);
+    if (lora_slots) { /* counting sort of the rows by slot (the base's rows left out) */
+        int64_t *order = (int64_t *)(buf + need - runs_bytes(num_threads) - lora_bytes);
+        int64_t *start = order + B;
+        memset(start, 0, 8 * (size_t)(lora_slots + 1));
+        for (int64_t r = 0; r < B; r++)
+            if (row_slot[r] >= 0) start[row_slot[r] + 1]++;
+        for (int64_t s = 0; s < lora_slots; s++) start[s + 1] += start[s];
+        for (int64_t s = 0, at = 0; s < lora_slots; s++)
+            for (int64_t r = 0; r < B; r++)
+                if (row_slot[r] == s) order[at++] = r;
+        lb.slots = lora_slots;
+        lb.lora = slot_lora;
+        lb.order = order;
+        lb.start = start;
+        lb.xa = (float *)((char *)order + up64(8 * (size_t)(B + lora_slots + 1)));
+    }
     uint64_t *runs = (uint64_t *)(buf + need - runs_bytes(num_threads));
     memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
-    const moe_scratch_t moe = moe_scratch(m, B, (char *)runs - moe_bytes);
+    /* [... cascade | moe | lora | runs] */
+    const moe_scratch_t moe = moe_scratch(m, B, (char *)runs - lora_bytes - moe_bytes);
     for (int64_t r = 0; r < B; r++)
         memcpy(res + r * H, m->embed + tokens[r] * H, (size_t)H * 2);
 
@@ -783,6 +861,16 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         for (int64_t r = r0; r < r1; r++)                                             \
             for (int64_t b = 0; b < (K) / QK; b++)                                    \
                 quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
+/* linear i's adapter rank vectors from its input rows xn (B, K): before the linear, whose
+ * closing barrier they then share */
+#define TM_LORA_SHRINK(i, K)                                                          \
+    if (lb.slots) lora_shrink_share(&lb, l, (i), (K), xn, tid, nth);
+/* linear i's adapter deltas into its output (B rows of `stride`, N columns) */
+#define TM_LORA_EXPAND(i, N, out, stride)                                             \
+    if (lb.slots && lora_any(&lb, l, (i))) {                                          \
+        lora_expand_share(&lb, l, (i), (N), (out), (stride), tid, nth);               \
+        _Pragma("omp barrier")                                                        \
+    }
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
@@ -796,10 +884,13 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             }
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
-            /* 2. QKV */
+            /* 2. QKV (and the adapters' shrink of the same input rows; their expand once
+             * both are done) */
+            TM_LORA_SHRINK(0, H)
             failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
                                    wide, qkv, runs, tid, nth, NULL);
 #pragma omp barrier
+            TM_LORA_EXPAND(0, QKV, qkv, QKV)
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < B * KVH; item++) {
@@ -824,9 +915,11 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
 #pragma omp barrier
+            TM_LORA_SHRINK(1, NH * D)
             failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
                                    wide, o_out, runs, tid, nth, NULL);
 #pragma omp barrier
+            TM_LORA_EXPAND(1, H, o_out, H)
             /* 5. residual add + norm, gate_up (and down, below) with the next layer's
              * K/V blocks prefetched (bf16 pools only) */
             kv_prefetch_t pf = kv_prefetch_layer(
@@ -845,17 +938,21 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             }
             TM_QUANTIZE_MINE(H)
 #pragma omp barrier
+            TM_LORA_SHRINK(2, H)
             failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
                                    m->bits, B, &act, wide, gu, runs, tid, nth, &pf);
 #pragma omp barrier
+            TM_LORA_EXPAND(2, 2 * I, gu, 2 * I)
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 act_mul_row(m, gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
 #pragma omp barrier
+            TM_LORA_SHRINK(3, I)
             failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
                                    wide, x, runs, tid, nth, &pf);
 #pragma omp barrier
+            TM_LORA_EXPAND(3, H, x, H)
         }
         /* the final norm, then the LM head */
         for (int64_t r = r0; r < r1; r++) {
@@ -875,6 +972,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             }
         }
 #undef TM_QUANTIZE_MINE
+#undef TM_LORA_SHRINK
+#undef TM_LORA_EXPAND
     }
     return failed ? -2 : 0;
 }

@@ -3,7 +3,8 @@
 `ModelRecord` / `LayerRecord` mirror the C structs that name every weight, norm and
 KV pool by address; `tokenmill/engine/runner/fused_decode.py` fills them once from a loaded
 model and keeps the tensors alive. `step` runs one token, `step_batch` one token for
-each of several sequences.
+each of several sequences; either adds LoRA adapters' deltas (`LoraRecord`, one per
+layer of an adapter: lora_delta.h) after each linear.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ class LayerRecord(ctypes.Structure):
                 # and the MLP's output norms, the layer's own rotary tables, its window
                 ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR),
                 ("mlp_out_norm", _PTR), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
-                # a LoRA adapter on qkv, o, gate_up, down (`step` only): A (R, K) fp32,
-                # B (N, R) fp32 (zeros outside each sub-projection's block), R 0: none
-                ("lora_a", _PTR * 4), ("lora_b", _PTR * 4), ("lora_r", _I64 * 4),
                 # a sparse MoE layer (num_experts 0: dense; kernels/moe_step.h): the router
                 # (E, hidden) bf16, arrays of E record pointers and E formats (int64) for
                 # gate_up and down, top_k, norm_topk, the experts' width, and (E + 1,)
@@ -38,6 +36,15 @@ class LayerRecord(ctypes.Structure):
                 ("expert_gate_up_fmt", _PTR), ("expert_down_fmt", _PTR),
                 ("num_experts", _I64), ("top_k", _I64), ("norm_topk", _I64),
                 ("expert_inter", _I64), ("expert_reads", _PTR)]
+
+
+class LoraRecord(ctypes.Structure):
+    """One layer of an adapter, per linear (qkv, o, gate_up, down): A^T (K, r) fp32
+    (every targeted sub-projection's A stacked along the rank), B fp32 (each targeted
+    sub-projection's scaled B transposed, (rank, rows), one after the other), the rank r
+    and each sub-projection's rank (q, k, v / o / gate, up / down; 0: not targeted).
+    r 0: no delta on the linear."""
+    _fields_ = [("a", _PTR * 4), ("b", _PTR * 4), ("r", _I64 * 4), ("part_r", (_I64 * 3) * 4)]
 
 
 class ModelRecord(ctypes.Structure):
@@ -60,9 +67,9 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 _lib = Library("decode_step", {
     "tm_decode_step_abi": ([], _I64),
     "tm_decode_step": ([ctypes.POINTER(ModelRecord), _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                        _I64], _I64),
+                        _PTR, _I64], _I64),
     "tm_decode_batch": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64,
-                         _PTR, _PTR, _PTR, _I64], _I64),
+                         _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64], _I64),
     "tm_moe_layer": ([ctypes.POINTER(ModelRecord), _I64, _PTR, _I64, _PTR, _I64], _I64),
 })
 
@@ -75,32 +82,42 @@ def available() -> bool:
 
 
 def step(model: ModelRecord, token: int, pos: int, slot: int, table: torch.Tensor,
-         seq_len: int, hidden_out: torch.Tensor, logits: torch.Tensor | None) -> int:
+         seq_len: int, hidden_out: torch.Tensor, logits: torch.Tensor | None,
+         lora: ctypes.Array | None = None) -> int:
     """One token through every layer, the final norm and (with `logits`) the LM head.
     table: the sequence's block-table row, int32 contiguous; hidden_out (hidden,) bf16;
-    logits (vocab,) fp32. Returns the kernel's code: 0, -1 an input out of range
-    (nothing written), -2 no scratch."""
+    logits (vocab,) fp32; lora: the sequence's adapter (a LoraRecord per layer), None the
+    base. Returns the kernel's code: 0, -1 an input out of range (nothing written), -2
+    no scratch."""
     fn = _lib.get("tm_decode_step")
     return fn(ctypes.byref(model), token, pos, slot, table.data_ptr(), seq_len,
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
-              torch.get_num_threads())
+              None if lora is None else ctypes.addressof(lora), torch.get_num_threads())
 
 
 def step_batch(model: ModelRecord, tokens: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                hidden_out: torch.Tensor, logits: torch.Tensor | None,
-               shared_blocks: int = 0) -> int:
+               shared_blocks: int = 0, loras: list[ctypes.Array] | None = None,
+               row_slot: torch.Tensor | None = None) -> int:
     """One token for each of B sequences through every layer, the final norm and (with
     `logits`) the LM head. tokens, positions, slots, seq_lens: (B,) int64 contiguous;
     tables (B, width) int32 contiguous, the block-table rows; shared_blocks: 0, or the
     leading blocks every row's table has in common, attended once for all rows (the cpu
-    backend's cascade, same bits); hidden_out (B, hidden) bf16; logits (B, vocab) fp32.
-    Returns the kernel's code, as `step`."""
+    backend's cascade, same bits); hidden_out (B, hidden) bf16; logits (B, vocab) fp32;
+    loras: the step's adapters (each a LoraRecord per layer), row_slot (B,) int64
+    contiguous: each row's index into `loras`, -1 the base. Returns the kernel's code,
+    as `step`."""
     fn = _lib.get("tm_decode_batch")
+    slots_arr = None
+    if loras:
+        slots_arr = (_PTR * len(loras))(*(ctypes.addressof(lo) for lo in loras))
     return fn(ctypes.byref(model), tokens.shape[0], tokens.data_ptr(), positions.data_ptr(),
               slots.data_ptr(), tables.data_ptr(), tables.shape[1], shared_blocks,
               seq_lens.data_ptr(),
               hidden_out.data_ptr(), None if logits is None else logits.data_ptr(),
+              len(loras) if loras else 0, slots_arr,
+              None if not loras or row_slot is None else row_slot.data_ptr(),
               torch.get_num_threads())
 
 

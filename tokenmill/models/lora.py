@@ -53,18 +53,20 @@ class _Weights:
     # per sub-projection with weights: (output column start, size, rank slice start,
     # rank, B (size, rank) already multiplied by the scaling)
     parts: list[tuple[int, int, int, int, torch.Tensor]]
-    _dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    _dense: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
-    def dense_pair(self, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A (R, in), B (out, R)) fp32 contiguous, B holding each sub-projection's B in
-        its output rows and rank columns and zeros elsewhere: the whole delta as two
-        plain products, for the fused decode step (decode_step.c). Built once."""
+    def native_pair(self, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(A^T (in, R) fp32, B fp32 flat, each sub-projection's rank) contiguous, for the
+        fused decode step (kernels/lora_delta.h): B holds each targeted sub-projection's
+        transposed (rank, size) B one after the other, in output order; `sizes` the
+        linear's sub-projection sizes (a rank 0 where the adapter has none). Built once."""
         if self._dense is None:
-            rank = self.a_cat.shape[0]
-            b_full = torch.zeros(out_features, rank, dtype=torch.float32)
-            for start, size, r0, r, b in self.parts:
-                b_full[start:start + size, r0:r0 + r] = b.float()
-            self._dense = (self.a_cat.float().contiguous(), b_full)
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            by_start = {start: r for start, _, _, r, _ in self.parts}
+            ranks = [by_start.get(s, 0) for s in starts]
+            b_flat = torch.cat([b.float().t().reshape(-1) for _, _, _, _, b in
+                                sorted(self.parts, key=lambda part: part[0])])
+            self._dense = (self.a_cat.float().t().contiguous(), b_flat.contiguous(), ranks)
         return self._dense
 
 

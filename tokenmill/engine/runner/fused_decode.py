@@ -36,9 +36,10 @@ GeGLU, the embedding rows scaled by sqrt(hidden) here before the call; no cascad
 over a shared prefix, which has no window), and an MoE model's sparse layers (issue 59:
 router, top-k and the routed experts on their GGUF records inside the call,
 kernels/moe_step.h; experts kept float, a top k torch picks by partial sort, or a LoRA
-adapter keep the module path). A batch-1 step under a LoRA adapter takes it
-too, the adapter's low-rank products added inside the call (`run(..., lora_id)`); several
-rows with adapters run the module path. TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
+adapter keep the module path). Steps with LoRA adapters take it too, any mix of adapters
+and the base (`run(..., lora)`): each adapter's low-rank products are added inside the
+call after each linear, its rows grouped (kernels/lora_delta.h).
+TOKENMILL_FUSED_DECODE=0 turns it off (the A/B switch
 for benchmarks/workloads/w3_decode.py); `enabled` does the same for one engine at run time.
 """
 
@@ -100,7 +101,7 @@ WIDE_MAX_ROWS = 1 << 30
 # and 48, 1.38 at 64; 12 lies between the tie and the first win.
 WIDE_MIN_ROWS = 12
 FMT_BF16 = 2  # decode_step.c: a plain (N, K) bf16 weight, with the record's bits 0
-MAX_LORA_RANK = 512  # decode_step.c's MAX_LORA_R: one linear's stacked adapter rank
+MAX_LORA_RANK = 512  # lora_delta.h's MAX_LORA_R: one linear's stacked adapter rank
 MAX_TOP_K = 64  # moe_step.h's MAX_TOP_K
 
 
@@ -366,8 +367,8 @@ class FusedDecode:
             self.max_rows = WIDE_MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive
-        # LoRA adapter id -> (its weights per linear, a copy of `layers` naming them)
-        self._adapter_layers: dict[int, tuple[tuple, ctypes.Array]] = {}
+        # LoRA adapter id -> (its weights per linear, the LoraRecords naming them)
+        self._adapters: dict[int, tuple[tuple, ctypes.Array]] = {}
 
     @staticmethod
     def _inter(layers: torch.nn.ModuleList) -> int:
@@ -413,11 +414,12 @@ class FusedDecode:
         return [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                  layer.mlp.down_proj) for layer in self._model.model.layers]
 
-    def adapter_layers(self, lora_id: int) -> ctypes.Array | None:
-        """The layer records with adapter `lora_id`'s low-rank pairs named (batch 1:
-        tm_decode_step adds them after each linear); None when the adapter cannot be
-        fused (a linear not wrapped by models/lora.py, a stacked rank over the kernel's
-        MAX_LORA_R). Rebuilt when the adapter is installed again."""
+    def adapter_records(self, lora_id: int) -> ctypes.Array | None:
+        """Adapter `lora_id`'s LoraRecord per layer (its pairs named for the kernel); None
+        when it cannot be fused (a linear not wrapped by models/lora.py, a stacked rank
+        over the kernel's MAX_LORA_R, an MoE model: the module path). Rebuilt when the
+        adapter is installed again (a reload after eviction: new tensors); an adapter no
+        longer installed is dropped from the cache with the next one built."""
         if any(type(layer.mlp) is SparseMoeBlock for layer in self._model.model.layers):
             return None  # adapters on an MoE model: the module path
         linears = self._linears()
@@ -426,25 +428,34 @@ class FusedDecode:
         if False in weights or any(w is not None and w.a_cat.shape[0] > MAX_LORA_RANK
                                    for w in weights):
             return None
-        cached = self._adapter_layers.get(lora_id)
+        cached = self._adapters.get(lora_id)
         if cached is not None and all(a is b for a, b in zip(cached[0], weights)):
             return cached[1]
-        layers = (native.LayerRecord * len(self._layers))()
-        ctypes.memmove(layers, self._layers, ctypes.sizeof(self._layers))
-        for rec, group, i in zip(layers, linears, range(0, len(weights), 4)):
+        self._forget_uninstalled(linears)
+        records = (native.LoraRecord * len(linears))()
+        for rec, group, i in zip(records, linears, range(0, len(weights), 4)):
             for j, lin in enumerate(group):
                 w = weights[i + j]
                 if w is None:
-                    rec.lora_r[j] = 0
-                    continue
-                a, b = w.dense_pair(int(lin.base.out_features))  # kept alive by w
-                rec.lora_a[j], rec.lora_b[j] = a.data_ptr(), b.data_ptr()
-                rec.lora_r[j] = a.shape[0]
-        self._adapter_layers[lora_id] = (weights, layers)
-        return layers
+                    continue  # r 0: no delta on this linear
+                a, b, ranks = w.native_pair(lin.sizes)  # kept alive by w
+                rec.a[j], rec.b[j], rec.r[j] = a.data_ptr(), b.data_ptr(), a.shape[1]
+                for p, r in enumerate(ranks):
+                    rec.part_r[j][p] = r
+        self._adapters[lora_id] = (weights, records)
+        return records
+
+    def _forget_uninstalled(self, linears: list) -> None:
+        """Drop cached records whose weights are no longer the installed ones (an adapter
+        unloaded or evicted): they held its tensors alive."""
+        flat = [lin for group in linears for lin in group]
+        for lora_id, (weights, _) in list(self._adapters.items()):
+            if any(w is not None and lin.adapters.get(lora_id) is not w
+                   for lin, w in zip(flat, weights)):
+                del self._adapters[lora_id]
 
     def forget_adapters(self) -> None:
-        self._adapter_layers.clear()
+        self._adapters.clear()
 
     def takes(self, query_lens: list[int], logit_rows: list[int]) -> bool:
         """A decode step of one token per sequence, at most `max_rows` of them, that
@@ -455,23 +466,25 @@ class FusedDecode:
                 and all(q == 1 for q in query_lens))
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-            lora_id: int = 0) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+            lora: dict[int, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """(logits (B, vocab) fp32 or None, final hidden states (B, hidden) bf16) for the
         step's B rows; None when the kernel refuses an input (nothing written: the
-        module path then runs and reports it). `lora_id`: the one row's LoRA adapter
-        (batch 1 only; 0 the base)."""
-        if not lora_id:
+        module path then runs and reports it) or an adapter cannot be fused. `lora`:
+        adapter id -> the rows that run under it (models/lora.py's groups; the base's
+        rows absent)."""
+        if not lora:
             return self._run(ids, pos, meta)
-        layers = self.adapter_layers(lora_id) if ids.numel() == 1 else None
-        if layers is None:
+        records = [self.adapter_records(lora_id) for lora_id in lora]
+        if any(r is None for r in records):
             return None
-        self.record.layers = layers
-        try:
-            return self._run(ids, pos, meta)
-        finally:
-            self.record.layers = self._layers
+        row_slot = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        for slot, rows in enumerate(lora.values()):
+            row_slot[rows.cpu()] = slot
+        return self._run(ids, pos, meta, records, row_slot)
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+             loras: list[ctypes.Array] | None = None, row_slot: torch.Tensor | None = None
              ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         tables = meta.block_tables
         n = ids.numel()
@@ -500,13 +513,14 @@ class FusedDecode:
         if n == 1:
             rc = native.step(self.record, int(ids.item()), int(pos.item()),
                              int(meta.slot_mapping.item()), tables,
-                             meta.seq_lens_list[0], hidden, logits)
+                             meta.seq_lens_list[0], hidden, logits,
+                             loras[int(row_slot[0])] if loras and row_slot[0] >= 0 else None)
         else:
             def i64(t: torch.Tensor) -> torch.Tensor:
                 return t.to(torch.int64).contiguous()
-            rc = native.step_batch(self.record, i64(ids), i64(pos), i64(meta.slot_mapping),
-                                   tables, torch.tensor(meta.seq_lens_list, dtype=torch.int64),
-                                   hidden, logits, shared)
+            args = (self.record, i64(ids), i64(pos), i64(meta.slot_mapping), tables,
+                    torch.tensor(meta.seq_lens_list, dtype=torch.int64), hidden, logits, shared)
+            rc = native.step_batch(*args, loras, row_slot) if loras else native.step_batch(*args)
         if rc == -2:
             raise MemoryError("fused decode step: no scratch memory")
         return None if rc else (logits, hidden)

@@ -26,10 +26,10 @@ def lora_groups(inputs: Any, device: torch.device) -> dict[int, torch.Tensor] | 
 
 
 def log_lora_module_path() -> None:
-    """The fused native decode step adds an adapter's products at batch 1 only: say so
-    once."""
+    """A decode step with adapters that the fused native step could not take (an adapter
+    over its rank limit, a linear it does not wrap): say so once."""
     global _logged
     if not _logged:
         _logged = True
-        logger.info("LoRA: decode steps of several rows with an adapter run the module "
-                    "path; the fused native decode step applies adapters at batch 1 only")
+        logger.info("LoRA: a decode step with adapters ran the module path (an adapter "
+                    "the fused native decode step cannot take)")

@@ -289,9 +289,6 @@ class ModelRunner:
         fused_takes = fused is not None and fused.takes(staged.query_lens, staged.logit_rows)
         if self._lora is not None:
             self._lora_meta = meta
-            if fused_takes and len(staged.query_lens) > 1:
-                log_lora_module_path()
-                fused_takes = False  # batch 1 only: the adapter's products in the step
         if not fused_takes:
             meta.plan = self.backend.plan(meta)  # once per step, shared by every layer
         # else the fused step needs none (should it refuse the step, the first layer plans)
@@ -334,27 +331,18 @@ class ModelRunner:
                  logit_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.metas.get(meta.num_seqs) is meta:
             return self.graphs.run(meta)[:len(logit_rows)]
+        # adapters: the fused step adds each one's products after every linear, or the
+        # module path's LoRALinear does
         groups = self._lora if self._lora_meta is meta else None
-        if groups is not None:  # adapters: the module path (LoRALinear adds the deltas)
-            fused = self.fused_decode
-            if (fused is not None and len(meta.query_lens_list) == 1
-                    and fused.takes(meta.query_lens_list, logit_rows)):
-                # batch 1: the fused step adds the adapter's products after each linear
-                (lora_id,) = groups
-                result = fused.run(ids, pos, meta, lora_id)
-                if result is not None:
-                    logits, hidden = result
-                    return logits if logits is not None else self.model.compute_logits(hidden)
-            with attention_metadata(meta), lora_batch(groups):
-                hidden = self.model(ids, pos)
-            return self._logits(hidden, logit_rows)
         fused = self.fused_decode
         if fused is not None and fused.takes(meta.query_lens_list, logit_rows):
-            result = fused.run(ids, pos, meta)
+            result = fused.run(ids, pos, meta, groups)
             if result is not None:
                 logits, hidden = result
                 return logits if logits is not None else self.model.compute_logits(hidden)
-        with attention_metadata(meta):
+            if groups is not None:
+                log_lora_module_path()
+        with attention_metadata(meta), lora_batch(groups):
             hidden = self.model(ids, pos)  # (T, hidden)
         return self._logits(hidden, logit_rows)
 

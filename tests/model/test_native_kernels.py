@@ -412,3 +412,15 @@ def test_avx2_norm_and_silu_give_the_bits_of_the_build_in_use(hidden):
     out, added, res, _, _ = run(_layer_ops_build("x86-64-v2"))
     assert torch.equal(out, ref_out) and torch.equal(added, ref_added)
     assert torch.equal(res, ref_res)
+
+
+def test_every_native_kernel_builds_where_a_compiler_exists():
+    """A C file that no longer compiles (a merge that left a struct member behind) made
+    every fused-decode, MoE and LoRA test skip instead of fail: each kernel library must
+    build and agree with its Python record layout here."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    from tokenmill.kernels import decode_step, q4q8_gemv
+
+    assert decode_step.available(), "decode_step.c did not build or its ABI disagrees"
+    assert q4q8_gemv.available(), "q4q8_gemv.c did not build"

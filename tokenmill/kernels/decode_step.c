@@ -175,7 +175,6 @@ static int formats_ok(const tm_model_t *m) {
         const uint16_t *b[4] = {L->qkv_bias, L->o_bias, L->gate_up_bias, L->down_bias};
         for (int i = 0; i < (L->num_experts ? 2 : 4); i++)
             if ((f[i] == FMT_BF16) != (m->bits == 0) || (b[i] && f[i] != FMT_BF16)) return 0;
-        if (L->num_experts && (L->lora_r[2] || L->lora_r[3])) return 0;
     }
     return !m->lm_head || (m->lm_head_fmt == FMT_BF16) == (m->bits == 0);
 }
@@ -195,7 +194,9 @@ static int lora_ok(const tm_model_t *m, const tm_lora_t *lora) {
     lora_parts_t parts[LORA_LINEARS];
     lora_parts(m, parts);
     for (int64_t l = 0; lora && l < m->num_layers; l++)
-        if (!lora_layer_ok(lora + l, parts)) return 0;
+        if (!lora_layer_ok(lora + l, parts) ||
+            (m->layers[l].num_experts && (lora[l].r[2] || lora[l].r[3])))
+            return 0; /* a sparse layer's experts take no adapter */
     return 1;
 }
 

@@ -215,6 +215,22 @@ static void route_row(const uint16_t *logits, int64_t E, int64_t k, int64_t norm
 /* y (B, H) bf16 = layer L's routed experts on the B rows xin (B, H) bf16 (the post-
  * attention norm's output), every thread of the team calling it (xin may be each
  * thread's own copy of the same rows); ends on a barrier. */
+/* Quantize this thread's share [p0, p1) of the (row, slot) pairs, each in the layout of
+ * its expert's rows (width inputs a row: the expert's gate_up input or down input). */
+static void quantize_expert_rows(const moe_scratch_t *S, int64_t n_active, int64_t p0,
+                                 int64_t p1, int64_t width, int64_t bits) {
+    const int64_t nb = width / QK;
+    for (int64_t a = 0; a < n_active; a++) {
+        const int32_t e = S->active[a];
+        const int64_t st = S->start[e], n = S->count[e];
+        const int64_t lo = st > p0 ? st : p0, hi = st + n < p1 ? st + n : p1;
+        for (int64_t p = lo; p < hi; p++)
+            for (int64_t b = 0; b < nb; b++)
+                quantize_block(S->xs + st * width, n, width, bits, S->q + 2 * st * width,
+                               S->d + st * nb, S->s + st * nb, S->sum + st * nb, p - st, b);
+    }
+}
+
 static void moe_layer(const tm_model_t *m, const tm_layer_t *L, const uint16_t *xin,
                       int64_t B, uint16_t *y, const moe_scratch_t *S, uint64_t *runs,
                       int tid, int nth) {
@@ -280,16 +296,7 @@ static void moe_layer(const tm_model_t *m, const tm_layer_t *L, const uint16_t *
         share(P, tid, nth, &p0, &p1);
         for (int64_t p = p0; p < p1; p++)
             memcpy(S->xs + p * H, xin + S->row_of[p] * H, (size_t)H * 2);
-        for (int64_t a = 0; a < n_active; a++) {
-            const int32_t e = S->active[a];
-            const int64_t st = S->start[e], n = S->count[e];
-            const int64_t lo = st > p0 ? st : p0, hi = st + n < p1 ? st + n : p1;
-            for (int64_t p = lo; p < hi; p++)
-                for (int64_t b = 0; b < nbH; b++)
-                    quantize_block(S->xs + st * H, n, H, bits, S->q + 2 * st * H,
-                                   S->d + st * nbH, S->s + st * nbH, S->sum + st * nbH,
-                                   p - st, b);
-        }
+        quantize_expert_rows(S, n_active, p0, p1, H, bits);
     }
 #pragma omp barrier
     /* 5. gate_up: (active expert, group) items */
@@ -312,16 +319,7 @@ static void moe_layer(const tm_model_t *m, const tm_layer_t *L, const uint16_t *
         share(P, tid, nth, &p0, &p1);
         for (int64_t p = p0; p < p1; p++)
             silu_mul_row(S->gu + p * 2 * I, S->gu + p * 2 * I + I, S->xs + p * I, I);
-        for (int64_t a = 0; a < n_active; a++) {
-            const int32_t e = S->active[a];
-            const int64_t st = S->start[e], n = S->count[e];
-            const int64_t lo = st > p0 ? st : p0, hi = st + n < p1 ? st + n : p1;
-            for (int64_t p = lo; p < hi; p++)
-                for (int64_t b = 0; b < nbI; b++)
-                    quantize_block(S->xs + st * I, n, I, bits, S->q + 2 * st * I,
-                                   S->d + st * nbI, S->s + st * nbI, S->sum + st * nbI,
-                                   p - st, b);
-        }
+        quantize_expert_rows(S, n_active, p0, p1, I, bits);
     }
 #pragma omp barrier
     /* 7. down */

@@ -48,9 +48,9 @@ class TokenizerPool:
             with contextlib.suppress(threading.BrokenBarrierError):
                 barrier.wait(timeout=30)
 
-        shared = getattr(tokenizer, "thread_safe", False)
+        # set before any worker runs _own(), which reads it
+        self._shared = shared = getattr(tokenizer, "thread_safe", False)
         self._warming = [] if shared else [self._executor.submit(warm) for _ in range(workers)]
-        self._shared = shared
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Until every worker holds its own copy of the tokenizer."""

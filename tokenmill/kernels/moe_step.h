@@ -51,15 +51,21 @@ typedef struct {
     uint16_t *gu, *out;          /* (P, 2 I), (P, H) bf16 */
 } moe_scratch_t;
 
-/* the bytes moe_scratch lays out for B rows of a model (0: no MoE layer) */
-static size_t moe_scratch_bytes(const tm_model_t *m, int64_t B) {
-    int64_t E = 0, k = 0, I = 0;
+/* the largest expert count, top k and expert width over the model's layers (0: dense) */
+static void moe_shape(const tm_model_t *m, int64_t *E, int64_t *k, int64_t *I) {
+    *E = *k = *I = 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tm_layer_t *L = m->layers + l;
-        E = L->num_experts > E ? L->num_experts : E;
-        k = L->top_k > k ? L->top_k : k;
-        I = L->expert_inter > I ? L->expert_inter : I;
+        *E = L->num_experts > *E ? L->num_experts : *E;
+        *k = L->top_k > *k ? L->top_k : *k;
+        *I = L->expert_inter > *I ? L->expert_inter : *I;
     }
+}
+
+/* the bytes moe_scratch lays out for B rows of a model (0: no MoE layer) */
+static size_t moe_scratch_bytes(const tm_model_t *m, int64_t B) {
+    int64_t E, k, I;
+    moe_shape(m, &E, &k, &I);
     if (!E) return 0;
     const size_t P = (size_t)(B * k), K = (size_t)(I > m->hidden ? I : m->hidden);
     return up64(2 * (size_t)B * E) + 4 * up64(4 * P) + 3 * up64(4 * (size_t)E) + 64 +
@@ -68,13 +74,8 @@ static size_t moe_scratch_bytes(const tm_model_t *m, int64_t B) {
 }
 
 static moe_scratch_t moe_scratch(const tm_model_t *m, int64_t B, char *p) {
-    int64_t E = 0, k = 0, I = 0;
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const tm_layer_t *L = m->layers + l;
-        E = L->num_experts > E ? L->num_experts : E;
-        k = L->top_k > k ? L->top_k : k;
-        I = L->expert_inter > I ? L->expert_inter : I;
-    }
+    int64_t E, k, I;
+    moe_shape(m, &E, &k, &I);
     const size_t P = (size_t)(B * k), K = (size_t)(I > m->hidden ? I : m->hidden);
     moe_scratch_t S;
 #define TM_TAKE(ptr, type, bytes) (ptr) = (type)p; p += up64(bytes);

@@ -106,6 +106,9 @@ def test_copied_blocks_leave_the_file_pages_unmapped(embedded):
     blocks = embed.raw_blocks()
     after = _mapped_rss_kib(str(embedded.path))
     assert touched - before > 20_000
-    assert after < before + 1_000, (before, touched, after)
+    # the tensor's own 29 MiB are gone; what may stay is the pages at its two edges that
+    # fault-around mapped with it, in folios of up to 2 MiB where the page cache uses large
+    # folios (CI's kernel: 1.3 MiB stayed), which belong to the neighbouring tensors
+    assert after - before < 4_096 + 1_000, (before, touched, after)
     assert blocks.numel() == embed.raw.nbytes  # the copy itself is whole
     gguf_loader.release_gguf_readers()

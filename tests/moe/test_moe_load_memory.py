@@ -115,7 +115,10 @@ def test_moe_load_peak_is_one_layer_of_blocks_above_what_stays(moe_file):
     path, expert_bytes = moe_file
     source = resolve_model(str(path))
     before = _settled_rss_mib()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+    except OSError as e:  # a sandbox may refuse it: the peak would include earlier tests
+        pytest.skip(f"cannot reset VmHWM: {e}")
     loaded, method = load_engine_model(source, "auto", None, torch.device("cpu"))
     peak = _status_mib("VmHWM")
     after = _settled_rss_mib()

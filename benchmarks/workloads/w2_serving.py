@@ -12,10 +12,10 @@ figure here) and with its default (one core reserved for its front end) —
 set up by benchmarks/peers/setup_vllm_cpu.sh, 90-110 s start-up each; and
 `llama-server -t 2 -np 16 -c 16384 --no-webui` on the GGUF itself (built by
 benchmarks/peers/build_llama_cpp.sh). Prints TTFT p50/p99, TPOT mean and
-output tok/s per level and server, the ratios, the targets at concurrency 16,
-and each run against this CPU's floor (`tokenmill explain` on its result: the
-decode step against its floor, with the prompts that join its steps, and the
-verdict). A peer that cannot be set up is skipped with the reason. With --model FILE,
+output tok/s per level and server, the ratios, the targets at concurrency 16
+(against llama-server: the file's class's, w2_targets.py, or none), and each
+run against this CPU's floor (`tokenmill explain` on its result: the decode
+step against its floor, with the prompts that join its steps, and the verdict). A peer that cannot be set up is skipped with the reason. With --model FILE,
 tokenmill serve and llama-server both run FILE (vLLM, which has a checkpoint of the
 embedded model only, is skipped with that reason). The result:
 benchmarks/results/<date>-<machine class>-w2[-<model>].json.
@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import results as results_mod
-from benchmarks.common import DEFAULT_MODEL, machine, model_gguf
+from benchmarks.common import DEFAULT_MODEL, embedded_gguf, machine, model_gguf
 from benchmarks.floors import explain, floor_lines
 from benchmarks.peers import (
     add_peer_args,
@@ -54,6 +54,13 @@ from benchmarks.peers import (
 )
 from benchmarks.results import Figure
 from benchmarks.server import start_server
+from benchmarks.workloads.w2_targets import (
+    TARGETS,
+    W2Target,
+    recorded_embedded_ratio,
+    target_for,
+    target_line,
+)
 from tokenmill.bench.pareto import pareto_figure
 
 HERE = Path(__file__).resolve().parent
@@ -135,10 +142,10 @@ def print_table(results: dict[str, list[dict]], levels: list[int]) -> None:
                   f"{s['tpot_ms']['mean']:7.1f}ms | {s['num_failed']}")
 
 
-def print_targets(results: dict[str, list[dict]], levels: list[int], target: float = 4
-                  ) -> None:
+def print_targets(results: dict[str, list[dict]], levels: list[int],
+                  target: W2Target | None = TARGETS["embedded"]) -> None:
     """Ratios at every level (> 1 = tokenmill better), targets at concurrency 16 (against
-    llama-server: `target`x, 4 on the embedded model, 3 on Gemma 3: issue 58)."""
+    llama-server: the file's row of w2_targets.TARGETS; no line where it has none)."""
     ours = results["tokenmill"]
     for name, summaries in results.items():
         if name == "tokenmill":
@@ -165,8 +172,11 @@ def print_targets(results: dict[str, list[dict]], levels: list[int], target: flo
     llama = next((v for k, v in results.items() if k.startswith("llama-server")), None)
     if llama:
         ratio_ = tok_s / llama[c_i]["output_throughput_tok_s"]
-        print(f"target at c=16: >= {target}x llama-server output tok/s -> {ratio_:.2f}x: "
-              f"{'met' if ratio_ >= target else 'missed'}")
+        embedded = None
+        if target is not None and target.ratio is None:  # relative to the embedded file's
+            embedded = recorded_embedded_ratio(results_mod.fingerprint()["class"])
+        line = target_line(target, ratio_, embedded)
+        print(line or f"no W2 target for this file against llama-server ({ratio_:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
           "tokenmill better")
     print_table(results, levels)
-    print_targets(results, levels, 3 if "gemma" in gguf.name.lower() else 4)
+    print_targets(results, levels, target_for(gguf, embedded_gguf()))
     print_floors(runs, levels, None if default_model else str(gguf))
     if not args.no_result:
         cfg = {"model": gguf.name, "requests": args.num_requests,

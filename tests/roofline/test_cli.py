@@ -87,6 +87,9 @@ def test_cpu_micro_benchmark_is_plausible_and_cached(cache_home, monkeypatch):
     real = hardware._micro_benchmark
     monkeypatch.setattr(hardware, "_micro_benchmark",
                         lambda torch: calls.append(1) or real(torch))
+    # cached whatever its spread: a busy test machine's reads may well spread wide (the
+    # steadiness rule is tested with fake measurements below)
+    monkeypatch.setattr(hardware, "STEADY_SPREAD", float("inf"))
     hw = hardware.measure_cpu()
     assert calls == [1]
     assert 1e8 < hw.memory_bandwidth_bytes_s < 1e13

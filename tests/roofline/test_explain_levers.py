@@ -219,8 +219,9 @@ def test_explain_says_which_bandwidth_the_floor_used(capsys, cache_home, tmp_pat
     from tokenmill.roofline import hardware
 
     figures = {"read_bandwidth_bytes_s": 50e9, "copy_bandwidth_bytes_s": 44e9,
-               "read_bandwidth_tries_bytes_s": [41e9, 47e9, 50e9, 52e9, 60e9],
-               "buffer_bytes": 256 * 2**20, "matmul_flops": {"fp32": 215e9, "bf16": 435e9}}
+               "read_bandwidth_tries_bytes_s": [49e9, 50e9, 50e9, 52e9, 60e9],
+               "buffer_bytes": 256 * 2**20, "matmul_flops": {"fp32": 215e9, "bf16": 435e9},
+               "measured_at": "2026-12-06T11:48:05"}
     path = hardware.cpu_cache_path()
     path.parent.mkdir(parents=True)
     key = hardware.cpu_cache_key(torch.get_num_threads(), torch.__version__)
@@ -228,7 +229,7 @@ def test_explain_says_which_bandwidth_the_floor_used(capsys, cache_home, tmp_pat
     r = _explain_json(capsys, DATA / "bench_result.json")
     assert r["memory_bandwidth_bytes_s"] == 60e9  # the best try: a floor is a bound
     assert r["bandwidth_basis"] == ("best of 5 streaming reads of 256 MiB, spread "
-                                    "41.0–60.0 GB/s")
+                                    "49.0–60.0 GB/s, measured 2026-12-06 11:48")
     assert main(["explain", str(DATA / "bench_result.json")]) == 0
     assert "best of 5 streaming reads" in capsys.readouterr().out
     r = _explain_json(capsys, DATA / "bench_result.json", "--bandwidth", "30")

@@ -12,6 +12,7 @@ import sys
 
 from tokenmill.roofline import fmt
 from tokenmill.roofline.cost_model import KV_BYTES, RooflineReport, analyze, fleet_cost
+from tokenmill.roofline.hardware import bandwidth_basis
 from tokenmill.roofline.inputs import UsageError, load_hardware, load_model, weight_bits
 
 DEFAULT_BATCHES = "1,8,32,64,128,256"
@@ -64,6 +65,10 @@ def _add_hardware_args(p: argparse.ArgumentParser, default: str | None) -> None:
                    help="override the peak FLOP/s of the compute dtype")
     p.add_argument("--cost-per-hour", type=float, metavar="$",
                    help="$ per device-hour (default: the catalog's)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="--hardware cpu: measure this CPU's bandwidth and peaks again rather "
+                   "than read them from ~/.cache/tokenmill/cpu_roofline.json (only a steady "
+                   "measurement is cached)")
 
 
 def _fail(command: str, message: str) -> int:
@@ -146,7 +151,9 @@ def print_roofline(report: RooflineReport, fleet: dict | None) -> None:
                   f"{fmt.num_bytes(report.weight_bytes)}; KV {report.kv_bytes_per_token:,.0f} "
                   f"bytes/token, {fmt.num_bytes(report.kv_bytes_per_sequence)} per sequence at "
                   f"{report.context:,} tokens")
-    console.print(f"  bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')}, peak {m.compute_dtype} "
+    basis = f" ({bandwidth_basis(hw)})" if hw.name == "cpu" else ""  # its date and spread
+    console.print(f"  bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')}{basis}, "
+                  f"peak {m.compute_dtype} "
                   f"{fmt.si(m.peak_flops, 'FLOP/s')}, ridge point {m.ridge_intensity:,.0f} "
                   f"FLOP/byte, {fmt.dollars(report.cost_per_hour)}/hour")
     console.print(f"  [dim]source: {hw.source}[/]")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from tokenmill.roofline.arch import ModelArch, WeightBits
-from tokenmill.roofline.hardware import Hardware
+from tokenmill.roofline.hardware import Hardware, bandwidth_basis
 
 # share of device memory usable for weights + KV (the rest: activations, allocator, runtime)
 MEMORY_FRACTION = 0.90
@@ -168,7 +168,8 @@ class RooflineReport:
             "hardware": {"name": hw.name, "description": hw.description,
                          "memory_bandwidth_bytes_s": hw.memory_bandwidth_bytes_s,
                          "peak_flops": hw.peak_flops, "memory_bytes": hw.memory_bytes,
-                         "source": hw.source, "num_gpus": self.machine.num_gpus,
+                         "source": hw.source, "bandwidth_basis": bandwidth_basis(hw),
+                         "num_gpus": self.machine.num_gpus,
                          "compute_dtype": self.machine.compute_dtype,
                          **({"measured": hw.measured} if hw.measured else {})},
             "dtype": self.dtype,

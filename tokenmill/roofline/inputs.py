@@ -64,7 +64,7 @@ def load_hardware(name: str, bits: WeightBits, args: argparse.Namespace) -> Hard
         if value is not None and (value < 0 or (value == 0 and flag != "cost_per_hour")):
             raise UsageError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
     try:
-        hardware = get_hardware(name)
+        hardware = get_hardware(name, remeasure=bool(getattr(args, "remeasure", False)))
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     return hardware.with_overrides(args.bandwidth, args.flops, bits.compute_dtype)

@@ -25,7 +25,8 @@ path's argmax equals the fp32 reference's (and the baseline's).
         --baseline "--max-num-batched-tokens 256 --attention-backend torch"  # prompt kernels
 
 Last line: `accuracy: <path> perplexity <x> (bf16 <y>, ratio <r>), top-1 agreement
-with fp32 <a>%` (the longest context). Targets (PERFORMANCE.md, issue 22): within 1%
+with fp32 <a>%` (the longest context; with no --path, `<path>` is `default flags (W)`, W
+the weights they resolved to on this CPU: gguf-a8 on AVX512-VNNI, gguf-a16 on AVX2). Targets (PERFORMANCE.md, issue 22): within 1%
 perplexity of bf16, >= 97% top-1 agreement with fp32.
 """
 
@@ -53,6 +54,18 @@ def build_engine(model: str, flags: str):
     return LLMEngine(engine_config_from_args(args))
 
 
+def default_baseline(source) -> str:
+    """bf16 KV on the default weights; on gguf-a16 where those are gguf-a8 (AVX512-VNNI:
+    tokenmill/quant/default_arithmetic.py), so the ratio on the last line is the
+    default's against the baseline it always had."""
+    from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
+
+    flags = "--kv-cache-dtype bfloat16"
+    if source.kind == "gguf" and default_gguf_arithmetic().method == "gguf-a8":
+        flags += " --quantization gguf-a16"
+    return flags
+
+
 def windows_of(ids: list[int], context: int, limit: int | None) -> list[list[int]]:
     out = [ids[i:i + context + 1] for i in range(0, len(ids) - context, context + 1)]
     return out[:limit] if limit else out
@@ -70,8 +83,9 @@ def score(model: str, flags: str, windows: list[list[int]], score_last: int | No
         scores = score_windows(engine, windows, score_last)
     described = (f"{engine.dtype}".removeprefix("torch.") + f", weights {engine.quantization}, "
                  f"KV {engine.config.cache.kv_cache_dtype}")
+    weights = engine.quantization  # what the flags resolved to (the last line says it)
     del engine
-    return scores, described, time.perf_counter() - t0
+    return scores, described, time.perf_counter() - t0, weights
 
 
 def main() -> int:
@@ -80,8 +94,10 @@ def main() -> int:
     ap.add_argument("--text", default=str(TEXT))
     ap.add_argument("--path", default="",
                     help="engine flags of the path under test (default: the default path)")
-    ap.add_argument("--baseline", default="--kv-cache-dtype bfloat16",
-                    help="engine flags of the bf16 baseline")
+    ap.add_argument("--baseline", default=None,
+                    help="engine flags of the bf16 baseline (default: --kv-cache-dtype "
+                    "bfloat16, with --quantization gguf-a16 where a GGUF's default weights "
+                    "are gguf-a8: the baseline keeps its activations below bf16's rounding)")
     ap.add_argument("--reference", default="--dtype float32",
                     help="engine flags of the fp32 reference")
     ap.add_argument("--contexts", default="512,2048")
@@ -110,7 +126,10 @@ def main() -> int:
     from tokenmill.loaders.model_source import resolve_model
     from tokenmill.loaders.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model(args.model))
+    source = resolve_model(args.model)
+    if args.baseline is None:
+        args.baseline = default_baseline(source)
+    tokenizer = load_tokenizer(source)
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)
     print(f"machine: {machine()}")
     print(f"text: {args.text} ({len(ids):,} tokens)")
@@ -122,14 +141,17 @@ def main() -> int:
         last = args.score_last
         per_window = min(last, context) if last else context
         ref_windows = windows[:-(-args.positions // per_window)]  # enough for --positions
-        path, path_desc, path_s = score(args.model, args.path, windows, last, args.mode)
-        base, base_desc, base_s = score(args.model, args.baseline, windows, last, args.mode)
-        ref, ref_desc, ref_s = score(args.model, args.reference, ref_windows, last, args.mode)
+        path, path_desc, path_s, path_weights = score(args.model, args.path, windows, last,
+                                                      args.mode)
+        base, base_desc, base_s, _ = score(args.model, args.baseline, windows, last, args.mode)
+        ref, ref_desc, ref_s, _ = score(args.model, args.reference, ref_windows, last,
+                                        args.mode)
         n_ref = min(args.positions, sum(len(w) for w in ref.argmax))
         row = {
             "context": context, "windows": len(windows), "mode": args.mode,
             "positions": sum(len(w) for w in path.logprobs),
-            "path": args.path, "path_engine": path_desc, "baseline": args.baseline,
+            "path": args.path, "path_weights": path_weights, "path_engine": path_desc,
+            "baseline": args.baseline,
             "baseline_engine": base_desc, "reference": args.reference,
             "reference_engine": ref_desc,
             "perplexity": path.perplexity(), "baseline_perplexity": base.perplexity(),
@@ -154,7 +176,10 @@ def main() -> int:
         print(kld_table(args.model, args.path, args.kld_chunks))
     for row in results:
         mode = " (prefill)" if args.mode == "prefill" else ""
-        print(f"accuracy: {args.path or 'default flags'}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "
+        # the default path: the flags that give it and the weights they resolved to on
+        # this CPU (gguf-a8 on AVX512-VNNI, gguf-a16 on AVX2: default_arithmetic.py)
+        label = args.path or f"default flags ({row['path_weights']})"
+        print(f"accuracy: {label}{mode} @ {row['context']} perplexity {row['perplexity']:.4f} "
               f"(bf16 {row['baseline_perplexity']:.4f}, ratio {row['perplexity_ratio']:.4f}), "
               f"top-1 agreement with fp32 {100 * row['top1_vs_reference']:.1f}%")
     return 0

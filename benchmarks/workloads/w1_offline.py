@@ -14,6 +14,7 @@ step against theirs). A peer that cannot be set up is skipped with the reason.
     python -m benchmarks run w1 --dtype bfloat16
     python -m benchmarks run w1 --peers vllm      # one peer
     python -m benchmarks run w1 --skip-peers      # tokenmill only
+    python -m benchmarks run w1 --also-quantization gguf-a16   # a second path, same run
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_tokenmill(reqs, args) -> float:
+def run_tokenmill(reqs, args, quantization: str | None = None) -> float:
+    """Output tok/s over the whole workload; `quantization`: this run's (default: the
+    --quantization flag's)."""
     from tokenmill import LLM, SamplingParams
 
     budget = ({} if args.max_num_batched_tokens is None
               else {"max_num_batched_tokens": args.max_num_batched_tokens})
-    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization,
+    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=quantization or args.quantization,
               max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
               batched_linears=args.batched_linears, **budget)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
@@ -58,7 +61,8 @@ def run_tokenmill(reqs, args) -> float:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(m for _, m in reqs), "tokenmill generated a wrong number of tokens"
     stats = llm.engine.get_stats()
-    print(f"  tokenmill: {n_out} tokens in {sw.elapsed_s:.1f} s; steps {stats.num_steps}, "
+    print(f"  tokenmill ({llm.engine.quantization}): {n_out} tokens in {sw.elapsed_s:.1f} s; "
+          f"steps {stats.num_steps}, "
           f"mean decode batch {stats.mean_decode_batch:.1f}, preemptions "
           f"{stats.num_preemptions}; time split "
           + ", ".join(f"{k} {v:.1f}s" for k, v in stats.time_s.items()))
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                     "as the flag)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="tokenmill's KV cache format (auto, int8, fp8: as the flag)")
+    ap.add_argument("--also-quantization", action="append", default=[], metavar="METHOD",
+                    help="also run tokenmill with this --quantization in the same run (the "
+                    "A/B a default change needs, issue 57: e.g. gguf-a16); repeatable")
     ap.add_argument("--repeats", type=int, default=1,
                     help="tokenmill runs of the whole workload (the peers run once)")
     ap.add_argument("--no-result", action="store_true",
@@ -159,6 +166,17 @@ def main(argv: list[str] | None = None) -> None:
                        "kv_cache_dtype": args.kv_cache_dtype,
                        "batched_linears": args.batched_linears,
                        "max_num_seqs": args.max_num_seqs})]
+    for method in args.also_quantization:  # the same workload on another path, same run
+        runs = [run_tokenmill(reqs, args, method) for _ in range(args.repeats)]
+        print(f"tokenmill --quantization {method} ({args.num_requests} requests): "
+              f"{median_spread(runs)} output tok/s; the default's over it: "
+              f"{tm / statistics.median(runs):.2f}x")
+        figures.append(Figure(f"tokenmill --quantization {method}", "tokenmill",
+                              "output throughput", "tok/s", runs, True,
+                              {**cfg, "quantization": method,
+                               "kv_cache_dtype": args.kv_cache_dtype,
+                               "batched_linears": args.batched_linears,
+                               "max_num_seqs": args.max_num_seqs}))
     notes: list[str] = []
     lines = []
     if vllm is not None:

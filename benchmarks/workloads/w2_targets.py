@@ -74,7 +74,9 @@ def recorded_embedded_ratio(machine_class: str, results_dir: Path = results_mod.
     for path in sorted(results_dir.glob(f"*-{machine_class}-{EMBEDDED_RESULT}.json")):
         result = results_mod.load(path)
         for r in result["ratios"]:
-            if r["metric"] == LLAMA_METRIC and r["peer"].startswith("llama-server"):
+            # the default server's ("tokenmill"), not a second one of --also-serve
+            if r["metric"] == LLAMA_METRIC and r["peer"].startswith("llama-server") \
+                    and r["tokenmill"] == "tokenmill":
                 found = (float(r["ratio"]), result["date"][:10])
     return found
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.serving import start_server
 from tokenmill.cli import main as cli_main
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 
 pytestmark = pytest.mark.slow  # a real model on a shared CPU: minutes, not seconds
 
@@ -147,8 +148,12 @@ def test_offline_engine_target(tmp_path, capsys):
     assert sum(e["time_s"].values()) <= e["wall_time_s"] * 1.01
     # the weights the engine resolved, not the flag's "auto": explain holds the run to the
     # embedded file's Q4_1 bytes (it read bf16 before)
-    assert res["config"]["quantization"] == "gguf-a16"
-    assert res["config"]["engine_args"]["quantization"] == "gguf-a16"
+    default = default_gguf_arithmetic()
+    assert res["config"]["quantization"] == default.method
+    assert res["config"]["engine_args"]["quantization"] == default.method
+    assert res["config"]["quantization_reason"] == default.reason
     capsys.readouterr()
     assert cli_main(["explain", str(out), "--json", "--bandwidth", "47", "--flops", "0.435"]) == 0
-    assert json.loads(capsys.readouterr().out)["dtype"].startswith("gguf:")
+    explained = json.loads(capsys.readouterr().out)
+    assert explained["dtype"].startswith("gguf:")
+    assert f"weights: {default.reason}" in explained["notes"]  # the path, and why

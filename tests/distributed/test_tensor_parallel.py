@@ -131,8 +131,9 @@ def test_three_ranks_of_smollm2_give_one_rank_s_tokens(smollm2_reference):
 
 
 def test_three_ranks_on_the_default_quantized_path_give_one_rank_s_tokens():
-    # the default weights (GGUF blocks run natively, gguf-a16 where VNNI is) shard too,
-    # and the fused SiLU MLP all-reduces its row-parallel down projection like LlamaMLP
+    # the default weights (GGUF blocks run natively: gguf-a8 on AVX-512 VNNI, gguf-a16 on
+    # AVX2) shard too, and the fused SiLU MLP all-reduces its row-parallel down
+    # projection like LlamaMLP
     engine = {"num_kv_blocks": 64, "max_num_seqs": 4}
     outs = []
     for tp in (1, 3):

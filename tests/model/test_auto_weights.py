@@ -9,7 +9,8 @@ import torch
 from tests.model.conftest import make_hf_model, write_tiny_gguf
 from tokenmill.engine.runner import weights
 from tokenmill.loaders import resolve_model
-from tokenmill.quant import vnni
+from tokenmill.quant import default_arithmetic, vnni
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from tokenmill.quant.model import DENSE_MIN_ROWS, VNNI_DENSE_MIN_ROWS
 
@@ -28,13 +29,14 @@ def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, mon
     monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
     loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
                                                torch.device("cpu"))
-    # with AVX512-VNNI the int16-activation kernel (it passed the accuracy gate)
-    assert loaded.dtype == torch.bfloat16 and method == ("gguf-a16" if vnni.fast() else "gguf")
+    # the CPU's default records (default_arithmetic.py: gguf-a8 on AVX512-VNNI, gguf-a16
+    # on AVX2, gguf without the kernel)
+    assert loaded.dtype == torch.bfloat16 and method == default_gguf_arithmetic().method
     linears = _linears(loaded.model)
     assert len(linears) == 9 and all(isinstance(m, Int4Linear) for m in linears)
     # below the threshold the low-bit kernel, from it the bf16 weights packed for
-    # oneDNN: 8 rows for torch's int4 kernel, VNNI_DENSE_MIN_ROWS for gguf-a16's
-    rows = VNNI_DENSE_MIN_ROWS if method == "gguf-a16" else DENSE_MIN_ROWS
+    # oneDNN: 8 rows for torch's int4 kernel, VNNI_DENSE_MIN_ROWS for gguf-a16's / a8's
+    rows = VNNI_DENSE_MIN_ROWS if method in ("gguf-a16", "gguf-a8") else DENSE_MIN_ROWS
     assert DENSE_MIN_ROWS == 8 and VNNI_DENSE_MIN_ROWS > DENSE_MIN_ROWS
     assert all(m.dense is not None and m.dense_min_rows == rows for m in linears)
     m = linears[0]
@@ -59,6 +61,8 @@ def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_at_every_batch(tiny_ggu
     monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(dense, "has_native_bf16", lambda: False)
     monkeypatch.setattr(vnni, "fast", lambda: True)
+    monkeypatch.setattr(default_arithmetic, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(default_arithmetic.FORCE_ENV, raising=False)
     loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
                                                torch.device("cpu"))
     assert loaded.dtype == torch.bfloat16 and method == "gguf-a16"

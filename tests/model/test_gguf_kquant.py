@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import gguf_records
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 
 pytestmark = pytest.mark.skipif(not q4q8_gemv.available(), reason="q4q8_gemv not built")
 
@@ -275,14 +276,15 @@ def test_a_mixed_type_file_runs_each_tensor_natively_and_matches_transformers(tm
     ids = torch.randint(0, t.VOCAB, (12,), generator=torch.Generator().manual_seed(3))
     with caplog.at_level(logging.INFO, logger="tokenmill.quant.weight_report"):
         got, model, method = _tokenmill_logits(path, ids)
-    assert method == "gguf-a16" or gguf_records.q4q8_gemv.isa() not in ("avx512-vnni", "avx2")
+    default = default_gguf_arithmetic()
+    assert method == default.method
     report = model.weight_forms
     assert not report["kept_float"], report["kept_float"]  # every linear on the kernel
     assert report["float_copy_bytes"] == 0 or report["float_copy"].startswith("--batched")
     forms = " ".join(f for v in report["linears"].values() for f in v)
     for name in ("Q5_0", "Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_1"):
         assert name in forms
-    assert "weights (gguf-a16)" in caplog.text
+    assert f"weights ({default.reason})" in caplog.text
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
     # bf16 activations and the requantized tensors: compare as a user would, the

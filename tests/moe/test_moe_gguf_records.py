@@ -19,17 +19,19 @@ from tokenmill.loaders import load_model, resolve_model
 from tokenmill.loaders.gguf import open_gguf
 from tokenmill.models.moe import Experts, expert_bytes_read
 from tokenmill.quant import moe_experts
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 from tokenmill.quant.moe_experts import GEMM16_MIN_ROWS, RecordExperts
 
 pytestmark = pytest.mark.skipif(q4q8_gemv.isa() not in ("avx512-vnni", "avx2"),
-                                reason="gguf-a16 is the default only with VNNI or AVX2")
+                                reason="the records' kernel runs only with VNNI or AVX2")
 FILES = ["qwen3moe_q8", "mixtral_kquant"]
 
 
-def _load(path):
-    loaded, method = load_engine_model(resolve_model(str(path)), "auto", None,
-                                       torch.device("cpu"))
-    assert method == "gguf-a16"
+def _load(path, quantization="gguf-a16"):
+    """The engine's model of the file on gguf-a16 (named: these tests hold its int16
+    arithmetic, whichever path is the CPU's default)."""
+    loaded, _ = load_engine_model(resolve_model(str(path)), "auto", quantization,
+                                  torch.device("cpu"))
     return loaded.model
 
 
@@ -165,6 +167,19 @@ def test_experts_of_a_type_without_records_stay_float_and_are_named(tmp_path, ca
     assert "model.layers.0.mlp.experts" in caplog.text
     assert any(isinstance(m, Experts) for m in model.modules())
     assert _logits(model, torch.arange(8)).isfinite().all()
+
+
+def test_auto_runs_the_experts_records_on_the_cpus_default_arithmetic(qwen3moe_q8):
+    """--quantization auto on an MoE file: the CPU's default (gguf-a8 on AVX-512 VNNI,
+    gguf-a16 on AVX2: default_arithmetic.py), its activations' precision in the experts'
+    records too."""
+    default = default_gguf_arithmetic()
+    loaded, method = load_engine_model(resolve_model(str(qwen3moe_q8[0])), "auto", "auto",
+                                       torch.device("cpu"))
+    assert method == default.method
+    records = [m for m in loaded.model.modules() if isinstance(m, RecordExperts)]
+    assert records and all(m.bits == {"gguf-a8": 8, "gguf-a16": 16}[method] for m in records)
+    assert loaded.model.weight_forms["method_reason"] == default.reason
 
 
 def test_batch1_decode_reads_only_the_routed_experts(qwen3moe_q8):

@@ -37,9 +37,17 @@ class OfflineTarget:
 
     @property
     def quantization(self) -> str | None:
-        """The weight path the engine resolved (`gguf-a16` for the embedded model's
-        default, `none` for a bf16 checkpoint): what `tokenmill explain` holds it to."""
+        """The weight path the engine resolved (`gguf-a8` or `gguf-a16` for the embedded
+        model's default, `none` for a bf16 checkpoint): what `tokenmill explain` holds it
+        to."""
         return getattr(self.engine, "quantization", None)
+
+    @property
+    def quantization_reason(self) -> str | None:
+        """Why the engine runs that path ("gguf-a8: default on AVX-512 VNNI (...)")."""
+        runner = getattr(self.engine, "runner", None)
+        forms = getattr(getattr(runner, "model", None), "weight_forms", None)
+        return forms.get("method_reason") if isinstance(forms, dict) else None
 
     @property
     def hardware(self) -> str:

@@ -496,13 +496,14 @@ def _make_target(args: argparse.Namespace, err) -> tuple[Any, dict[str, Any]]:
         args.model = args.offline
         target = OfflineTarget(engine_config_from_args(args), temperature=args.temperature,
                                ignore_eos=args.ignore_eos)
-        # what the engine resolved "auto" to (gguf-a16 on a GGUF file): explain's weights
+        # what the engine resolved "auto" to (gguf-a8 / gguf-a16 on a GGUF file): explain's weights
         quantization = target.quantization or args.quantization
         engine_args = {k: getattr(args, k, None) for k in (
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
             "enable_prefix_caching", "device", "kv_cache_dtype")}
         config = {"model": args.offline, "base_url": None, "endpoint": "engine.step",
                   "backend": "offline", "dtype": target.dtype, "quantization": quantization,
+                  "quantization_reason": target.quantization_reason,
                   "hardware": args.hardware or target.hardware,
                   "engine_args": {**engine_args, "quantization": quantization}}
         return target, config

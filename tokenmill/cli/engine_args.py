@@ -66,9 +66,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", default=None,
-                   choices=["none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16", "gguf-triton",
-                            "fp8"],
-                   help="weight format; default: the fastest correct one for the checkpoint")
+                   choices=["auto", "none", "int8", "int4", "gguf", "gguf-a8", "gguf-a16",
+                            "gguf-triton", "fp8"],
+                   help="weight format; auto (the default): the fastest correct one for the "
+                   "checkpoint, for a GGUF on CPU gguf-a8 on AVX512-VNNI and gguf-a16 on "
+                   "AVX2 (TOKENMILL_GGUF_DEFAULT forces one; docs/accuracy_gate.md)")
     g.add_argument("--batched-linears", default="auto",
                    choices=["auto", "bf16", "w8a8", "int16", "mlp-int8", "none"],
                    help="weights the low-bit linears use for many rows a step: bf16 (packed "

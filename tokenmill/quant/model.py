@@ -6,11 +6,10 @@ lm_head. Methods:
   gguf  run the GGUF blocks the loader kept (`module.gguf_quantized`) natively:
         Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
   gguf-a8  the same weights times int8 activations quantized on the fly per block
-        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic)
+        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic): the
+        default on AVX512-VNNI (default_arithmetic.py; docs/accuracy_gate.md)
   gguf-a16  the same with int16 activations (two int8 planes, twice the integer
-        work, an activation error below bf16's rounding): the default on CPUs with
-        AVX512-VNNI, having passed the accuracy gate that gguf-a8 fails
-        (benchmarks/accuracy.py; BENCHMARKS.md "Batch-1 kernels (issue 21)").
+        work, an activation error below bf16's rounding): the default on AVX2.
         With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
         inside the down projection's native call, and an MoE file's experts run their
         own records (moe_experts.py)
@@ -60,6 +59,7 @@ from tokenmill.quant.codes import (
     int4_codes_from_float,
     int8_codes_from_float,
 )
+from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 from tokenmill.quant.dense import DenseWeight
 from tokenmill.quant.embedding import embedding_from_blocks, embedding_from_head
 from tokenmill.quant.fp8 import FP8_DIM_MULTIPLE, Fp8Linear, fp8_unavailable_reason
@@ -103,6 +103,7 @@ class QuantizationSummary:
     lowbit_bytes: int = 0
     dense_bytes: int = 0  # float weights kept only for the large-batch path
     embedding: str = "float"  # the token embedding's form (embedding.py)
+    reason: str = ""  # why this method ("gguf-a8: default on AVX-512 VNNI (...)")
 
 
 def quantize_model(model: nn.Module, method: str,
@@ -244,14 +245,21 @@ def _fuse_silu_into_down(model: nn.Module) -> None:
 
 def resolve_method(requested: str | None, model: nn.Module,
                    dtype: str | torch.dtype = "auto") -> str:
-    """The method to use: the user's, else 'gguf-a16' (with AVX512-VNNI; 'gguf' without)
-    when the loader kept natively runnable GGUF blocks on CPU, unless dtype float32 was
-    asked for explicitly (the exact dequantized reference path); float checkpoints stay
-    float."""
-    if requested is not None:
+    """The method to use (`resolve_quantization`'s, without the reason)."""
+    return resolve_quantization(requested, model, dtype)[0]
+
+
+def resolve_quantization(requested: str | None, model: nn.Module,
+                         dtype: str | torch.dtype = "auto") -> tuple[str, str]:
+    """(method, why): the user's method, else (None or "auto") the per-ISA default for
+    GGUF blocks (default_arithmetic.py: gguf-a8 on AVX-512 VNNI, gguf-a16 on AVX2, gguf
+    without either) when the loader kept natively runnable GGUF blocks on CPU, unless
+    dtype float32 was asked for explicitly (the exact dequantized reference path); float
+    checkpoints stay float."""
+    if requested not in (None, "auto"):
         if requested not in METHODS:
             raise ValueError(f"unknown quantization {requested!r}; use one of "
-                             f"{', '.join(METHODS)}")
+                             f"auto, {', '.join(METHODS)}")
         if requested in ("gguf-a8", "gguf-a16") and not vnni.available():
             raise ValueError(f"--quantization {requested}: its native kernel "
                              "(tokenmill/kernels/q4q8_gemv.c) could not be built here")
@@ -267,20 +275,22 @@ def resolve_method(requested: str | None, model: nn.Module,
             if weight.dtype not in (torch.bfloat16, torch.float16):
                 raise ValueError("--quantization fp8 needs a bfloat16 or float16 model "
                                  f"(its output dtype), not {weight.dtype}")
-        return requested
+        return requested, f"{requested}: --quantization {requested}"
     if dtype in ("float32", "float", torch.float32):
-        return "none"
+        return "none", "none: --dtype float32 (the dequantized fp32 reference)"
     if gguf_triton.auto_applies(model, TARGET_MODULES):  # GGUF blocks on a GPU
-        return "gguf-triton"
-    fast = vnni.fast()
+        return "gguf-triton", "gguf-triton: default for GGUF blocks on a GPU"
+    default = default_gguf_arithmetic()
+    records = default.method != "gguf"  # the quantized-activation kernel's record types
     for name, module in model.named_modules():
-        if fast and isinstance(module, Experts) and moe_experts.no_records_reason(module) is None:
-            return "gguf-a16"  # an MoE file's experts in records (moe_experts.py)
+        if records and isinstance(module, Experts) and \
+                moe_experts.no_records_reason(module) is None:
+            return default.method, default.reason  # an MoE file's experts in records
         if (name.rpartition(".")[2] in TARGET_MODULES and module.weight.device.type == "cpu"
-                and _gguf_shards(module, RECORD_TYPES if fast else GGUF_NATIVE_TYPES)
+                and _gguf_shards(module, RECORD_TYPES if records else GGUF_NATIVE_TYPES)
                 is not None):
-            return "gguf-a16" if fast else "gguf"
-    return "none"
+            return default.method, default.reason
+    return "none", "none: no GGUF blocks a native kernel runs (float weights)"
 
 
 def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,

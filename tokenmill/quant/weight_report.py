@@ -62,6 +62,7 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
         why = "none kept"
     return {
         "method": summary.method,
+        "method_reason": getattr(summary, "reason", "") or summary.method,
         "linears": {k: dict(v) for k, v in classes.items()},
         "lowbit_bytes": summary.lowbit_bytes,
         # of the kernel records, how many bytes the OS gave transparent huge pages (a
@@ -86,7 +87,8 @@ def log_report(report: dict[str, Any]) -> None:
                       for cls, v in report["linears"].items())
     huge = report.get("records_huge_page_bytes")
     logger.info("weights (%s): %s; %.1f MiB in all: records %.1f MiB%s, float copies %.1f MiB (%s), other "
-                "float parameters %.1f MiB; embedding %s", report["method"],
+                "float parameters %.1f MiB; embedding %s",
+                report.get("method_reason") or report["method"],
                 forms or "no low-bit linears", report["resident_bytes"] / _MIB,
                 report["lowbit_bytes"] / _MIB,
                 "" if huge is None else f" ({huge / _MIB:.1f} MiB on huge pages)",

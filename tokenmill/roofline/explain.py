@@ -254,6 +254,9 @@ def explain(result: dict, args: argparse.Namespace) -> Explanation:
     if server is None:
         notes.append("the result does not record the server's configuration "
                      "(config.server_config): levers already in use may be listed")
+    why = (server or {}).get("quantization_reason") or config.get("quantization_reason")
+    if isinstance(why, str) and why:
+        notes.append(f"weights: {why}")  # the path the server resolved, and why
     slots = _num(server, "max_num_seqs")
     if engine is None and slots and batch > slots:  # the rest waited in the server's queue
         notes.append(f"{batch:.3g} requests in flight, {slots:.0f} decoding at a time "

@@ -18,6 +18,9 @@ def server_info(llm: Any) -> dict[str, Any]:
     config = llm.config
     cache = config.cache
     stats = llm.get_stats() if hasattr(llm, "get_stats") else None
+    # per tensor class the GGUF types and record forms, bytes, float copies and why
+    weights = getattr(getattr(getattr(llm, "runner", None), "model", None), "weight_forms",
+                      None)
     return {
         "engine": "tokenmill",
         "version": __version__,
@@ -25,6 +28,9 @@ def server_info(llm: Any) -> dict[str, Any]:
         "model_path": str(config.model),  # what was loaded: explain finds the file by it
         "dtype": str(getattr(llm, "dtype", config.dtype)).removeprefix("torch."),
         "quantization": getattr(llm, "quantization", config.quantization),
+        # why that method: "gguf-a8: default on AVX-512 VNNI (accuracy gate: ...)"
+        "quantization_reason": weights.get("method_reason") if isinstance(weights, dict)
+        else None,
         "batched_linears": getattr(config, "batched_linears", "auto"),
         "async_scheduling": getattr(config, "async_scheduling", False),
         "device": str(getattr(getattr(llm, "runner", None), "device", config.device)),
@@ -43,9 +49,7 @@ def server_info(llm: Any) -> dict[str, Any]:
         # each rank's weights (parameters and quantized blocks), rank 0 first
         "tensor_parallel_weight_bytes": getattr(getattr(llm, "workers", None),
                                                 "rank_parameter_bytes", None),
-        # per tensor class the GGUF types and record forms, bytes, float copies and why
-        "weights": getattr(getattr(getattr(llm, "runner", None), "model", None),
-                           "weight_forms", None),
+        "weights": weights,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
         "attention_layers": _attention_layers(llm),

@@ -1,11 +1,11 @@
 """Load the model the engine runs: pick the compute dtype and weight format.
 
 Users do not tune flags, so `dtype="auto"` with no `--quantization` picks the
-fastest correct path for the machine: a GGUF's Q4_0/Q4_1/Q8_0 blocks run natively in
-bf16 where the CPU has native bf16 (AVX512-BF16 or AMX) or SIMD integer dot products
-for the int16-activation kernel (AVX512-VNNI or AVX2: `gguf-a16`, activations
-quantized on the fly from bf16); else torch's int4 kernel on bf16 activations,
-`gguf`. Large batches take dense weights where a matmul wins (quant/model.py);
+fastest correct path for the machine: a GGUF's blocks run natively in bf16 where the
+CPU has native bf16 (AVX512-BF16 or AMX) or SIMD integer dot products for the
+quantized-activation kernel, activations quantized on the fly from bf16 (`gguf-a8` on
+AVX512-VNNI, `gguf-a16` on AVX2: quant/default_arithmetic.py, which says why); else
+torch's int4 kernel on bf16 activations, `gguf`. Large batches take dense weights where a matmul wins (quant/model.py);
 elsewhere float weights. An explicit `dtype="float32"` keeps the exact dequantized
 fp32 reference path.
 """
@@ -22,8 +22,8 @@ from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.engine.runner.heap_trim import trim_heap
 from tokenmill.loaders import LoadedModel, ModelSource, load_model, resolve_dtype
 from tokenmill.loaders.gguf import release_gguf_readers
-from tokenmill.quant import quantize_model, resolve_method, vnni
-from tokenmill.quant.model import float_copy_bytes, resolve_batched_linears
+from tokenmill.quant import quantize_model, vnni
+from tokenmill.quant.model import float_copy_bytes, resolve_batched_linears, resolve_quantization
 from tokenmill.quant.weight_report import log_report, weight_report
 from tokenmill.startup_timer import mark
 
@@ -71,11 +71,12 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
         loaded = load_model(source, dtype=compute_dtype(dtype, source, device), device=device,
                             load_format=load_format, defer_quantized=True)
         mark("weights read")
-        method = resolve_method(quantization, loaded.model, dtype)
+        method, why = resolve_quantization(quantization, loaded.model, dtype)
         float_copy = float_copy_bytes(loaded.model)
         large = resolve_batched_linears(batched_linears, method, loaded.dtype,
                                         cpu_has_native_bf16(), float_copy)
         summary = quantize_model(loaded.model, method, batched_linears=large)
+        summary.reason = why  # the start-up log, /server_info and explain say it
         mark(f"linears packed as {method} (kernel cache checked)")
     if source.kind == "gguf":  # every weight is copied out: unmap the file's tensor pages
         release_gguf_readers()

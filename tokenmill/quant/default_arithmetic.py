@@ -1,0 +1,70 @@
+"""The arithmetic `--quantization auto` runs a GGUF file's records with, per ISA (issue 57).
+
+One function decides it, from the CPU's flags (tokenmill/cpuinfo.py) and the ISA the
+quantized-activation kernel was built for (q4q8_gemv.c), and says why: the start-up
+log, /server_info (`quantization_reason`) and `tokenmill explain` print that reason.
+
+  AVX-512 VNNI  gguf-a8 (int8 activations per block of 32, llama.cpp's arithmetic on
+                the same file): it passed the accuracy gate (docs/accuracy_gate.md)
+                and is the faster kernel there (vpdpbusd does half the integer work
+                of gguf-a16's two int8 planes)
+  AVX2          gguf-a16, as before: a8 gives the same bits on AVX2 (the kernels are
+                exact), but its speed there was never measured (no AVX2 machine), so
+                the default does not move on a guess
+  neither       gguf (torch's int4 kernel on bf16 activations)
+
+A8_DEFAULT_ON_AVX512_VNNI turns the first row back to gguf-a16 in one line.
+TOKENMILL_GGUF_DEFAULT=gguf-a16|gguf-a8|gguf forces the default for a process (the
+test suite runs under either: tests that need one arithmetic name it); an explicit
+`--quantization` wins over both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tokenmill.cpuinfo import cpu_flags
+from tokenmill.kernels import q4q8_gemv
+from tokenmill.quant import vnni
+
+# gguf-a8 is the default where the kernel runs AVX-512 VNNI (the gate: docs/accuracy_gate.md)
+A8_DEFAULT_ON_AVX512_VNNI = True
+FORCE_ENV = "TOKENMILL_GGUF_DEFAULT"
+GATE_PAGE = "docs/accuracy_gate.md"
+CHOICES = ("gguf-a8", "gguf-a16", "gguf")
+
+
+@dataclass(frozen=True)
+class DefaultArithmetic:
+    method: str  # a tokenmill.quant method: gguf-a8 | gguf-a16 | gguf
+    reason: str  # "gguf-a8: default on AVX-512 VNNI (accuracy gate: docs/accuracy_gate.md)"
+
+
+def default_gguf_arithmetic(flags: set[str] | None = None,
+                            a8_on_vnni: bool | None = None) -> DefaultArithmetic:
+    """The default method for a GGUF file's blocks on this CPU, and why. `flags` (default:
+    /proc/cpuinfo's) and `a8_on_vnni` (default: A8_DEFAULT_ON_AVX512_VNNI) are for
+    tests. A bad TOKENMILL_GGUF_DEFAULT is a ValueError naming it."""
+    forced = os.environ.get(FORCE_ENV, "").strip()
+    if forced:
+        if forced not in CHOICES:
+            raise ValueError(f"{FORCE_ENV}={forced!r}: use one of {', '.join(CHOICES)}")
+        if forced != "gguf" and not vnni.available():
+            raise ValueError(f"{FORCE_ENV}={forced}: its native kernel "
+                             "(tokenmill/kernels/q4q8_gemv.c) could not be built here")
+        return DefaultArithmetic(forced, f"{forced}: forced by {FORCE_ENV}")
+    if not vnni.fast():  # the kernel is not built, or built without SIMD dot products
+        return DefaultArithmetic("gguf", "gguf: the quantized-activation kernel has no "
+                                 "AVX2 or AVX-512 VNNI build here: torch's int4 kernel on "
+                                 "bf16 activations")
+    flags = cpu_flags() if flags is None else flags
+    a8 = A8_DEFAULT_ON_AVX512_VNNI if a8_on_vnni is None else a8_on_vnni
+    if "avx512_vnni" in flags and q4q8_gemv.has_vnni():
+        if a8:
+            return DefaultArithmetic("gguf-a8", "gguf-a8: default on AVX-512 VNNI "
+                                     f"(accuracy gate: {GATE_PAGE})")
+        return DefaultArithmetic("gguf-a16", "gguf-a16: default on AVX-512 VNNI (gguf-a8 "
+                                 "held back: A8_DEFAULT_ON_AVX512_VNNI is off)")
+    return DefaultArithmetic("gguf-a16", "gguf-a16: default on AVX2 (gguf-a8 not timed on "
+                             f"AVX2; accuracy gate: {GATE_PAGE})")

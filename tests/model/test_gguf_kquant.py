@@ -371,13 +371,13 @@ def _load(path, float_copy_limit):
         quant_model.FLOAT_COPY_LIMIT_BYTES = saved
 
 
-@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=lambda t: t.name)
 def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeypatch,
                                                                embed_type):
     """A tied file past the float-copy limit: the embedding's rows come from the LM
     head's records (no second copy in blocks), the resident bytes drop by the blocks'
     size, and the rows are gguf's dequantization (exactly where the records are exact,
-    Q8_0; within the 6-bit records' requantization for Q6_K)."""
+    Q8_0 and Q4_K's super-blocks; within the 6-bit records' requantization for Q6_K)."""
     from tests.model import test_gguf_types as t
     from tokenmill.quant import model as quant_model
     from tokenmill.quant.embedding import GGUFEmbedding, RecordsEmbedding
@@ -396,7 +396,7 @@ def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeyp
     table = torch.from_numpy(gguf.quants.dequantize(np.asarray(blocks.data), embed_type)
                              ).reshape(t.VOCAB, t.HIDDEN)
     rows = embed(ids).float()
-    if embed_type == Q.Q8_0:
+    if embed_type in (Q.Q8_0, Q.Q4_K):
         assert torch.equal(embed(ids), table.bfloat16()[ids])
     else:  # 6-bit records requantized per block of 32 (the module docstring), then bf16
         bound = table.reshape(t.VOCAB, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 63
@@ -411,7 +411,7 @@ def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeyp
     with torch.no_grad():
         a = once.compute_logits(once(ids, torch.arange(9)))
         b = twice.compute_logits(twice(ids, torch.arange(9)))
-    if embed_type == Q.Q8_0:  # the same rows: the same logits
+    if embed_type in (Q.Q8_0, Q.Q4_K):  # the same rows: the same logits
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

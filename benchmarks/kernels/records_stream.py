@@ -3,7 +3,7 @@ engine: how close q4q8_gemv.c gets to what the memory gives two threads, and wha
 transparent huge pages, the activations' bits and the software prefetch change.
 
 records_stream.c (beside this file) lays out random records of a model's linears at
-their real sizes and formats (the ~1B Q4_K_M file's: 698 MiB, Q4 records and Q6 ones for
+their real sizes and formats (the ~1B Q4_K_M file's: 648.5 MiB, Q4K records and Q6 ones for
 every other layer's v and down and the LM head; or SmolLM2's) in one private mapping,
 advised MADV_HUGEPAGE or MADV_NOHUGEPAGE (4 KiB pages), and runs a step as decode_step.c
 does (one OpenMP region, each op's row groups in runs, a barrier per op). Beside each

@@ -3,7 +3,7 @@
  * transparent huge pages, the activation bits and the prefetch distance change.
  *
  * The records of a model's linears (random bytes of the right sizes and formats: Q4
- * 320 bytes, Q6 448 bytes a record of 16 rows x 32 inputs) sit in one private anonymous
+ * 320 bytes, Q6 448 bytes a record of 16 rows x 32 inputs, Q4K 2,304 a super-block of 256) sit in one private anonymous
  * mapping advised MADV_HUGEPAGE (--huge 1, as tokenmill/quant/huge_pages.py keeps them)
  * or MADV_NOHUGEPAGE (--huge 0: 4 KiB pages). A step runs in one OpenMP region as
  * decode_step.c's does: per op (qkv, o, gate_up, down; then the LM head) each thread
@@ -14,7 +14,8 @@
  * Built and run by records_stream.py (python -m benchmarks run records-stream); by hand:
  *   cc -O3 -march=native -ffast-math -fopenmp -Itokenmill/kernels [-DPF_RECORDS=N] \
  *      benchmarks/kernels/records_stream.c -o /tmp/rs -lm
- *   /tmp/rs MODEL HUGE BITS THREADS STEPS      (MODEL: llama-1b or smollm2)
+ *   /tmp/rs MODEL HUGE BITS THREADS STEPS [Q4K]  (MODEL: llama-1b or smollm2; Q4K 1: the
+ *                                                Q4_K tensors in FMT_Q4K records, 0: Q4)
  */
 #include "q4q8_gemv.c"
 
@@ -62,10 +63,15 @@ static long smaps_kb(const char *key) {
 
 /* the ops of one step: Llama-shaped, `layers` layers; v and down in Q6 on the layers
  * llama-quantize's Q4_K_M gives Q6_K (here: every other), the LM head in `head_fmt` */
-static int model_ops(const char *name, op_t *ops, int64_t *hidden, int64_t *inter) {
-    int64_t H, I, Q, KV, L, vocab = 49152, head_fmt;
+static int model_ops(const char *name, int q4k, op_t *ops, int64_t *hidden, int64_t *inter) {
+    int64_t H, I, Q, KV, L, vocab = 49152, head_fmt, q4 = FMT_Q4;
     if (!strcmp(name, "llama-1b")) {
         H = 2048, I = 8192, Q = 2048, KV = 512, L = 16, head_fmt = FMT_Q6;
+#ifdef Q4K_RECORD
+        if (q4k) q4 = FMT_Q4K; /* Q4_K's own super-blocks, as tokenmill loads them */
+#else
+        if (q4k) return -1;    /* a kernel from before FMT_Q4K (--kernels) */
+#endif
     } else if (!strcmp(name, "smollm2")) {
         H = 576, I = 1536, Q = 576, KV = 192, L = 30, head_fmt = FMT_Q8;
     } else {
@@ -73,10 +79,10 @@ static int model_ops(const char *name, op_t *ops, int64_t *hidden, int64_t *inte
     }
     int n = 0;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t big = (!strcmp(name, "llama-1b") && l % 2 == 0) ? FMT_Q6 : FMT_Q4;
-        ops[n++] = (op_t){2, {{H, Q + KV, FMT_Q4, 0}, {H, KV, big, 0}}};
-        ops[n++] = (op_t){1, {{Q, H, FMT_Q4, 0}}};
-        ops[n++] = (op_t){1, {{H, 2 * I, FMT_Q4, 0}}};
+        const int64_t big = (!strcmp(name, "llama-1b") && l % 2 == 0) ? FMT_Q6 : q4;
+        ops[n++] = (op_t){2, {{H, Q + KV, q4, 0}, {H, KV, big, 0}}};
+        ops[n++] = (op_t){1, {{Q, H, q4, 0}}};
+        ops[n++] = (op_t){1, {{H, 2 * I, q4, 0}}};
         ops[n++] = (op_t){1, {{I, H, big, 0}}};
     }
     ops[n++] = (op_t){1, {{H, vocab, head_fmt, 0}}};
@@ -97,14 +103,14 @@ static inline const seg_t *seg_of(const op_t *op, int64_t *gi) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s MODEL HUGE BITS THREADS STEPS\n", argv[0]);
+        fprintf(stderr, "usage: %s MODEL HUGE BITS THREADS STEPS [Q4K]\n", argv[0]);
         return 2;
     }
     const int huge = atoi(argv[2]), bits = atoi(argv[3]), threads = atoi(argv[4]),
-              steps = atoi(argv[5]);
+              steps = atoi(argv[5]), q4k = argc > 6 && atoi(argv[6]);
     static op_t ops[256];
     int64_t H, I;
-    const int nops = model_ops(argv[1], ops, &H, &I);
+    const int nops = model_ops(argv[1], q4k, ops, &H, &I);
     if (nops < 0 || (bits != 8 && bits != 16) || threads < 1 || steps < 1) return 2;
     size_t total = 0;
     for (int o = 0; o < nops; o++)

@@ -1,7 +1,7 @@
 """Issue 56 on real files: the embedded SmolLM2 GGUF (its tied Q8_0 embedding read from
 the LM head's records when no float copy is kept) and llama-quantize's SmolLM2 Q4_K_M /
-Q5_K_M / Q6_K files (5-bit Q5_0 / Q5_K and 6-bit Q6_K records, q/k beside v in their
-own formats): the fused decode step gives the module path's greedy tokens. The peer
+Q5_K_M / Q6_K files (5-bit Q5_0 / Q5_K and 6-bit Q6_K records, Q4_K's own super-blocks,
+q/k beside v in their own formats): the fused decode step gives the module path's greedy tokens. The peer
 files (`python -m benchmarks.peers.make_smollm2_quants`) run only on request,
 TOKENMILL_TEST_PEER_FILES=1 (issue 56: peers never run in make test)."""
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not (decode_step.available() and q4q8_gemv.avail
 MODELS = Path.home() / ".cache" / "tokenmill-peers" / "models"
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 # file -> record forms its linears must show (none of them widened to 8 bits)
-FILES = {"embedded": (), "smollm2-135m-Q4_K_M.gguf": ("q5 exact", "q6 requantized per 32"),
+FILES = {"embedded": (),
+         "smollm2-135m-Q4_K_M.gguf": ("q5 exact", "q6 requantized per 32", "q4k exact"),
          "smollm2-135m-Q5_K_M.gguf": ("q5 exact",),
          "smollm2-135m-Q6_K.gguf": ("q6 requantized per 32",)}
 

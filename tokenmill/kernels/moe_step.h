@@ -116,7 +116,7 @@ static int moe_ok(const tm_model_t *m) {
             if (!L->expert_gate_up[e] || !L->expert_down[e]) return 0;
             for (int i = 0; i < 2; i++)
                 if (f[i] != FMT_Q4 && f[i] != FMT_Q8 && f[i] != FMT_MIXED && f[i] != FMT_Q5 &&
-                    f[i] != FMT_Q6)
+                    f[i] != FMT_Q6 && f[i] != FMT_Q4K)
                     return 0;
         }
     }

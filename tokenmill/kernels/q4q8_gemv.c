@@ -18,6 +18,15 @@
  *   Q5, Q6 (Q5_0, Q5_1, Q5_K; Q6_K): a Q4 record with q in 0..31 or 0..63, its nibbles
  *     as Q4's, then a plane of hb = 1 or 2 high bits a weight (64 hb bytes: 384 and 448
  *     bytes a record), chunk c's 16 hb bytes at 320 + 16 hb c (add_high512 below)
+ *   Q4K (Q4_K): Q4_K's own super-blocks of 256 inputs, w = d sc q - dmin mn per
+ *     sub-block of 32 (sc, mn 6-bit), one record per (group, super-block) of 2,304
+ *     bytes (4.5 bits a weight, the file's): 8 sub-blocks' nibbles as a Q4 record's
+ *     (256 bytes each), then d[16], dmin[16] fp16, lows[8][16] (sc & 15 | (mn & 15) << 4
+ *     of sub-block j, row r) and highs[4][16] (bits 0-1 sc_t >> 4, 2-3 mn_t >> 4, 4-5
+ *     sc_t+4 >> 4, 6-7 mn_t+4 >> 4). The scales are unpacked once per super-block into
+ *     fp32 d sc and -dmin mn (exact products: an 11-bit mantissa times 6 bits), then each
+ *     sub-block runs a Q4 record's arithmetic with them, as llama.cpp's Q4_K x Q8_K dot
+ *     applies scale * sum - min * bsum (here with the activations' per-32 scale dx).
  *   MIXED: the parts of a fused linear, each in its own format (group_records below)
  * A block's dot product is an exact int32 sum of products (vpdpbusd: unsigned
  * weight bytes times signed activation bytes, 16 rows per instruction), scaled
@@ -80,8 +89,11 @@
 #define PARALLEL_GROUPS 8           /* fewer groups run on the calling thread */
 
 /* 2 is decode_step.c's FMT_BF16 */
-enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_MIXED = 3, FMT_Q5 = 4, FMT_Q6 = 5 };
+enum { FMT_Q4 = 0, FMT_Q8 = 1, FMT_MIXED = 3, FMT_Q5 = 4, FMT_Q6 = 5, FMT_Q4K = 6 };
 #define HIGH_PLANE 64 /* bytes of a Q5 / Q6 record's high-bit plane, per high bit */
+#define Q4K_SUB 8                                   /* blocks of 32 a super-block */
+#define Q4K_META (Q4K_SUB * ROWS * 16)              /* 2,048: the scales' offset */
+#define Q4K_RECORD (Q4K_META + ROWS * 16)           /* 2,304 bytes a super-block */
 
 /* FMT_MIXED: a fused linear whose parts keep their own formats (a q/k in Q4 beside a v
  * in Q8): a header of MIXED_HEADER bytes, int32 parts (1..MIXED_PARTS), then per part
@@ -96,8 +108,18 @@ static inline int high_bits(int64_t format) {
     return format == FMT_Q5 ? 1 : format == FMT_Q6 ? 2 : 0;
 }
 
+/* bytes a (group, block of 32): for Q4K a super-block's record over its 8 blocks (288),
+ * so that a group's records are nb * record_bytes for every format (K % 256 == 0 there) */
 static inline int64_t record_bytes(int64_t format) {
-    return format == FMT_Q8 ? Q8_RECORD : Q4_RECORD + HIGH_PLANE * high_bits(format);
+    return format == FMT_Q8    ? Q8_RECORD
+           : format == FMT_Q4K ? Q4K_RECORD / Q4K_SUB
+                               : Q4_RECORD + HIGH_PLANE * high_bits(format);
+}
+
+/* block b's Q4 nibbles (a Q4 record's first 256 bytes) in a group's records: rb bytes a
+ * record, or a Q4K super-block's sub-block */
+static inline const uint8_t *block_nibbles(const uint8_t *wg, int64_t b, int64_t rb, int k4) {
+    return k4 ? wg + (b / Q4K_SUB) * Q4K_RECORD + (b % Q4K_SUB) * 256 : wg + b * rb;
 }
 
 /* group g's records (nb blocks) in w, and the format they are in */
@@ -136,6 +158,83 @@ static inline float half_to_f32(uint16_t h) {
         c.u = sign | ((exp + 112) << 23) | (man << 13);
     }
     return c.f;
+}
+
+/* A Q4K super-block's scales (meta: its record + Q4K_META) -> wd[j][r] = d_r sc_jr and
+ * wm[j][r] = -dmin_r mn_jr in fp32 for sub-block j, row r: exact products (d's 11-bit
+ * mantissa times 6 bits), so every ISA's version gives the same values. Once a
+ * super-block (8 blocks) of a group, beside 2,048 bytes of nibbles. */
+static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *meta,
+                                                             float wd[Q4K_SUB][ROWS],
+                                                             float wm[Q4K_SUB][ROWS]) {
+#if TM_VNNI
+    uint8_t sc[Q4K_SUB][ROWS] __attribute__((aligned(64))), mn[Q4K_SUB][ROWS]
+        __attribute__((aligned(64)));
+    const __m512i l0 = _mm512_loadu_si512((const void *)(meta + 64));
+    const __m512i l1 = _mm512_loadu_si512((const void *)(meta + 128));
+    const __m512i h = _mm512_loadu_si512((const void *)(meta + 192));
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* a | (b & c) (0xF8); the 16-bit shifts' bits that cross a byte fall outside 0x30 */
+    _mm512_store_si512((void *)sc[0], _mm512_ternarylogic_epi32(
+        _mm512_and_si512(l0, m4), _mm512_slli_epi16(h, 4), m30, 0xF8));
+    _mm512_store_si512((void *)sc[4], _mm512_ternarylogic_epi32(_mm512_and_si512(l1, m4), h,
+                                                                m30, 0xF8));
+    _mm512_store_si512((void *)mn[0], _mm512_ternarylogic_epi32(
+        _mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_slli_epi16(h, 2), m30, 0xF8));
+    _mm512_store_si512((void *)mn[4], _mm512_ternarylogic_epi32(
+        _mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_srli_epi16(h, 2), m30, 0xF8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)meta));
+    const __m512 nm = _mm512_sub_ps(_mm512_setzero_ps(),
+                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(meta + 32))));
+    for (int j = 0; j < Q4K_SUB; j++) {
+        _mm512_store_ps(wd[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                    _mm_load_si128((const __m128i *)sc[j])))));
+        _mm512_store_ps(wm[j], _mm512_mul_ps(nm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                     _mm_load_si128((const __m128i *)mn[j])))));
+    }
+#elif TM_AVX2
+    uint8_t sc[Q4K_SUB][ROWS] __attribute__((aligned(32))), mn[Q4K_SUB][ROWS]
+        __attribute__((aligned(32)));
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    for (int t = 0; t < 2; t++) { /* sub-blocks 2t, 2t + 1 and 4 + 2t, 5 + 2t */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(meta + 64 + 32 * t));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(meta + 128 + 32 * t));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(meta + 192 + 32 * t));
+        _mm256_store_si256((__m256i *)sc[2 * t], _mm256_or_si256(
+            _mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)));
+        _mm256_store_si256((__m256i *)sc[4 + 2 * t], _mm256_or_si256(
+            _mm256_and_si256(l1, m4), _mm256_and_si256(h, m30)));
+        _mm256_store_si256((__m256i *)mn[2 * t], _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+            _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)));
+        _mm256_store_si256((__m256i *)mn[4 + 2 * t], _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
+    }
+    for (int half = 0; half < 2; half++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 16 * half)));
+        const __m256 nm = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(meta + 32 + 16 * half))));
+        for (int j = 0; j < Q4K_SUB; j++) {
+            _mm256_storeu_ps(wd[j] + 8 * half, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc[j] + 8 * half))))));
+            _mm256_storeu_ps(wm[j] + 8 * half, _mm256_mul_ps(nm, _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn[j] + 8 * half))))));
+        }
+    }
+#else
+    for (int r = 0; r < ROWS; r++) {
+        uint16_t hd, hm;
+        memcpy(&hd, meta + 2 * r, 2);
+        memcpy(&hm, meta + 32 + 2 * r, 2);
+        const float d = half_to_f32(hd), dmin = half_to_f32(hm);
+        for (int j = 0; j < Q4K_SUB; j++) {
+            const int lo = meta[64 + 16 * j + r], hi = meta[192 + 16 * (j % 4) + r] >> (j / 4 * 4);
+            wd[j][r] = d * (float)((lo & 15) | (hi & 3) << 4);
+            wm[j][r] = (0.0f - dmin) * (float)((lo >> 4) | (hi >> 2 & 3) << 4);
+        }
+    }
+#endif
 }
 
 /* Block b of row m of x (M, K) bf16 -> per block of 32: x = dx * v, v an integer,
@@ -288,17 +387,20 @@ static inline __attribute__((always_inline)) void add_high512(const uint8_t *p, 
 static inline __attribute__((always_inline)) void q4x_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out,
-    int hb) {
+    int hb, int k4) {
     (void)sum;
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
+    const int64_t rb = k4 ? Q4K_RECORD / Q4K_SUB : Q4_RECORD + HIGH_PLANE * hb;
+    float kd[Q4K_SUB][ROWS] __attribute__((aligned(64))), km[Q4K_SUB][ROWS]
+        __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * rb;
-        if (pf)
+        const uint8_t *rec = block_nibbles(wg, b, rb, k4);
+        if (pf) /* Q4K: the group's records as one stream, rb bytes a block on average */
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
+                _mm_prefetch((const char *)wg + (b + PF_RECORDS) * rb + l, PF_HINT);
+        if (k4 && b % Q4K_SUB == 0) q4k_scales(rec + Q4K_META, kd, km);
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i w = _mm512_loadu_si512((const void *)(rec + 64 * c));
@@ -306,8 +408,10 @@ static inline __attribute__((always_inline)) void q4x_group(
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
             if (hb) add_high512(rec + Q4_RECORD + 16 * hb * c, hb, &lo[c], &hi[c]);
         }
-        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
-        const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        const __m512 wd = k4 ? _mm512_load_ps(kd[b % Q4K_SUB]) : _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(rec + 256)));
+        const __m512 wm = k4 ? _mm512_load_ps(km[b % Q4K_SUB]) : _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(rec + 288)));
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
@@ -411,16 +515,20 @@ static inline __attribute__((always_inline)) void add_high256(const uint8_t *p, 
  * the sums are int32 then, each vpmaddubsw's pairs added by a vpmaddwd. */
 static inline __attribute__((always_inline)) void q4_half(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, int mr, int planes, int pf, int h, float *out, int hb) {
+    const float *d, const float *s, int mr, int planes, int pf, int h, float *out, int hb,
+    int k4) {
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
+    const int64_t rb = k4 ? Q4K_RECORD / Q4K_SUB : Q4_RECORD + HIGH_PLANE * hb;
+    float kd[Q4K_SUB][ROWS] __attribute__((aligned(32))), km[Q4K_SUB][ROWS]
+        __attribute__((aligned(32)));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * rb;
+        const uint8_t *rec = block_nibbles(wg, b, rb, k4);
         if (pf)
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
+                _mm_prefetch((const char *)wg + (b + PF_RECORDS) * rb + l, PF_HINT);
+        if (k4 && b % Q4K_SUB == 0) q4k_scales(rec + Q4K_META, kd, km);
         __m256i sum16[MR][2]; /* int32 sums with hb */
         for (int i = 0; i < mr; i++) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
         const int8_t *xb = q + b * QK;
@@ -443,8 +551,10 @@ static inline __attribute__((always_inline)) void q4_half(
                     }
             }
         }
-        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
-        const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+        const __m256 wd = k4 ? _mm256_load_ps(kd[b % Q4K_SUB] + 8 * h) : _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+        const __m256 wm = k4 ? _mm256_load_ps(km[b % Q4K_SUB] + 8 * h) : _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
         for (int i = 0; i < mr; i++) {
             __m256i dot = hb ? sum16[i][0] : _mm256_madd_epi16(sum16[i][0], ones);
             if (planes == 2)
@@ -465,16 +575,19 @@ static inline __attribute__((always_inline)) void q4_half(
  * with high bits, as in q4_half) */
 static inline __attribute__((always_inline)) void q4_rows(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
-    const float *d, const float *s, int mr, int planes, int pf, float *out, int hb) {
+    const float *d, const float *s, int mr, int planes, int pf, float *out, int hb, int k4) {
     __m256 acc[2][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const int64_t rb = Q4_RECORD + HIGH_PLANE * hb;
+    const int64_t rb = k4 ? Q4K_RECORD / Q4K_SUB : Q4_RECORD + HIGH_PLANE * hb;
+    float kd[Q4K_SUB][ROWS] __attribute__((aligned(32))), km[Q4K_SUB][ROWS]
+        __attribute__((aligned(32)));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = wg + b * rb;
+        const uint8_t *rec = block_nibbles(wg, b, rb, k4);
         if (pf)
             for (int l = 0; l < rb; l += 64)
-                _mm_prefetch((const char *)rec + PF_RECORDS * rb + l, PF_HINT);
+                _mm_prefetch((const char *)wg + (b + PF_RECORDS) * rb + l, PF_HINT);
+        if (k4 && b % Q4K_SUB == 0) q4k_scales(rec + Q4K_META, kd, km);
         __m256i sum16[2][2][2]; /* [row][half][plane] */
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2; h++) sum16[i][h][0] = sum16[i][h][1] = _mm256_setzero_si256();
@@ -503,8 +616,10 @@ static inline __attribute__((always_inline)) void q4_rows(
                 }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
-            const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            const __m256 wd = k4 ? _mm256_load_ps(kd[b % Q4K_SUB] + 8 * h) : _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+            const __m256 wm = k4 ? _mm256_load_ps(km[b % Q4K_SUB] + 8 * h) : _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             for (int i = 0; i < mr; i++) {
                 __m256i dot = hb ? sum16[i][h][0] : _mm256_madd_epi16(sum16[i][h][0], ones);
                 if (planes == 2)
@@ -524,14 +639,14 @@ static inline __attribute__((always_inline)) void q4_rows(
 static inline __attribute__((always_inline)) void q4x_group(
     const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,
     const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf, float *out,
-    int hb) {
+    int hb, int k4) {
     (void)sum;
     if (mr <= 2) {
-        q4_rows(wg, nb, K, q, plane, d, s, mr, planes, pf, out, hb);
+        q4_rows(wg, nb, K, q, plane, d, s, mr, planes, pf, out, hb, k4);
         return;
     }
-    q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out, hb);
-    q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out, hb);
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, pf, 0, out, hb, k4);
+    q4_half(wg, nb, K, q, plane, d, s, mr, planes, 0, 1, out, hb, k4);
 }
 
 /* the byte shuffle that zero-extends bytes j0, j0 + 1 of each row's 4 (a dword) to that
@@ -647,14 +762,16 @@ static inline int high_of(const uint8_t *rec, int hb, int c, int i) {
 
 static inline void q4x_group(const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q,
                              int64_t plane, const float *d, const float *s, const int32_t *sum,
-                             int mr, int planes, int pf, float *out, int hb) {
+                             int mr, int planes, int pf, float *out, int hb, int k4) {
     (void)pf;
     (void)sum;
+    float kd[Q4K_SUB][ROWS], km[Q4K_SUB][ROWS];
     for (int i = 0; i < mr; i++) {
         for (int r = 0; r < ROWS; r++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *rec = wg + b * (Q4_RECORD + HIGH_PLANE * hb);
+                const uint8_t *rec = block_nibbles(wg, b, Q4_RECORD + HIGH_PLANE * hb, k4);
+                if (k4 && b % Q4K_SUB == 0) q4k_scales(rec + Q4K_META, kd, km);
                 const int8_t *xb = q + i * K + b * QK;
                 int32_t dot = 0;
                 for (int c = 0; c < 4; c++)
@@ -669,8 +786,10 @@ static inline void q4x_group(const uint8_t *wg, int64_t nb, int64_t K, const int
                 uint16_t hd, hm;
                 memcpy(&hd, rec + 256 + 2 * r, 2);
                 memcpy(&hm, rec + 288 + 2 * r, 2);
-                acc = fmaf((float)dot, half_to_f32(hd) * d[i * nb + b], acc);
-                acc = fmaf(half_to_f32(hm), s[i * nb + b], acc);
+                const float wd = k4 ? kd[b % Q4K_SUB][r] : half_to_f32(hd),
+                            wm = k4 ? km[b % Q4K_SUB][r] : half_to_f32(hm);
+                acc = fmaf((float)dot, wd * d[i * nb + b], acc);
+                acc = fmaf(wm, s[i * nb + b], acc);
             }
             out[i * ROWS + r] = acc;
         }
@@ -703,16 +822,17 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
 #endif
 
 /* Q4 records and those with a plane of 1 or 2 high bits (Q5, Q6) */
-#define TM_Q4_FAMILY(name, hb)                                                              \
+#define TM_Q4_FAMILY(name, hb, k4)                                                          \
     static inline __attribute__((always_inline)) void name(                                \
         const uint8_t *wg, int64_t nb, int64_t K, const int8_t *q, int64_t plane,           \
         const float *d, const float *s, const int32_t *sum, int mr, int planes, int pf,     \
         float *out) {                                                                       \
-        q4x_group(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out, hb);                 \
+        q4x_group(wg, nb, K, q, plane, d, s, sum, mr, planes, pf, out, hb, k4);             \
     }
-TM_Q4_FAMILY(q4_group, 0)
-TM_Q4_FAMILY(q5_group, 1)
-TM_Q4_FAMILY(q6_group, 2)
+TM_Q4_FAMILY(q4_group, 0, 0)
+TM_Q4_FAMILY(q5_group, 1, 0)
+TM_Q4_FAMILY(q6_group, 2, 0)
+TM_Q4_FAMILY(q4k_group, 0, 1)
 
 #define TM_GROUP(fn, mr, planes) \
     fn(wg, nb, K, qm, plane, dm, sm, summ, mr, planes, m0 == 0, out)
@@ -765,6 +885,8 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
             if (bits == 16) { TM_ROWS(q5_group, 2) } else { TM_ROWS(q5_group, 1) }
         } else if (format == FMT_Q6) {
             if (bits == 16) { TM_ROWS(q6_group, 2) } else { TM_ROWS(q6_group, 1) }
+        } else if (format == FMT_Q4K) {
+            if (bits == 16) { TM_ROWS(q4k_group, 2) } else { TM_ROWS(q4k_group, 1) }
         } else {
             if (bits == 16) { TM_ROWS(q4_group, 2) } else { TM_ROWS(q4_group, 1) }
         }
@@ -881,7 +1003,7 @@ static inline void widen_group(const uint8_t *wg, int64_t format, int64_t nb, in
         } else { /* chunk c: low nibbles inputs 4c..4c+4, high ones 16 + 4c.. (Q5, Q6: and
                   * their high bits) */
             const int hb = high_bits(format);
-            const uint8_t *rec = wg + b * record_bytes(format);
+            const uint8_t *rec = block_nibbles(wg, b, record_bytes(format), format == FMT_Q4K);
             for (int c = 0; c < 4; c++)
                 for (int h = 0; h < 2; h++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * h));
@@ -954,6 +1076,8 @@ static inline __attribute__((always_inline)) void gemm16_tile(
     const int16_t *pg, const uint8_t *wg, int64_t nb, int64_t K, int64_t format,
     const int16_t *v, const float *d, const float *s, int mt, float *out) {
     const int64_t record = record_bytes(format);
+    float kd[Q4K_SUB][ROWS] __attribute__((aligned(32))), km[Q4K_SUB][ROWS]
+        __attribute__((aligned(32)));
     __m256 acc[GEMM_MT][2];
     for (int t = 0; t < mt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -974,10 +1098,19 @@ static inline __attribute__((always_inline)) void gemm16_tile(
                 __asm__("" : "+x"(dot[t][0]), "+x"(dot[t][1]));
             }
         }
-        const uint8_t *rec = wg + b * record;
+        const uint8_t *rec = block_nibbles(wg, b, record, format == FMT_Q4K);
         const int64_t doff = format == FMT_Q8 ? 512 : 256;
-        const __m256 wd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff)));
-        const __m256 wd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff + 16)));
+        __m256 wd0, wd1, wm0, wm1;
+        if (format == FMT_Q4K) {
+            if (b % Q4K_SUB == 0) q4k_scales(rec + Q4K_META, kd, km);
+            wd0 = _mm256_load_ps(kd[b % Q4K_SUB]), wd1 = _mm256_load_ps(kd[b % Q4K_SUB] + 8);
+            wm0 = _mm256_load_ps(km[b % Q4K_SUB]), wm1 = _mm256_load_ps(km[b % Q4K_SUB] + 8);
+        } else {
+            wd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff)));
+            wd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + doff + 16)));
+            wm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288)));
+            wm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 304)));
+        }
         if (format == FMT_Q8) {
             for (int t = 0; t < mt; t++) {
                 const __m256 dx = _mm256_set1_ps(d[t * nb + b]);
@@ -985,8 +1118,6 @@ static inline __attribute__((always_inline)) void gemm16_tile(
                 acc[t][1] = scaled_dot(acc[t][1], dot[t][1], wd1, dx);
             }
         } else {
-            const __m256 wm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288)));
-            const __m256 wm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 304)));
             for (int t = 0; t < mt; t++) {
                 const __m256 dx = _mm256_set1_ps(d[t * nb + b]), sx = _mm256_set1_ps(s[t * nb + b]);
                 acc[t][0] = _mm256_fmadd_ps(wm0, sx, scaled_dot(acc[t][0], dot[t][0], wd0, dx));

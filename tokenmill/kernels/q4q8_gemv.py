@@ -29,9 +29,12 @@ _lib = Library("q4q8_gemv", {
 FORMAT_Q4, FORMAT_Q8 = 0, 1  # weight record layouts, see q4q8_gemv.c
 FORMAT_MIXED = 3  # parts of a fused linear, each in its own layout (a header, then each's)
 FORMAT_Q5, FORMAT_Q6 = 4, 5  # Q4 records with a plane of 1 or 2 high bits a weight
+FORMAT_Q4K = 6  # Q4_K's super-blocks of 256 with their 6-bit scales (4.5 bits a weight)
 ROWS = 16  # output rows per repacked group
-# per group of 16 rows and block of 32
-RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544, FORMAT_Q5: 384, FORMAT_Q6: 448}
+# per group of 16 rows and block of 32 (Q4K: a super-block's 2,304 bytes over its 8 blocks)
+RECORD_BYTES = {FORMAT_Q4: 320, FORMAT_Q8: 544, FORMAT_Q5: 384, FORMAT_Q6: 448,
+                FORMAT_Q4K: 288}
+SUPER_BLOCK = {FORMAT_Q4K: 256}  # inputs a record spans where more than a block of 32
 BITS = (8, 16)  # activation precisions, see q4q8_gemv.c
 MIXED_HEADER, MIXED_PARTS = 64, 7
 
@@ -86,6 +89,8 @@ def _mixed_bytes(packed: torch.Tensor, in_features: int) -> int:
 def groups_of(packed: torch.Tensor, fmt: int, in_features: int) -> int | None:
     """The groups of ROWS rows `packed` holds, None where its header or size is not
     one the kernel reads."""
+    if in_features % SUPER_BLOCK.get(fmt, 32):
+        return None
     if fmt in RECORD_BYTES:
         per_group = (in_features // 32) * RECORD_BYTES[fmt]
         return packed.numel() // per_group if packed.numel() % per_group == 0 else None
@@ -94,8 +99,8 @@ def groups_of(packed: torch.Tensor, fmt: int, in_features: int) -> int | None:
     header = packed[:MIXED_HEADER].view(torch.int32).tolist()
     if not 1 <= header[0] <= MIXED_PARTS:
         return None
-    ends = header[1:1 + 2 * header[0]:2]
-    if any(f not in RECORD_BYTES for f in header[2:2 + 2 * header[0]:2]) or any(
+    ends, fmts = header[1:1 + 2 * header[0]:2], header[2:2 + 2 * header[0]:2]
+    if any(f not in RECORD_BYTES or in_features % SUPER_BLOCK.get(f, 32) for f in fmts) or any(
             b <= a for a, b in zip([0, *ends], ends, strict=False)):
         return None
     return ends[-1] if _mixed_bytes(packed, in_features) == packed.numel() else None
@@ -146,7 +151,7 @@ def bind(in_features: int, out_features: int, fmt: int, bits: int = 8, silu_mul:
     silu(gate) * up, computed as layer_ops.silu_mul does, in the same call. None if not
     built."""
     fn = _lib.get("tm_q4q8_silu_linear" if silu_mul else "tm_q4q8_linear")
-    if fn is None or in_features % 32 or bits not in BITS:
+    if fn is None or in_features % SUPER_BLOCK.get(fmt, 32) or bits not in BITS:
         return None
 
     def call(x2d: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ bytes a block of 32 against the type's own):
 
     Q4_0, Q4_1, Q8_0   exact (vnni.repack_gguf)
     Q5_0, Q5_1         Q5 records, exact (Q5_0: m = -16 d): 24 bytes for 22 / 24
-    Q4_K               Q4 records per sub-block of 32: d = d_super * sc, m = -dmin * min,
-                       rounded to fp16 (a relative 2^-11 on a 4-bit weight's scale):
-                       20 bytes for 18
+    Q4_K               Q4K records: the file's own super-blocks of 256 (fp16 d, dmin,
+                       6-bit sub-block scales and mins, repacked per group of 16 rows),
+                       exact: 18 bytes for 18 (q4q8_gemv.c's FMT_Q4K)
     Q5_K               Q5 records, its sub-block scales and mins rounded to fp16 as Q4_K's:
                        24 bytes for 22
     Q6_K               Q6 records requantized per block of 32 (Q6_K has a scale per 16):
@@ -47,7 +47,7 @@ QK = 32
 EXACT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # vnni.repack_gguf's
 FORMS = {
     QType.Q4_0: "q4 exact", QType.Q4_1: "q4 exact", QType.Q8_0: "q8 exact",
-    QType.Q5_0: "q5 exact", QType.Q5_1: "q5 exact", QType.Q4_K: "q4, fp16 sub-block scales",
+    QType.Q5_0: "q5 exact", QType.Q5_1: "q5 exact", QType.Q4_K: "q4k exact",
     QType.Q5_K: "q5, fp16 sub-block scales", QType.Q6_K: "q6 requantized per 32",
     QType.IQ4_NL: "q8 requantized", QType.IQ4_XS: "q8 requantized",
 }
@@ -100,6 +100,8 @@ def _records(parts: tuple[Any, ...], pad: int) -> tuple[torch.Tensor, int]:
         return vnni._q4_records(t[0], t[1].half(), t[2].half()), q4q8_gemv.FORMAT_Q4
     if parts[0] == "q8":
         return vnni._repack_q8(t[0], t[1].half()), q4q8_gemv.FORMAT_Q8
+    if parts[0] == "q4k":
+        return _q4k_records(*t), q4q8_gemv.FORMAT_Q4K
     hb = _HIGH_BITS[parts[0]]
     q = t[0]  # (N, nb, 32) values 0 .. 2^(4 + hb) - 1
     low = q & 15
@@ -117,6 +119,25 @@ def _records(parts: tuple[Any, ...], pad: int) -> tuple[torch.Tensor, int]:
     head = vnni._q4_records(qs, t[1].half(), t[2].half()).reshape(n // q4q8_gemv.ROWS, nb, -1)
     fmt = q4q8_gemv.FORMAT_Q5 if hb == 1 else q4q8_gemv.FORMAT_Q6
     return torch.cat([head, plane], dim=2).reshape(-1), fmt
+
+
+def _q4k_records(qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
+                 mn: torch.Tensor) -> torch.Tensor:
+    """Q4_K parts (_q4_k; rows a multiple of 16) -> FMT_Q4K records (q4q8_gemv.c): per
+    group of 16 rows and super-block, its 8 sub-blocks' nibbles as Q4 records' (256
+    bytes each), then d[16], dmin[16] fp16, lows[8][16] and highs[4][16]."""
+    n, nb = qs.shape[:2]
+    g, s = n // q4q8_gemv.ROWS, nb // 8
+    nibbles = vnni._interleave(qs).reshape(g, s, 8 * 256)
+
+    def by_row(t: torch.Tensor) -> torch.Tensor:  # (n, S, c) -> (G, S, c * 16)
+        return t.reshape(g, q4q8_gemv.ROWS, s, -1).permute(0, 2, 3, 1).reshape(g, s, -1)
+
+    lows = (sc & 15) | ((mn & 15) << 4)  # (n, S, 8)
+    high = (sc >> 4) | ((mn >> 4) << 2)  # 4 bits a sub-block
+    highs = high[..., :4] | (high[..., 4:] << 4)  # (n, S, 4)
+    meta = [vnni._fp16_bytes(d), vnni._fp16_bytes(dmin), by_row(lows), by_row(highs)]
+    return torch.cat([nibbles, *meta], dim=2).reshape(-1)
 
 
 def _parts(qtype: QType, blocks: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, ...]:
@@ -144,9 +165,7 @@ def _parts(qtype: QType, blocks: np.ndarray, shape: tuple[int, ...]) -> tuple[An
         m = _f16(b[..., 2:4]) if qtype == QType.Q4_1 else -8 * d
         return "q4", np.ascontiguousarray(b[..., -16:]), d, m
     if qtype == QType.Q4_K:
-        parts = _q4_k(rows.reshape(n * (k // 256), 144), n, nb)
-        if parts is not None:
-            return parts
+        return _q4_k(rows.reshape(n * (k // 256), 144), n, nb)
     if qtype == QType.Q5_K:
         parts = _q5_k(rows.reshape(n * (k // 256), 176), n, nb)
         if parts is not None:
@@ -183,16 +202,20 @@ def _q5_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
     return "q5", q.reshape(n, nb, 32), scales[0].reshape(n, nb), scales[1].reshape(n, nb)
 
 
-def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
-    """Q4_K super-blocks (n * nb / 8, 144) -> Q4 parts; None if a product overflows fp16."""
-    scales = _k_scales(b)
-    if scales is None:
-        return None
+def _q4_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...]:
+    """Q4_K super-blocks (n * nb / 8, 144) -> ("q4k", qs (n, nb, 16) in Q4 byte order, d,
+    dmin (n, nb / 8) fp32 holding the file's fp16, sc, mn (n, nb / 8, 8) uint8 6-bit)."""
+    from gguf.quants import Q4_K
+
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16])  # (S, 8) each
     # qs: 4 chunks of 32 bytes; chunk j's low nibbles are sub-block 2j, high ones 2j + 1
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & np.uint8(15)).reshape(-1, 8, 32)  # (S, 8 sub-blocks, 32 values)
     packed = q[..., :16] | (q[..., 16:] << np.uint8(4))  # Q4 byte order: q[i], q[i + 16]
-    return "q4", packed.reshape(n, nb, 16), scales[0].reshape(n, nb), scales[1].reshape(n, nb)
+    s = nb // 8
+    return ("q4k", packed.reshape(n, nb, 16), _f16(b[:, 0:2]).reshape(n, s),
+            _f16(b[:, 2:4]).reshape(n, s), np.asarray(sc, np.uint8).reshape(n, s, 8),
+            np.asarray(mn, np.uint8).reshape(n, s, 8))
 
 
 def _q6_k(b: np.ndarray, n: int, nb: int) -> tuple[Any, ...] | None:
@@ -261,6 +284,14 @@ def _q8(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
 
 def _q8_from_q4x(parts: tuple[Any, ...]) -> tuple[Any, ...]:
     """Q4 / Q5 / Q6 parts -> Q8 parts of the weights they hold, requantized."""
+    if parts[0] == "q4k":  # w = d sc q - dmin mn per sub-block of 32
+        _, qs, d, dmin, sc, mn = (torch.as_tensor(np.asarray(p)) if i else p
+                                  for i, p in enumerate(parts))
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (N, nb, 32)
+        n, nb = q.shape[:2]
+        scale = (d[..., None] * sc.float()).reshape(n, nb)
+        low = (-dmin[..., None] * mn.float()).reshape(n, nb)
+        return ("q8", *_q8(q * scale[..., None] + low[..., None]))
     kind, q, d, m = parts
     q = np.asarray(q)
     if kind == "q4":

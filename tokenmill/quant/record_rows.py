@@ -47,6 +47,8 @@ def rows_of_records(packed: torch.Tensor, fmt: int, in_features: int,
 
 
 def _rows(records: torch.Tensor, fmt: int, k: int, ids: np.ndarray) -> np.ndarray:
+    if fmt == q4q8_gemv.FORMAT_Q4K:
+        return _q4k_rows(records, k, ids)
     nb = k // QK
     size = q4q8_gemv.RECORD_BYTES[fmt]
     rec = records.numpy().reshape(-1, nb, size)[ids // ROWS]  # (n, nb, record)
@@ -61,6 +63,29 @@ def _rows(records: torch.Tensor, fmt: int, k: int, ids: np.ndarray) -> np.ndarra
     q += _high_bits(rec, fmt, r)
     d, m = _fp16_at(rec, 256, r), _fp16_at(rec, 288, r)
     return (d[..., None] * q + m[..., None]).reshape(len(ids), k)
+
+
+def _q4k_rows(records: torch.Tensor, k: int, ids: np.ndarray) -> np.ndarray:
+    """FMT_Q4K records' rows: w = (d sc) q + (-dmin mn) per sub-block of 32, the fp32
+    products the kernel takes (q4q8_gemv.c q4k_scales)."""
+    s, n = k // 256, len(ids)
+    rec = records.numpy().reshape(-1, s, 2304)[ids // ROWS]  # (n, S, super-block)
+    r = ids % ROWS
+    nibbles = rec[..., :2048].reshape(n, 8 * s, 256)  # each sub-block a Q4 record's bytes
+    idx = _q_index(q4q8_gemv.FORMAT_Q4, r)[:, None, :]
+    raw = np.take_along_axis(nibbles, np.broadcast_to(idx, (n, 8 * s, idx.shape[2])), axis=2)
+    q = np.concatenate([raw & 15, raw >> 4], axis=-1).astype(np.float32).reshape(n, s, 8, QK)
+    meta = rec[..., 2048:]
+    d, dmin = _fp16_at(meta, 0, r), _fp16_at(meta, 32, r)  # (n, S)
+    j = np.arange(8)
+    at = np.concatenate([64 + 16 * j[None, :] + r[:, None],
+                         192 + 16 * (j % 4)[None, :] + r[:, None]], axis=1)  # (n, 16)
+    raw = np.take_along_axis(meta, np.broadcast_to(at[:, None, :], (n, s, 16)), axis=2)
+    lows, highs = raw[..., :8], raw[..., 8:] >> (4 * (j // 4)).astype(np.uint8)
+    sc = ((lows & 15) | ((highs & 3) << 4)).astype(np.float32)
+    mn = ((lows >> 4) | (((highs >> 2) & 3) << 4)).astype(np.float32)
+    wd, wm = d[..., None] * sc, -dmin[..., None] * mn  # (n, S, 8)
+    return (q * wd[..., None] + wm[..., None]).reshape(n, k)
 
 
 def _high_bits(rec: np.ndarray, fmt: int, r: np.ndarray) -> np.ndarray | float:

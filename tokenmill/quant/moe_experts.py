@@ -94,12 +94,21 @@ class RecordExperts(nn.Module):
         self.traffic = ExpertTraffic()  # this rank's reads (models/moe.py expert_bytes_read)
         self._gate_up: dict[int, Callable[..., torch.Tensor]] = {}
         self._down_silu: dict[int, Callable[..., torch.Tensor]] = {}
-        for fmt in {*self.gate_up_formats, *self.down_formats}:
-            gu = q4q8_gemv.bind(hidden, 2 * intermediate, fmt, bits)
-            dn = q4q8_gemv.bind(intermediate, hidden, fmt, bits, silu_mul=True)
-            if gu is None or dn is None:
-                raise RuntimeError("the quantized-activation kernel (q4q8_gemv) is not built")
-            self._gate_up[fmt], self._down_silu[fmt] = gu, dn
+        # each projection bound in the formats it has only: a super-block format (Q4_K's
+        # own records) binds where its width divides by 256, which the other may not
+        for fmt in set(self.gate_up_formats):
+            self._gate_up[fmt] = self._bound(hidden, 2 * intermediate, fmt, bits)
+        for fmt in set(self.down_formats):
+            self._down_silu[fmt] = self._bound(intermediate, hidden, fmt, bits, silu_mul=True)
+
+    @staticmethod
+    def _bound(k: int, n: int, fmt: int, bits: int, silu_mul: bool = False
+               ) -> Callable[..., torch.Tensor]:
+        call = q4q8_gemv.bind(k, n, fmt, bits, silu_mul=silu_mul)
+        if call is None:
+            raise RuntimeError("the quantized-activation kernel (q4q8_gemv) is not built, "
+                               f"or takes no format {fmt} rows of {k} inputs")
+        return call
 
     def records_bytes(self) -> int:
         return sum(self.expert_bytes)

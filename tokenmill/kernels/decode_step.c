@@ -228,58 +228,44 @@ static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) 
 typedef struct {
     int64_t slots;                /* 0: no adapter in the step */
     const tm_lora_t *const *lora; /* (slots,): each slot's records, one per layer */
-    const int64_t *order;         /* (B,): the adapter rows, slot by slot */
+    const int64_t *order;         /* (B,): the adapter rows, slot by slot, ascending */
     const int64_t *start;         /* (slots + 1,): slot s's rows order[start[s]..start[s+1]) */
-    float *xa;                    /* (B, MAX_LORA_R) fp32 */
+    uint16_t *xa;                 /* (B, MAX_LORA_R) bf16 */
     lora_parts_t parts[LORA_LINEARS];
 } lora_batch_t;
 
-/* some slot has a delta on linear i of layer l (the same answer on every thread: the
- * barriers around the expand stay paired) */
+/* some slot has a delta on linear i of layer l (the same answer on every thread) */
 static inline int lora_any(const lora_batch_t *lb, int64_t l, int i) {
     for (int64_t s = 0; s < lb->slots; s++)
         if (lb->lora[s][l].r[i]) return 1;
     return 0;
 }
 
-/* this thread's share of the shrink of linear i of layer l (K inputs, the rows x (B, K)):
- * the (slot, A row) items, weighed by the slot's rows, split evenly */
-static void lora_shrink_share(const lora_batch_t *lb, int64_t l, int i, int64_t K,
-                              const uint16_t *x, int tid, int nth) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < lb->slots; s++)
-        total += lb->lora[s][l].r[i] * (lb->start[s + 1] - lb->start[s]);
-    int64_t t0, t1, off = 0;
-    share(total, tid, nth, &t0, &t1);
+/* the rank vectors of linear i of layer l for this thread's rows r0..r1 of its input x
+ * (B, K): where the thread has just made those rows, before the barrier that precedes
+ * the linear (which then shares them); each slot's A read once for its rows here */
+static void lora_shrink_mine(const lora_batch_t *lb, int64_t l, int i, int64_t K,
+                             const uint16_t *x, int64_t r0, int64_t r1) {
     for (int64_t s = 0; s < lb->slots; s++) {
         const tm_lora_t *lo = &lb->lora[s][l];
-        const int64_t count = lb->start[s + 1] - lb->start[s], R = lo->r[i];
-        if (!R || !count) continue;
-        /* item j spans [off + j count, off + (j + 1) count): it is this thread's when it
-         * starts in [t0, t1) */
-        int64_t j0 = t0 <= off ? 0 : (t0 - off + count - 1) / count;
-        int64_t j1 = t1 <= off ? 0 : (t1 - off + count - 1) / count;
-        j0 = j0 < R ? j0 : R;
-        j1 = j1 < R ? j1 : R;
-        if (j1 > j0)
-            lora_shrink(lo, i, K, x, lb->xa, MAX_LORA_R, lb->order + lb->start[s], count, j0,
-                        j1);
-        off += R * count;
+        const int64_t *rows = lb->order + lb->start[s], count = lb->start[s + 1] - lb->start[s];
+        if (!lo->r[i]) continue;
+        int64_t a = 0, b;
+        while (a < count && rows[a] < r0) a++;
+        for (b = a; b < count && rows[b] < r1;) b++;
+        if (b > a) lora_shrink(lo, i, K, x, K, rows + a, b - a, lb->xa, MAX_LORA_R);
     }
 }
 
-/* this thread's share of the output columns (N of them) of linear i of layer l, every
- * slot's delta added into out (B, out_stride) */
-static void lora_expand_share(const lora_batch_t *lb, int64_t l, int i, int64_t N,
-                              uint16_t *out, int64_t out_stride, int tid, int nth) {
-    int64_t n0, n1;
-    share(N, tid, nth, &n0, &n1);
-    for (int64_t s = 0; s < lb->slots; s++) {
-        const tm_lora_t *lo = &lb->lora[s][l];
-        if (lo->r[i])
-            lora_expand(lo, i, &lb->parts[i], lb->xa, MAX_LORA_R, out, out_stride,
-                        lb->order + lb->start[s], lb->start[s + 1] - lb->start[s], n0, n1);
-    }
+/* linear i of layer l's expand into out (B rows of `stride`) in *e; NULL when no slot
+ * has a delta on it */
+static inline const lora_out_t *lora_out(const lora_batch_t *lb, int64_t l, int i,
+                                         uint16_t *out, int64_t stride, lora_out_t *e) {
+    if (!lb->slots || !lora_any(lb, l, i)) return NULL;
+    const lora_out_t v = {lb->slots, l, i, &lb->parts[i], lb->lora, lb->order, lb->start,
+                          lb->xa, MAX_LORA_R, out, stride};
+    *e = v;
+    return e;
 }
 
 /* a share's boundary b (in groups of 16 rows) moved up to a head's first group past
@@ -360,28 +346,30 @@ static inline void kv_prefetch_step(kv_prefetch_t *c) {
  * (tm_q8_quantize_bf16's layout for M rows of K), into y (M, N) bf16 (fp32 when y_f32).
  * Every thread of the team calls it, between barriers: its own run of the groups, then
  * what is left of the others' (runs.h; nth runs, all empty between
- * linears) */
+ * linears). lx: LoRA adapters' deltas added to each group as it is done (NULL: none) */
 static inline void gemv_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
                               int64_t N, int64_t bits, int64_t M, const act_t *a, void *y,
                               int64_t y_f32, uint64_t *runs, int tid, int nth,
-                              kv_prefetch_t *pf) {
+                              kv_prefetch_t *pf, const lora_out_t *lx) {
     own_run(runs, (N + ROWS - 1) / ROWS, tid, nth);
     int from = 0;
     for (int64_t g; (g = next_group(runs, tid, nth, &from)) >= 0;) {
         group_out(w, fmt, bias, g, M, K, N, bits, a, y, y_f32);
+        if (lx) lora_expand_group(lx, g);
         kv_prefetch_step(pf);
     }
 }
 
 /* gemv_share, or gemm16's share when `wide` (a->q then holds the int16 activations of
- * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch */
+ * quantize16_rows): the same bits; nonzero when gemm16 finds no scratch. lx: as
+ * gemv_share's, not with `wide` (whose caller adds the deltas after a barrier) */
 static inline int linear_share(const uint8_t *w, int64_t fmt, const uint16_t *bias, int64_t K,
                                int64_t N, int64_t bits, int64_t M, const act_t *a, int wide,
                                uint16_t *y, uint64_t *runs, int tid, int nth,
-                               kv_prefetch_t *pf) {
+                               kv_prefetch_t *pf, const lora_out_t *lx) {
     if (wide)
         return gemm16_share(w, fmt, K, N, M, (const int16_t *)a->q, a->d, a->s, y, 0, nth);
-    gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth, pf);
+    gemv_share(w, fmt, bias, K, N, bits, M, a, y, 0, runs, tid, nth, pf, lx);
     return 0;
 }
 
@@ -575,6 +563,17 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         p += up64(12 * (size_t)(K_ATTN / QK));
         float *scores = (float *)p;
         int cur = 0; /* res[cur]: the residual stream so far */
+        /* with an adapter: the row's rank vectors, made by every thread from its own input
+         * row (a few microseconds: no barrier to share them), and each linear's expand */
+        uint16_t lora_xa[MAX_LORA_R];
+        const int64_t lora_row = 0, lora_start[2] = {0, 1};
+        lora_out_t lora_e;
+#define TM_LORA_ROW(i, K, x_in, out)                                                   \
+    (lo && lo->r[(i)] ? (lora_shrink(lo, (i), (K), (x_in), 0, &lora_row, 1, lora_xa, 0), \
+                         lora_e = (lora_out_t){1, l, (i), &parts[(i)], &lora, &lora_row,  \
+                                               lora_start, lora_xa, 0, (out), 0},        \
+                         &lora_e)                                                      \
+                      : NULL)
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
@@ -588,18 +587,19 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                              xn, H, m->eps);
             }
             quantize_row(xn, H, m->bits, &a);
-            {   /* QKV rows; a K head rotated and stored, a V head stored, by the thread
-                 * that computed all its rows (shares end on head boundaries past Q) */
+            {   /* QKV rows (with an adapter's delta, before they are rotated and stored);
+                 * a K head rotated and stored, a V head stored, by the thread that computed
+                 * all its rows (shares end on head boundaries past Q) */
+                const lora_out_t *lx = TM_LORA_ROW(0, H, xn, qkv);
                 int64_t g0, g1;
                 share(QKV / ROWS, tid, nth, &g0, &g1);
                 g0 = head_aligned(g0, q_groups, head_groups);
                 g1 = head_aligned(g1, q_groups, head_groups);
-                for (int64_t g = g0; g < g1; g++)
+                for (int64_t g = g0; g < g1; g++) {
                     group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, m->bits, &a, qkv,
                               0);
-                if (lo && lo->r[0]) /* this thread's rows, before they are rotated and stored */
-                    lora_add_row(lo, 0, &parts[0], H, xn, qkv, g0 * ROWS,
-                                 g1 * ROWS < QKV ? g1 * ROWS : QKV);
+                    if (lx) lora_expand_group(lx, g);
+                }
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
                     const int64_t u = (g - q_groups) / head_groups; /* K heads, then V */
                     const int64_t h = u % KVH;
@@ -635,14 +635,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             /* 3. o_proj */
             quantize_row(attn, NH * D, m->bits, &a);
             gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
-                       tid, nth, NULL);
+                       tid, nth, NULL, TM_LORA_ROW(1, NH * D, attn, o_out));
 #pragma omp barrier
-            if (lo && lo->r[1]) { /* the same on every thread: the barriers stay paired */
-                int64_t n0, n1;
-                share(H, tid, nth, &n0, &n1);
-                lora_add_row(lo, 1, &parts[1], NH * D, attn, o_out, n0, n1);
-#pragma omp barrier
-            }
             /* 4. residual add + norm, gate_up */
             const uint16_t *o_in = L->attn_out_norm ? normed : o_out;
             if (L->attn_out_norm)
@@ -656,28 +650,17 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             }
             quantize_row(xn, H, m->bits, &a);
             gemv_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I, m->bits, 1, &a,
-                       gu, 0, runs, tid, nth, NULL);
+                       gu, 0, runs, tid, nth, NULL, TM_LORA_ROW(2, H, xn, gu));
 #pragma omp barrier
-            if (lo && lo->r[2]) {
-                int64_t n0, n1;
-                share(2 * I, tid, nth, &n0, &n1);
-                lora_add_row(lo, 2, &parts[2], H, xn, gu, n0, n1);
-#pragma omp barrier
-            }
             cur ^= 1;
             /* 5. silu * up, down */
             act_mul_row(m, gu, gu + I, xn, I);
             quantize_row(xn, I, m->bits, &a);
             gemv_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, 1, &a, x, 0, runs,
-                       tid, nth, NULL);
+                       tid, nth, NULL, TM_LORA_ROW(3, I, xn, x));
 #pragma omp barrier
-            if (lo && lo->r[3]) {
-                int64_t n0, n1;
-                share(H, tid, nth, &n0, &n1);
-                lora_add_row(lo, 3, &parts[3], I, xn, x, n0, n1);
-#pragma omp barrier
-            }
         }
+#undef TM_LORA_ROW
         /* the final norm (every thread, for the LM head's input), then the LM head */
         rms_norm_row(out_normed(m, m->layers + m->num_layers - 1, x, normed), res[cur],
                      tid == 0 ? res[cur ^ 1] : my_res, m->final_norm, xn, H, m->eps);
@@ -685,7 +668,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         if (m->lm_head && logits) {
             quantize_row(xn, H, m->bits, &a);
             gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, 1, &a, logits,
-                       1, runs, tid, nth, NULL);
+                       1, runs, tid, nth, NULL, NULL);
         }
     }
     free(buf);
@@ -713,8 +696,10 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
  *      down groups;                                                            barrier
  *      (between the groups of 5 and 6, the next layer's K/V blocks are prefetched:
  *      kv_prefetch_step)
- *   with LoRA adapters, at each linear: the adapters' shrink (their rows' x A) beside
- *   the linear's groups, then their expand into its output;                   barrier
+ *   with LoRA adapters, at each linear: the adapters' shrink (their rows' x A) in the
+ *   row phase before it, by the rows' threads, and their expand inside the linear, on
+ *   each group of outputs as it is done (lora_delta.h): no barrier of their own (with
+ *   `wide`, gemm16's split: the expand after the linear's barrier;            barrier)
  * then the final norm, hidden_out, and the LM head's groups (fp32 logits, as
  * the module path's). tokens, positions, slots, seq_lens: (B,) int64; tables
  * (B, table_stride) int32 block-table rows; shared_blocks: 0, or how many leading
@@ -765,7 +750,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
     const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX, nbk = K_ATTN / QK;
     /* with adapters: the rows grouped by slot, and their rank vectors */
     const size_t lora_bytes = lora_slots ? up64(8 * (size_t)(B + lora_slots + 1)) +
-                                               up64(4 * (size_t)B * MAX_LORA_R)
+                                               up64(2 * (size_t)B * MAX_LORA_R)
                                          : 0;
     /* shared, B rows each: down output, residual, o_proj output, the linears' input
      * rows (the attention output too), qkv, gate_up; the quantized activations (two planes) */
@@ -834,7 +819,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         lb.lora = slot_lora;
         lb.order = order;
         lb.start = start;
-        lb.xa = (float *)((char *)order + up64(8 * (size_t)(B + lora_slots + 1)));
+        lb.xa = (uint16_t *)((char *)order + up64(8 * (size_t)(B + lora_slots + 1)));
     }
     uint64_t *runs = (uint64_t *)(buf + need - runs_bytes(num_threads));
     memset(runs, 0, runs_bytes(num_threads)); /* every run empty */
@@ -862,16 +847,23 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         for (int64_t r = r0; r < r1; r++)                                             \
             for (int64_t b = 0; b < (K) / QK; b++)                                    \
                 quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
-/* linear i's adapter rank vectors from its input rows xn (B, K): before the linear, whose
- * closing barrier they then share */
+/* linear i's adapter rank vectors of this thread's rows of its input xn (B, K): before
+ * the barrier that precedes the linear */
 #define TM_LORA_SHRINK(i, K)                                                          \
-    if (lb.slots) lora_shrink_share(&lb, l, (i), (K), xn, tid, nth);
-/* linear i's adapter deltas into its output (B rows of `stride`, N columns) */
-#define TM_LORA_EXPAND(i, N, out, stride)                                             \
-    if (lb.slots && lora_any(&lb, l, (i))) {                                          \
-        lora_expand_share(&lb, l, (i), (N), (out), (stride), tid, nth);               \
+    if (lb.slots) lora_shrink_mine(&lb, l, (i), (K), xn, r0, r1);
+/* linear i's adapter deltas into its output (B rows of `stride`): inside the linear's
+ * groups (lx); with `wide` (gemm16's own split), after its barrier, the threads' shares
+ * of the groups, then another barrier */
+#define TM_LORA_OUT(i, out, stride) lora_out(&lb, l, (i), (out), (stride), &lora_e)
+#define TM_LORA_WIDE(lx, N)                                                           \
+    if (wide && (lx)) {                                                               \
+        int64_t g0, g1;                                                               \
+        share((N) / LORA_COLS, tid, nth, &g0, &g1);                                   \
+        for (int64_t g = g0; g < g1; g++) lora_expand_group((lx), g);                 \
         _Pragma("omp barrier")                                                        \
     }
+        lora_out_t lora_e;
+        const lora_out_t *lx;
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;
@@ -884,14 +876,14 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                  res + r * H, L->input_norm, xn + r * H, H, m->eps);
             }
             TM_QUANTIZE_MINE(H)
-#pragma omp barrier
-            /* 2. QKV (and the adapters' shrink of the same input rows; their expand once
-             * both are done) */
             TM_LORA_SHRINK(0, H)
-            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
-                                   wide, qkv, runs, tid, nth, NULL);
 #pragma omp barrier
-            TM_LORA_EXPAND(0, QKV, qkv, QKV)
+            /* 2. QKV (and the adapters' deltas on each group of it) */
+            lx = TM_LORA_OUT(0, qkv, QKV);
+            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
+                                   wide, qkv, runs, tid, nth, NULL, lx);
+#pragma omp barrier
+            TM_LORA_WIDE(lx, QKV)
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < B * KVH; item++) {
@@ -915,12 +907,13 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             }
             /* 4. o_proj (its input: the attention rows, written into xn) */
             TM_QUANTIZE_MINE(NH * D)
-#pragma omp barrier
             TM_LORA_SHRINK(1, NH * D)
-            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
-                                   wide, o_out, runs, tid, nth, NULL);
 #pragma omp barrier
-            TM_LORA_EXPAND(1, H, o_out, H)
+            lx = TM_LORA_OUT(1, o_out, H);
+            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
+                                   wide, o_out, runs, tid, nth, NULL, lx);
+#pragma omp barrier
+            TM_LORA_WIDE(lx, H)
             /* 5. residual add + norm, gate_up (and down, below) with the next layer's
              * K/V blocks prefetched (bf16 pools only) */
             kv_prefetch_t pf = kv_prefetch_layer(
@@ -938,22 +931,24 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 continue;
             }
             TM_QUANTIZE_MINE(H)
-#pragma omp barrier
             TM_LORA_SHRINK(2, H)
-            failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
-                                   m->bits, B, &act, wide, gu, runs, tid, nth, &pf);
 #pragma omp barrier
-            TM_LORA_EXPAND(2, 2 * I, gu, 2 * I)
+            lx = TM_LORA_OUT(2, gu, 2 * I);
+            failed |= linear_share(L->gate_up, L->gate_up_fmt, L->gate_up_bias, H, 2 * I,
+                                   m->bits, B, &act, wide, gu, runs, tid, nth, &pf, lx);
+#pragma omp barrier
+            TM_LORA_WIDE(lx, 2 * I)
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 act_mul_row(m, gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
             TM_QUANTIZE_MINE(I)
-#pragma omp barrier
             TM_LORA_SHRINK(3, I)
-            failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
-                                   wide, x, runs, tid, nth, &pf);
 #pragma omp barrier
-            TM_LORA_EXPAND(3, H, x, H)
+            lx = TM_LORA_OUT(3, x, H);
+            failed |= linear_share(L->down, L->down_fmt, L->down_bias, I, H, m->bits, B, &act,
+                                   wide, x, runs, tid, nth, &pf, lx);
+#pragma omp barrier
+            TM_LORA_WIDE(lx, H)
         }
         /* the final norm, then the LM head */
         for (int64_t r = r0; r < r1; r++) {
@@ -969,12 +964,13 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                                        (const int16_t *)act.q, act.d, act.s, logits, 1, nth);
             } else {
                 gemv_share(m->lm_head, m->lm_head_fmt, NULL, H, m->vocab, m->bits, B, &act,
-                           logits, 1, runs, tid, nth, NULL);
+                           logits, 1, runs, tid, nth, NULL, NULL);
             }
         }
 #undef TM_QUANTIZE_MINE
 #undef TM_LORA_SHRINK
-#undef TM_LORA_EXPAND
+#undef TM_LORA_OUT
+#undef TM_LORA_WIDE
     }
     return failed ? -2 : 0;
 }

@@ -39,11 +39,12 @@ class LayerRecord(ctypes.Structure):
 
 
 class LoraRecord(ctypes.Structure):
-    """One layer of an adapter, per linear (qkv, o, gate_up, down): A^T (K, r) fp32
-    (every targeted sub-projection's A stacked along the rank), B fp32 (each targeted
-    sub-projection's scaled B transposed, (rank, rows), one after the other), the rank r
-    and each sub-projection's rank (q, k, v / o / gate, up / down; 0: not targeted).
-    r 0: no delta on the linear."""
+    """One layer of an adapter, per linear (qkv, o, gate_up, down): A (r, K) bf16
+    (every targeted sub-projection's A stacked along the rank), B bf16 (each targeted
+    sub-projection's scaled B as (rows / 16, rank / 2, 16, 2), one after the other), the
+    rank r and each sub-projection's rank, even (q, k, v / o / gate, up / down; 0: not
+    targeted): lora_delta.h's layouts, models/lora.py's native_pair. r 0: no delta on the
+    linear."""
     _fields_ = [("a", _PTR * 4), ("b", _PTR * 4), ("r", _I64 * 4), ("part_r", (_I64 * 3) * 4)]
 
 

@@ -34,6 +34,15 @@ TARGET_MODULES = tuple(m for subs in SUB_PROJECTIONS.values() for m in subs)
 
 # this step's rows per adapter id (0, the base, is never listed); None: no adapter
 _groups: dict[int, torch.Tensor] | None = None
+# bumped whenever any wrapper installs or removes an adapter: a cache of what is installed
+# (the fused step's records) is still good while it has not moved
+_generation = 0
+
+
+def installed_generation() -> int:
+    """A number that changes whenever an adapter is installed in or removed from any
+    LoRALinear."""
+    return _generation
 
 
 @contextlib.contextmanager
@@ -53,21 +62,47 @@ class _Weights:
     # per sub-projection with weights: (output column start, size, rank slice start,
     # rank, B (size, rank) already multiplied by the scaling)
     parts: list[tuple[int, int, int, int, torch.Tensor]]
-    _dense: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+    _dense: tuple[torch.Tensor, torch.Tensor, list[int]] | tuple[()] | None = None
 
-    def native_pair(self, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(A^T (in, R) fp32, B fp32 flat, each sub-projection's rank) contiguous, for the
-        fused decode step (kernels/lora_delta.h): B holds each targeted sub-projection's
-        transposed (rank, size) B one after the other, in output order; `sizes` the
-        linear's sub-projection sizes (a rank 0 where the adapter has none). Built once."""
+    def native_pair(self, sizes: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """(A (R, in) bf16, B bf16 flat, each sub-projection's rank) contiguous, for the
+        fused decode step (kernels/lora_delta.h's layouts): A every targeted
+        sub-projection's A stacked along the rank, B each targeted sub-projection's
+        scaled B in output order as (size / 16, rank / 2, 16, 2) (a group of 16 output
+        columns' rank pairs together), an odd rank padded to even with a zero row of A
+        and a zero column of B (the same sums); `sizes` the linear's sub-projection sizes
+        (a rank 0 where the adapter has none). None when the weights are not bf16 or a
+        targeted sub-projection is not whole groups of 16 (the module path). Built once."""
         if self._dense is None:
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            by_start = {start: r for start, _, _, r, _ in self.parts}
-            ranks = [by_start.get(s, 0) for s in starts]
-            b_flat = torch.cat([b.float().t().reshape(-1) for _, _, _, _, b in
-                                sorted(self.parts, key=lambda part: part[0])])
-            self._dense = (self.a_cat.float().t().contiguous(), b_flat.contiguous(), ranks)
-        return self._dense
+            self._dense = _pack_native(self, sizes)
+        return self._dense or None
+
+
+def _pack_native(w: _Weights, sizes: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | tuple[()]:
+    if w.a_cat.dtype != torch.bfloat16:
+        return ()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    by_start = {start: (r0, r, b) for start, _, r0, r, b in w.parts}
+    a_rows, b_parts, ranks = [], [], []
+    for start, size in zip(starts, sizes):
+        if start not in by_start:
+            ranks.append(0)
+            continue
+        r0, r, b = by_start[start]
+        if size % 16 or b.dtype != torch.bfloat16:
+            return ()
+        a = w.a_cat[r0:r0 + r]  # (r, in)
+        if r % 2:
+            a = torch.cat([a, a.new_zeros(1, a.shape[1])])
+            b = torch.cat([b, b.new_zeros(size, 1)], dim=1)
+        rank = r + r % 2
+        # (size, rank) -> (size / 16, 16, rank / 2, 2) -> (size / 16, rank / 2, 16, 2)
+        b_parts.append(b.reshape(size // 16, 16, rank // 2, 2).permute(0, 2, 1, 3).reshape(-1))
+        a_rows.append(a)
+        ranks.append(rank)
+    return torch.cat(a_rows).contiguous(), torch.cat(b_parts).contiguous(), ranks
 
 
 class LoRALinear(nn.Module):
@@ -95,9 +130,11 @@ class LoRALinear(nn.Module):
             r0 += a.shape[0]
         if parts:
             self.adapters[lora_id] = _Weights(torch.cat(a_list, 0), parts)
+        _bump()
 
     def remove(self, lora_id: int) -> None:
         self.adapters.pop(lora_id, None)
+        _bump()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -120,6 +157,11 @@ class LoRALinear(nn.Module):
                 delta = (xa[:, r0:r0 + r] @ b.t()).to(y.dtype)
                 y.narrow(1, start, size).index_add_(0, rows, delta)
         return y
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 
 
 def apply_lora(model: nn.Module) -> list[tuple[int, str, LoRALinear]]:

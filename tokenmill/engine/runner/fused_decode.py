@@ -67,7 +67,7 @@ from tokenmill.models.gemma3 import (
 )
 from tokenmill.models.layers import Linear, RMSNorm
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from tokenmill.models.lora import LoRALinear
+from tokenmill.models.lora import LoRALinear, installed_generation
 from tokenmill.models.moe import MoeForCausalLM, SparseMoeBlock
 from tokenmill.quant.embedding import LookupEmbedding
 from tokenmill.quant.fused_mlp import FusedSiluMLP
@@ -367,8 +367,9 @@ class FusedDecode:
             self.max_rows = WIDE_MAX_ROWS
         self._layers = layers  # the record points into it
         self._model = model  # and into these tensors: keep them alive
-        # LoRA adapter id -> (its weights per linear, the LoraRecords naming them)
-        self._adapters: dict[int, tuple[tuple, ctypes.Array]] = {}
+        # LoRA adapter id -> (its weights per linear, the LoraRecords naming them, the
+        # installed_generation they were checked at)
+        self._adapters: dict[int, tuple[tuple, ctypes.Array, int]] = {}
 
     @staticmethod
     def _inter(layers: torch.nn.ModuleList) -> int:
@@ -419,17 +420,22 @@ class FusedDecode:
         when it cannot be fused (a linear not wrapped by models/lora.py, a stacked rank
         over the kernel's MAX_LORA_R, an MoE model: the module path). Rebuilt when the
         adapter is installed again (a reload after eviction: new tensors); an adapter no
-        longer installed is dropped from the cache with the next one built."""
+        longer installed is dropped from the cache with the next one built. Checked
+        against the installed weights only when an adapter was installed or removed since
+        (a step's check of 120 linears per adapter cost ~1 ms)."""
+        generation = installed_generation()
+        cached = self._adapters.get(lora_id)
+        if cached is not None and cached[2] == generation:
+            return cached[1]
         if any(type(layer.mlp) is SparseMoeBlock for layer in self._model.model.layers):
             return None  # adapters on an MoE model: the module path
         linears = self._linears()
         weights = tuple(lin.adapters.get(lora_id) if isinstance(lin, LoRALinear) else False
                         for group in linears for lin in group)
-        if False in weights or any(w is not None and w.a_cat.shape[0] > MAX_LORA_RANK
-                                   for w in weights):
+        if False in weights:
             return None
-        cached = self._adapters.get(lora_id)
         if cached is not None and all(a is b for a, b in zip(cached[0], weights)):
+            self._adapters[lora_id] = (weights, cached[1], generation)
             return cached[1]
         self._forget_uninstalled(linears)
         records = (native.LoraRecord * len(linears))()
@@ -438,18 +444,21 @@ class FusedDecode:
                 w = weights[i + j]
                 if w is None:
                     continue  # r 0: no delta on this linear
-                a, b, ranks = w.native_pair(lin.sizes)  # kept alive by w
-                rec.a[j], rec.b[j], rec.r[j] = a.data_ptr(), b.data_ptr(), a.shape[1]
+                pair = w.native_pair(lin.sizes)  # kept alive by w
+                if pair is None or pair[0].shape[0] > MAX_LORA_RANK:
+                    return None
+                a, b, ranks = pair
+                rec.a[j], rec.b[j], rec.r[j] = a.data_ptr(), b.data_ptr(), a.shape[0]
                 for p, r in enumerate(ranks):
                     rec.part_r[j][p] = r
-        self._adapters[lora_id] = (weights, records)
+        self._adapters[lora_id] = (weights, records, generation)
         return records
 
     def _forget_uninstalled(self, linears: list) -> None:
         """Drop cached records whose weights are no longer the installed ones (an adapter
         unloaded or evicted): they held its tensors alive."""
         flat = [lin for group in linears for lin in group]
-        for lora_id, (weights, _) in list(self._adapters.items()):
+        for lora_id, (weights, _, _) in list(self._adapters.items()):
             if any(w is not None and lin.adapters.get(lora_id) is not w
                    for lin, w in zip(flat, weights)):
                 del self._adapters[lora_id]

@@ -214,7 +214,9 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
     fn = lib.tm_q4q8_linear
     for packed, fmt, n, k in _records_of_each_format():
         for bits in q4q8_gemv.BITS:
-            for rows in (1, 3, 5, 11, 16):  # AVX2 passes of 4 rows: remainders 1 and 3
+            # AVX2 passes of 4 rows: remainders 1 and 3; AVX512-VNNI passes of 16: one
+            # pass of 11 or 16, then 1 or 8 rows left
+            for rows in (1, 3, 5, 11, 16, 17, 24):
                 x = (4 * torch.randn(rows, k, generator=torch.Generator().manual_seed(bits))
                      ).bfloat16()
                 y = torch.empty(rows, n)

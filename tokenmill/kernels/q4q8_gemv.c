@@ -77,7 +77,7 @@
 #define Q4_RECORD (ROWS * 16 + ROWS * 4) /* 320 bytes */
 #define Q8_RECORD (ROWS * 32 + ROWS * 2) /* 544 bytes */
 /* activation rows per pass over a group's weights (AVX2: fewer registers, see there) */
-#define MR (TM_AVX2 ? 4 : 8)
+#define MR (TM_VNNI ? 16 : TM_AVX2 ? 4 : 8)
 /* records ahead the first pass over a group prefetches, and into which cache (-D for the
  * sweep of benchmarks/kernels/records_stream.c) */
 #ifndef PF_RECORDS
@@ -845,7 +845,8 @@ TM_Q4_FAMILY(q4k_group, 0, 1)
     case 5: if (MR > 4) TM_GROUP(fn, 5, planes); break;              \
     case 6: if (MR > 4) TM_GROUP(fn, 6, planes); break;              \
     case 7: if (MR > 4) TM_GROUP(fn, 7, planes); break;              \
-    default: if (MR > 4) TM_GROUP(fn, 8, planes); break;             \
+    case 8: if (MR > 4) TM_GROUP(fn, 8, planes); break;              \
+    default: if (MR > 8) TM_GROUP(fn, 16, planes); break;            \
     }
 
 /* out[i][r] (mr rows x 16, fp32) -> rows m0.. of y's group g (its rows below N): bf16
@@ -873,8 +874,10 @@ static inline void linear_group(const uint8_t *w, int64_t g, int64_t M, int64_t 
                                 const float *s, const int32_t *sum, void *y, int64_t y_f32) {
     const int64_t nb = K / QK, plane = M * K;
     const uint8_t *wg = group_records(w, format, g, nb, &format);
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int64_t mr = M - m0 < MR ? M - m0 : MR;
+    for (int64_t m0 = 0, mr; m0 < M; m0 += mr) {
+        /* a pass of MR rows, or of at most 8 (passes of 9-15 rows would each be a
+         * build of the unrolled loops of their own) */
+        mr = M - m0 >= MR ? MR : M - m0 < 8 ? M - m0 : 8;
         const int8_t *qm = q + m0 * K;
         const float *dm = d + m0 * nb, *sm = s + m0 * nb;
         const int32_t *summ = sum + m0 * nb;

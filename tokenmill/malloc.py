@@ -2,8 +2,9 @@
 
 `trim()` hands the arenas' whole free pages back to the OS (malloc_trim(0));
 `heap_stats()` reads mallinfo2: what the arenas hold, in use and free, and what
-lives in mappings of its own. Where the C library is not glibc both are no-ops
-(None / False): nothing here changes how anything is allocated.
+lives in mappings of its own; `set_mmap_threshold()` fixes the size from which an
+allocation gets its own mapping (mallopt). Where the C library is not glibc they are
+no-ops (None / False).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _function(name: str) -> Any:
     fn = getattr(libc, name, None) if libc is not None else None
     if fn is not None and name == "malloc_trim":
         fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    if fn is not None and name == "mallopt":
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if fn is not None and name == "mallinfo2":
         fn.argtypes, fn.restype = [], _MallInfo2
     return fn
@@ -60,6 +63,20 @@ class HeapStats:
     in_use_bytes: int  # allocated from the arenas
     free_bytes: int  # free inside the arenas: RSS until reused or trimmed
     mmapped_bytes: int  # allocations above the mmap threshold, each its own mapping
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """mallopt(M_MMAP_THRESHOLD, nbytes): allocations of at least `nbytes` get their
+    own mapping, returned to the OS when freed, and glibc stops raising the threshold
+    as large blocks are freed (its dynamic default); True when it took effect."""
+    if not 0 < nbytes <= MMAP_THRESHOLD_MAX:
+        raise ValueError(f"an mmap threshold must be 1..{MMAP_THRESHOLD_MAX} bytes, not {nbytes}")
+    fn = _function("mallopt")
+    return fn is not None and fn(M_MMAP_THRESHOLD, nbytes) == 1
 
 
 def heap_stats() -> HeapStats | None:

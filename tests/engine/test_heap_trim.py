@@ -83,3 +83,64 @@ def test_engine_trims_when_it_goes_idle(llm):
     llm.generate([[100, 200, 300]], SamplingParams(max_tokens=3, ignore_eos=True),
                  use_tqdm=False)
     assert heap.trims == before + 1  # once, when the request finished: not per step
+
+
+@pytest.mark.parametrize("raw, value", [("", 0), ("256K", 256 << 10), ("1M", 1 << 20), ("128k", 128 << 10),
+                                        ("300000", 300000), ("0", 0)])
+def test_mmap_threshold_reads_sizes(monkeypatch, raw, value):
+    monkeypatch.setenv(heap_trim.MMAP_ENV, raw)
+    assert heap_trim.mmap_threshold_from_env() == value
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "64M", "1.5M"])
+def test_bad_mmap_threshold_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv(heap_trim.MMAP_ENV, raw)
+    with pytest.raises(ValueError, match=heap_trim.MMAP_ENV):
+        heap_trim.mmap_threshold_from_env()
+
+
+# malloc 4 MiB, touch it, free it, malloc it again: where did the second one come from?
+_REUSE = r"""
+import ctypes, json, os, sys
+from tokenmill import malloc
+from tokenmill.engine.runner.heap_trim import fix_mmap_threshold
+fix_mmap_threshold()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+n = 4 << 20
+p = libc.malloc(n); ctypes.memset(p, 1, n); libc.free(p)
+before = malloc.heap_stats()
+q = libc.malloc(n); ctypes.memset(q, 1, n)
+during = malloc.heap_stats()
+print(json.dumps({"mapped": during.mmapped_bytes - before.mmapped_bytes,
+                  "arena": during.arena_bytes - before.arena_bytes}))
+"""
+
+
+def _second_allocation(threshold: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, heap_trim.MMAP_ENV: threshold}
+    out = subprocess.run([sys.executable, "-c", _REUSE], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_fixed_threshold_keeps_large_blocks_out_of_the_arenas():
+    """With a fixed threshold (256 KiB) a 4 MiB block freed and allocated again is its own mapping
+    both times, so its pages go back to the OS on free; with glibc's dynamic threshold
+    (the default) the first free raises the threshold and the second
+    comes from the arenas, where a free leaves a hole only a trim returns."""
+    if malloc_stats_missing():
+        pytest.skip("not glibc: no mallopt / mallinfo2")
+    fixed, dynamic = _second_allocation("256K"), _second_allocation("")
+    assert fixed["mapped"] >= 4 << 20 and fixed["arena"] < 1 << 20
+    assert dynamic["mapped"] < 1 << 20  # the test can tell the two apart
+
+
+def malloc_stats_missing() -> bool:
+    from tokenmill import malloc
+    return malloc.heap_stats() is None or malloc._function("mallopt") is None

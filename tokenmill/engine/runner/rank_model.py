@@ -16,7 +16,9 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
+from tokenmill.engine.runner.heap_trim import fix_mmap_threshold
 from tokenmill.engine.runner.model_runner import ModelRunner
+from tokenmill.engine.runner.onednn_caches import bound_onednn_caches
 from tokenmill.engine.runner.weights import load_engine_model
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import LoadedModel, ModelSource
@@ -57,6 +59,8 @@ def rank_config(config: ModelConfig, model: torch.nn.Module) -> ModelConfig:
 def build_rank_model(config: EngineConfig, source: ModelSource,
                      device: torch.device) -> RankModel:
     torch.manual_seed(config.seed)
+    bound_onednn_caches()  # before the first oneDNN primitive, which reads them
+    fix_mmap_threshold()  # opt-in (TOKENMILL_MMAP_THRESHOLD): see heap_trim
     tp = get_tp()
     loaded, quantization = load_engine_model(source, config.dtype, config.quantization,
                                              device, config.load_format,

@@ -9,7 +9,8 @@ slice of the fused output. Adapters are installed by integer id; a step says
 which rows run under which adapter with `lora_batch({id: rows})`, and each
 wrapped linear then runs, per adapter, one (rows, in) @ A_cat^T product for all
 of its sub-projections and one (rows, r) @ B^T per sub-projection, added into the
-output with index_add_ (rows of other adapters and of the base are untouched).
+output one run of consecutive rows at a time (a prefill's rows are each sequence's
+tokens, consecutive; rows of other adapters and of the base are untouched).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ TARGET_MODULES = tuple(m for subs in SUB_PROJECTIONS.values() for m in subs)
 
 # this step's rows per adapter id (0, the base, is never listed); None: no adapter
 _groups: dict[int, torch.Tensor] | None = None
+# the same rows as runs of consecutive rows: adapter id -> [(first row, count)]
+_runs: dict[int, list[tuple[int, int]]] = {}
+# past this many runs an adapter's delta is scattered with one index_put_ instead
+MAX_RUNS = 32
 # bumped whenever any wrapper installs or removes an adapter: a cache of what is installed
 # (the fused step's records) is still good while it has not moved
 _generation = 0
@@ -48,12 +53,25 @@ def installed_generation() -> int:
 @contextlib.contextmanager
 def lora_batch(groups: dict[int, torch.Tensor] | None) -> Iterator[None]:
     """Run the model with `groups`: adapter id -> int64 row indices of the flat batch."""
-    global _groups
-    previous, _groups = _groups, groups or None
+    global _groups, _runs
+    previous = _groups, _runs
+    _groups = groups or None
+    _runs = {i: _consecutive(rows) for i, rows in groups.items()} if groups else {}
     try:
         yield
     finally:
-        _groups = previous
+        _groups, _runs = previous
+
+
+def _consecutive(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """rows as [(first row, count)] runs of consecutive rows, in order."""
+    runs: list[list[int]] = []
+    for r in rows.tolist():
+        if runs and r == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return [(a, n) for a, n in runs]
 
 
 @dataclass
@@ -152,10 +170,23 @@ class LoRALinear(nn.Module):
             w = self.adapters.get(lora_id)
             if w is None:
                 continue
-            xa = x.index_select(0, rows).to(w.a_cat.dtype) @ w.a_cat.t()  # (n, sum r)
+            # index_add_ on a column slice adds row by row (one dispatch a row: a
+            # prefill's thousands of rows cost more than the base linear); a run of
+            # consecutive rows is one add_, many scattered runs one index_put_
+            runs = _runs.get(lora_id) or _consecutive(rows)
+            xs = x.narrow(0, runs[0][0], runs[0][1]) if len(runs) == 1 \
+                else x.index_select(0, rows)
+            xa = xs.to(w.a_cat.dtype) @ w.a_cat.t()  # (n, sum r)
             for start, size, r0, r, b in w.parts:
                 delta = (xa[:, r0:r0 + r] @ b.t()).to(y.dtype)
-                y.narrow(1, start, size).index_add_(0, rows, delta)
+                out = y.narrow(1, start, size)
+                if len(runs) > MAX_RUNS:
+                    out.index_put_((rows,), delta, accumulate=True)
+                    continue
+                done = 0
+                for first, count in runs:
+                    out.narrow(0, first, count).add_(delta.narrow(0, done, count))
+                    done += count
         return y
 
 

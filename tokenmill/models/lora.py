@@ -8,9 +8,10 @@ holds one A/B pair per sub-projection (q, k, v / gate, up), each adding into its
 slice of the fused output. Adapters are installed by integer id; a step says
 which rows run under which adapter with `lora_batch({id: rows})`, and each
 wrapped linear then runs, per adapter, one (rows, in) @ A_cat^T product for all
-of its sub-projections and one (rows, r) @ B^T per sub-projection, added into the
-output one run of consecutive rows at a time (a prefill's rows are each sequence's
-tokens, consecutive; rows of other adapters and of the base are untouched).
+of its sub-projections and one (rows, sum r) @ B product with every sub-projection's
+B in one block-diagonal matrix, added into the output's covered columns (rows of other
+adapters and of the base are untouched). Few, large torch ops: a mixed prefill + decode
+step runs this path for every adapter on every linear, so each op's fixed cost counts.
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ TARGET_MODULES = tuple(m for subs in SUB_PROJECTIONS.values() for m in subs)
 
 # this step's rows per adapter id (0, the base, is never listed); None: no adapter
 _groups: dict[int, torch.Tensor] | None = None
-# the same rows as runs of consecutive rows: adapter id -> [(first row, count)]
-_runs: dict[int, list[tuple[int, int]]] = {}
-# past this many runs an adapter's delta is scattered with one index_put_ instead
-MAX_RUNS = 32
+# adapter id -> its first row, for the adapters whose rows are consecutive (one slice)
+_first: dict[int, int] = {}
 # bumped whenever any wrapper installs or removes an adapter: a cache of what is installed
 # (the fused step's records) is still good while it has not moved
 _generation = 0
@@ -53,25 +52,25 @@ def installed_generation() -> int:
 @contextlib.contextmanager
 def lora_batch(groups: dict[int, torch.Tensor] | None) -> Iterator[None]:
     """Run the model with `groups`: adapter id -> int64 row indices of the flat batch."""
-    global _groups, _runs
-    previous = _groups, _runs
+    global _groups, _first
+    previous = _groups, _first
     _groups = groups or None
-    _runs = {i: _consecutive(rows) for i, rows in groups.items()} if groups else {}
+    _first = {i: f for i, rows in (groups or {}).items()
+              if (f := _consecutive_from(rows)) is not None}
     try:
         yield
     finally:
-        _groups, _runs = previous
+        _groups, _first = previous
 
 
-def _consecutive(rows: torch.Tensor) -> list[tuple[int, int]]:
-    """rows as [(first row, count)] runs of consecutive rows, in order."""
-    runs: list[list[int]] = []
-    for r in rows.tolist():
-        if runs and r == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([r, 1])
-    return [(a, n) for a, n in runs]
+def _consecutive_from(rows: torch.Tensor) -> int | None:
+    """The first row when rows are consecutive and ascending; else None."""
+    if not len(rows):
+        return None
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first + 1 != len(rows) or not bool((rows.diff() == 1).all()):
+        return None
+    return first
 
 
 @dataclass
@@ -81,6 +80,22 @@ class _Weights:
     # rank, B (size, rank) already multiplied by the scaling)
     parts: list[tuple[int, int, int, int, torch.Tensor]]
     _dense: tuple[torch.Tensor, torch.Tensor, list[int]] | tuple[()] | None = None
+    _block: tuple[int, torch.Tensor] | None = None
+
+    def b_block(self) -> tuple[int, torch.Tensor]:
+        """(first output column covered, B^T (sum of ranks, columns covered)): every
+        sub-projection's scaled B^T in its rank rows and output columns, zero elsewhere,
+        so that one product gives the whole delta. The zeros add exactly nothing to a
+        sum. Built once."""
+        if self._block is None:
+            c0 = min(start for start, *_ in self.parts)
+            c1 = max(start + size for start, size, *_ in self.parts)
+            dtype = self.parts[0][4].dtype
+            bt = torch.zeros(self.a_cat.shape[0], c1 - c0, dtype=dtype)
+            for start, size, r0, r, b in self.parts:
+                bt[r0:r0 + r, start - c0:start - c0 + size] = b.t()
+            self._block = (c0, bt)
+        return self._block
 
     def native_pair(self, sizes: list[int]
                     ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
@@ -171,22 +186,19 @@ class LoRALinear(nn.Module):
             if w is None:
                 continue
             # index_add_ on a column slice adds row by row (one dispatch a row: a
-            # prefill's thousands of rows cost more than the base linear); a run of
-            # consecutive rows is one add_, many scattered runs one index_put_
-            runs = _runs.get(lora_id) or _consecutive(rows)
-            xs = x.narrow(0, runs[0][0], runs[0][1]) if len(runs) == 1 \
+            # prefill's thousands of rows cost more than the base linear): one slice when
+            # the rows are consecutive, else gather, add, scatter back (rows are unique)
+            first = _first.get(lora_id)
+            xs = x.narrow(0, first, len(rows)) if first is not None \
                 else x.index_select(0, rows)
             xa = xs.to(w.a_cat.dtype) @ w.a_cat.t()  # (n, sum r)
-            for start, size, r0, r, b in w.parts:
-                delta = (xa[:, r0:r0 + r] @ b.t()).to(y.dtype)
-                out = y.narrow(1, start, size)
-                if len(runs) > MAX_RUNS:
-                    out.index_put_((rows,), delta, accumulate=True)
-                    continue
-                done = 0
-                for first, count in runs:
-                    out.narrow(0, first, count).add_(delta.narrow(0, done, count))
-                    done += count
+            c0, bt = w.b_block()
+            delta = (xa @ bt).to(y.dtype)  # (n, columns covered)
+            out = y.narrow(1, c0, bt.shape[1])
+            if first is not None:
+                out.narrow(0, first, len(rows)).add_(delta)
+            else:
+                out.index_copy_(0, rows, out.index_select(0, rows).add_(delta))
         return y
 
 

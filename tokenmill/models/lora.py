@@ -92,7 +92,8 @@ class _Weights:
             c0 = min(start for start, *_ in self.parts)
             c1 = max(start + size for start, size, *_ in self.parts)
             dtype = self.parts[0][4].dtype
-            bt = torch.zeros(self.a_cat.shape[0], c1 - c0, dtype=dtype)
+            bt = torch.zeros(self.a_cat.shape[0], c1 - c0, dtype=dtype,
+                             device=self.a_cat.device)
             for start, size, r0, r, b in self.parts:
                 bt[r0:r0 + r, start - c0:start - c0 + size] = b.t()
             self._block = (c0, bt)

@@ -236,17 +236,25 @@ def test_every_isa_build_gives_the_bits_of_the_build_in_use(march, isa):
 
 def _records_of_each_format():
     """(records, format, rows, inputs) of every record format: Q4 and Q8 from codes, Q5
-    (Q5_0), Q6 (Q6_K) and Q4K (Q4_K, two super-blocks a row) from GGUF blocks, and a
-    fused Q4K | Q6 (per-part formats)."""
+    (Q5_0), Q6 (Q6_K in its opt-in 6-bit form) and Q4K (Q4_K, two super-blocks a row)
+    from GGUF blocks, and a fused Q4K | Q6 and Q4K | Q8 (per-part formats; Q6_K's 6-bit
+    and default 8-bit forms)."""
     from tests.model.test_gguf_kquant import _fused, _shard
     from tokenmill.quant import gguf_records
 
     for qtype in (Q.Q4_1, Q.Q8_0):
         codes, scale, zero, repeats, _ = _weights(qtype, 100, 96)
         yield (*vnni.repack(codes, scale, zero, repeats), 100, 96)
-    for shards in ([_shard(Q.Q5_0, 100, 96)[0]], [_shard(Q.Q6_K, 100, 256)[0]],
-                   [_shard(Q.Q4_K, 100, 512)[0]], _fused((Q.Q4_K, Q.Q6_K), (32, 68))[0]):
-        packed, fmt, _ = gguf_records.repack_shards(shards)
+    for shards, small in (([_shard(Q.Q5_0, 100, 96)[0]], False),
+                          ([_shard(Q.Q6_K, 100, 256)[0]], True),
+                          ([_shard(Q.Q4_K, 100, 512)[0]], False),
+                          (_fused((Q.Q4_K, Q.Q6_K), (32, 68))[0], True),
+                          (_fused((Q.Q4_K, Q.Q6_K), (32, 68))[0], False)):
+        saved, gguf_records.Q6_SMALL_FORM = gguf_records.Q6_SMALL_FORM, small
+        try:
+            packed, fmt, _ = gguf_records.repack_shards(shards)
+        finally:
+            gguf_records.Q6_SMALL_FORM = saved
         yield packed, fmt, 100, shards[0].shape[1]
 
 

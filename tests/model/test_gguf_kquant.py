@@ -354,10 +354,11 @@ def test_a_type_without_a_kernel_is_dequantized_and_named_in_the_log(tmp_path, c
 
 
 def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding_in_blocks(
-        tmp_path):
+        tmp_path, monkeypatch):
     """--batched-linears auto resolves to none past FLOAT_COPY_LIMIT_BYTES (here the
     tiny file with the limit lowered): no packed bf16 copy, the embedding in its blocks,
-    and the logits those of the model that keeps both in float."""
+    and the logits those of the model that keeps both in float (Q6_K in its 6-bit form
+    for both, as past the limit)."""
     from tests.model import test_gguf_types as t
     from tokenmill.engine.runner.weights import load_engine_model
     from tokenmill.loaders import resolve_model
@@ -372,6 +373,7 @@ def test_a_model_past_the_float_copy_limit_keeps_no_float_copy_and_its_embedding
     _write_mixed(path, lambda name, j: Q.Q4_K if name == "token_embd.weight"
                  else MIXED[j % len(MIXED)])
     ids = torch.randint(0, t.VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(gguf_records, "Q6_SMALL_FORM", True)
     logits = []
     for limit in (1 << 40, 0):
         quant_model.FLOAT_COPY_LIMIT_BYTES, saved = limit, quant_model.FLOAT_COPY_LIMIT_BYTES
@@ -433,9 +435,10 @@ def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeyp
     rows = embed(ids).float()
     if embed_type in (Q.Q8_0, Q.Q4_K):
         assert torch.equal(embed(ids), table.bfloat16()[ids])
-    else:  # 8-bit records requantized per block of 32 (the module docstring), then bf16
-        bound = table.reshape(t.VOCAB, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 127
-        assert ((rows - table[ids]).abs() <= 0.51 * bound[ids] + table[ids].abs() / 128).all()
+    else:  # past the float-copy limit Q6_K takes the 6-bit records, requantized per
+        # block of 32 (|error| <= (max - min) / 126 <= max|w| / 63, gguf_records), then bf16
+        bound = table.reshape(t.VOCAB, -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 63
+        assert ((rows - table[ids]).abs() <= 1.02 * bound[ids] + table[ids].abs() / 128).all()
     # the same file kept as before (the embedding in its own blocks beside the head)
     monkeypatch.setattr(quant_model, "embedding_from_head", lambda *a: False)
     twice = _load(path, 0)
@@ -448,6 +451,24 @@ def test_a_tied_embedding_is_kept_once_in_the_lm_heads_records(tmp_path, monkeyp
         b = twice.compute_logits(twice(ids, torch.arange(9)))
     if embed_type in (Q.Q8_0, Q.Q4_K):  # the same rows: the same logits
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_q6_k_takes_its_small_form_only_past_the_float_copy_limit(tmp_path):
+    """Q6_K's 8-bit records (closer to the file: the accuracy gate) for a model whose
+    float copy is small; past FLOAT_COPY_LIMIT_BYTES its 6-bit records, so resident
+    weights stay near the file's bytes (issue 56), named in the weight report."""
+    path = tmp_path / "q6.gguf"
+    _write_mixed(path, lambda name, j: Q.Q8_0 if name == "token_embd.weight" else Q.Q6_K)
+
+    def q6_forms(model):
+        return {form for forms in model.weight_forms["linears"].values() for form in forms
+                if "Q6_K" in form}
+
+    small, large = _load(path, 1 << 40), _load(path, 0)
+    assert q6_forms(small) == {"Q6_K as q8 requantized"}
+    assert q6_forms(large) == {f"Q6_K as {gguf_records.Q6_SMALL_FORM_NAME}"}
+    assert large.weight_forms["lowbit_bytes"] < 0.9 * small.weight_forms["lowbit_bytes"]
+    assert gguf_records.Q6_SMALL_FORM is False  # the choice does not outlive the load
 
 
 def test_blocks_that_cannot_hold_the_shape_are_a_load_error_naming_the_tensor():

@@ -52,7 +52,15 @@ from tokenmill.config import GGUF_ACTIVATIONS
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.models.deferred_weights import materialize, materialize_all
 from tokenmill.models.moe import Experts
-from tokenmill.quant import gguf_triton, huge_pages, mlp_int8, moe_experts, vnni, widened
+from tokenmill.quant import (
+    gguf_records,
+    gguf_triton,
+    huge_pages,
+    mlp_int8,
+    moe_experts,
+    vnni,
+    widened,
+)
 from tokenmill.quant.codes import (
     GGUF_NATIVE_TYPES,
     GROUP_SIZE,
@@ -111,7 +119,16 @@ def quantize_model(model: nn.Module, method: str,
                    batched_linears: str = "bf16") -> QuantizationSummary:
     """Replace the model's target linears in place; see the module docstring.
     dense_min_rows "auto": VNNI_DENSE_MIN_ROWS for gguf-a16 / gguf-a8 with bf16 or
-    int16 batched linears, DENSE_MIN_ROWS otherwise."""
+    int16 batched linears, DENSE_MIN_ROWS otherwise. Q6_K tensors become 8-bit records,
+    or 6-bit ones where the model's float copy would pass FLOAT_COPY_LIMIT_BYTES
+    (memory that scales, issue 56: gguf_records.Q6_SMALL_FORM)."""
+    large = float_copy_bytes(model) > FLOAT_COPY_LIMIT_BYTES
+    with gguf_records.small_q6_form(large):
+        return _quantize_model(model, method, dense_min_rows, batched_linears)
+
+
+def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | str,
+                    batched_linears: str) -> QuantizationSummary:
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; use one of {', '.join(METHODS)}")
     if batched_linears not in BATCHED_LINEARS:

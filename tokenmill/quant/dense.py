@@ -52,10 +52,27 @@ class DenseWeight:
         out_dtype = out_dtype or x2d.dtype
         x = x2d.to(self.dtype)
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            m = x.shape[0]
+            rows = bucket_rows(m)
+            if rows != m:  # zero rows: their outputs are dropped, the others' unchanged
+                x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:m]
         else:
             y = F.linear(x, self.weight)  # type: ignore[arg-type]
         return y.to(out_dtype)
+
+
+def bucket_rows(m: int) -> int:
+    """The row count a packed matmul of `m` rows runs at: a multiple of 8 up to 64 rows,
+    of 16 up to 512, of 64 above. oneDNN compiles a primitive, ~1-2 MiB of code, per
+    exact shape, and a step's shape is its token count: buckets let a server's steps
+    reuse a few dozen shapes instead of compiling one for nearly every prefill
+    (engine/runner/onednn_caches.py), at the price of at most 7 / 15 / 63 zero rows
+    (<= 35% more rows at 20, <= 3% from 512 on). Rows are independent in oneDNN's
+    matmul: the real rows' outputs are the same bits, bf16 and fp32, on the AVX-512
+    machine (tests/model/test_dense_buckets.py)."""
+    step = 8 if m <= 64 else 16 if m <= 512 else 64
+    return -(-m // step) * step
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -13,17 +13,17 @@ some GiB, and live memory, so `malloc_trim` cannot return it.
 Both are read by the libraries once, at their first primitive, so the engine sets
 them before its load (a process that ran a oneDNN matmul before it keeps whatever it
 had). A value the user exported wins. A shape evicted and seen again is compiled
-again: ~0.5-1.5 ms a projection shape, once per step at most. 64 entries hold the
-last ~13 steps' shapes (a step uses one per distinct projection shape) and bound
-the caches at ~150 MiB at SmolLM2's shapes; the heap-growth benchmark
-(docs/memory.md) shows the difference.
+again: ~0.5-1.5 ms a projection shape. The packed matmuls run at bucketed row counts
+(quant/dense.py `bucket_rows`), so a server's steps (256 tokens at most by default)
+use 18 row counts x ~5 projection shapes: 128 entries hold them all, and bound the
+caches at ~130-250 MiB at SmolLM2's shapes (docs/memory.md).
 """
 
 from __future__ import annotations
 
 import os
 
-DEFAULT_CAPACITY = 64
+DEFAULT_CAPACITY = 128
 ENV_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 

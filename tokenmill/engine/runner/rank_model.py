@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.engine.runner.heap_trim import fix_mmap_threshold
 from tokenmill.engine.runner.model_runner import ModelRunner
-from tokenmill.engine.runner.onednn_caches import bound_onednn_caches
+from tokenmill.engine.runner.onednn_caches import bound_onednn_caches, precompile_packed
 from tokenmill.engine.runner.weights import load_engine_model
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import LoadedModel, ModelSource
@@ -96,6 +97,14 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
                          enforce_eager=config.enforce_eager, capture_graphs=capture)
     if config.cache.prefault:
         runner.pool.zero_blocks(list(range(num_blocks)))
+    if device.type == "cpu":
+        started = time.perf_counter()
+        compiled, why_not = precompile_packed(loaded.model, config.max_num_batched_tokens,
+                                              min(config.max_num_seqs,
+                                                  config.max_num_batched_tokens))
+        if tp.is_driver:
+            logger.info("packed matmuls: %s", f"{compiled} oneDNN shapes compiled at start-up "
+                        f"({time.perf_counter() - started:.2f} s)" if compiled else f"compiled at first use ({why_not})")
     mark("KV cache allocated, model runner built (kernels, warm-up)")
     return RankModel(loaded, quantization, runner, num_blocks, max_model_len, context_note)
 

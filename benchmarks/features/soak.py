@@ -274,6 +274,8 @@ def record(result: dict, problems: list[str], server_args: list[str],
              "RSS by process (MiB), first sample -> last under load: " + ", ".join(
                  f"{name.split(' ', 1)[1]} {usage[0]['rss_mib_by_process'].get(name, 0)} -> {mib}"
                  for name, mib in usage[-1]["rss_mib_by_process"].items()),
+             "tree RSS (MiB) by sample, at_s:MiB: " + " ".join(
+                 f"{u['at_s']}:{u['rss_mib']:.0f}" for u in usage),
              ("RSS is summed over the server's process tree (front end + engine core); the "
               "window is the last 10 minutes of load (the second half of a shorter run)")]
     results.write(results.build("soak", "Soak: serve at c=32 with the issue-64 mix",

@@ -12,8 +12,10 @@
  *
  * Where the work goes, so that no barrier is added to the step's: the shrink of a row
  * runs where the linear's input row is made (the batched step's row phase, by the row's
- * thread; at batch 1 each thread for the whole row, as it makes its own input row), before
- * the barrier that precedes the linear; the expand runs inside the linear, on each group
+ * thread, before the barrier that precedes the linear; at batch 1, where every thread
+ * makes the input row, the threads share its rank rows in chunks, and a linear's expand
+ * waits for the chunks the others are still making: decode_step.c's lora_shrink_team);
+ * the expand runs inside the linear, on each group
  * of ROWS (16) output columns just after the base computed them (lora_expand_group), by
  * whichever thread took the group. A batch's rows are grouped by adapter (SGMV's
  * segments): a group's columns of an adapter's B are read once for all of its rows.

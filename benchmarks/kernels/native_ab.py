@@ -16,6 +16,10 @@ for `build.load` of one library name.
         --shared 1024
     # whole engine decode steps (the fused step, decode_step.c), alternating step by step
     python -m benchmarks run native-ab step --rev HEAD~1 --rows 16 --context 128
+    # the same with every request under a LoRA adapter (rank 16 on all 7 projections,
+    # lora-overhead's); --rows 1: the batch-1 step (tm_decode_step)
+    python -m benchmarks run native-ab step --rev HEAD~1 --rows 1 --context 128 \
+        --lora-rank 16
     # one decode step's linears on q4q8_gemv.c (benchmarks run q4q8-step's records)
     python -m benchmarks run native-ab linears --rev HEAD~1 --rows 16 [--bits 8 | --gemm16]
 
@@ -167,6 +171,16 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
     add_engine_args(parser)
     flags = ([] if args.shared else ["--no-prefix-caching"]) + [
         "--kv-cache-dtype", args.kv_cache_dtype]
+    lora = None
+    if args.lora_rank:
+        from benchmarks.features.lora_overhead import write_adapter
+        from tokenmill.lora_request import LoRARequest
+
+        path = Path(tempfile.mkdtemp(prefix="tokenmill-ab-lora-")) / "a0"
+        write_adapter(path, args.lora_rank, seed=0)
+        flags += ["--enable-lora", "--max-loras", "1", "--max-lora-rank",
+                  str(args.lora_rank)]
+        lora = LoRARequest("a0", 1, str(path))
     engine = LLMEngine(engine_config_from_args(parser.parse_args(["smollm2-135m", *flags])))
     rng = random.Random(0)
     prefix = [rng.randrange(100, 49000) for _ in range(args.shared)]
@@ -175,7 +189,7 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
         for i in range(args.rows):
             ids = prefix + [rng.randrange(100, 49000) for _ in range(args.context)]
             engine.add_request(f"{rnd}-{i}", ids, SamplingParams(
-                temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
+                temperature=0, max_tokens=args.new_tokens, ignore_eos=True), lora_request=lora)
         k = 0
         while engine.has_unfinished_requests():
             label = "old" if k % 2 else "new"
@@ -186,8 +200,9 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
             if len(outs) == args.rows and all(len(o.outputs[0].token_ids) > 1 for o in outs):
                 times[label].append(dt)  # a decode step of every row
             k += 1
+    adapter = f", under a rank-{args.lora_rank} adapter" if args.lora_rank else ""
     report(f"engine decode steps of {args.rows} rows, {args.shared} + {args.context}-token "
-           "prompts", times)
+           f"prompts{adapter}", times)
 
 
 def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
@@ -238,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     choices=("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"),
                     help="kernel and step modes: the KV pools' format")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="step mode: every request under a LoRA adapter of this rank on all "
+                    "7 projections (0: none)")
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
     ap.add_argument("--gemm16", action="store_true",
                     help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")

@@ -176,3 +176,43 @@ def test_the_avx2_build_applies_the_adapters(tmp_path, monkeypatch):
     slots = _count_fused(monkeypatch)
     steps = _decode_both_ways(runner)
     assert slots == [3] * steps
+
+
+def test_batch_one_shares_the_shrink_across_threads_and_builds(tmp_path, monkeypatch):
+    """At batch 1 the threads split a row's shrink (lora_shrink_team: chunks of 8 rank
+    rows, each claimed by the next free thread; adapter 1's stacked qkv rank is 24, 3
+    chunks): the step's logits are the same bits at 1, 2 and 3 threads (a chunk made
+    twice, skipped or read before it was written would differ, or miss the module path),
+    and the AVX2 build's batch-1 step gives the module path's logits too."""
+    from tests.model.conftest import load_for_march
+
+    runner = _runner(tmp_path, "gguf-a16")
+    calls = []
+    step = decode_step.step
+    monkeypatch.setattr(decode_step, "step", lambda *a: calls.append(a[8]) or step(*a))
+    tables = [[1, 0]]
+    _step(runner, [[5, 17, 200, 33, 9]], [0], tables, [1, 0], [1])
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append(_step(runner, [[64]], [5], tables, [], [1]))
+        assert len(calls) == 3 and all(lora is not None for lora in calls)
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+        runner.fused_decode.enabled = False
+        torch.testing.assert_close(got[0], _step(runner, [[64]], [5], tables, [], [1]),
+                                   atol=ATOL, rtol=0)
+        runner.fused_decode.enabled = True
+
+        lib = load_for_march(decode_step._lib)
+        get = decode_step._lib.get
+        monkeypatch.setattr(decode_step._lib, "get",
+                            lambda name: getattr(lib, name) if name.startswith("tm_")
+                            else get(name))
+        torch.set_num_threads(2)
+        calls.clear()
+        steps = _decode_both_ways(runner, [1])
+        assert len(calls) == steps and all(lora is not None for lora in calls)
+    finally:
+        torch.set_num_threads(before)

@@ -506,6 +506,24 @@ static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 #include "moe_step.h" /* a sparse MoE layer's MLP: moe_layer */
 
+/* One row's rank values for linear i, made by the team together: the rank rows in
+ * chunks of 8, each claimed by whichever thread takes it next (sync[0]), sync[1]
+ * counting the chunks written (release). A thread claims chunks until none is left,
+ * so a thread that comes late (descheduled on a shared machine) finds them all
+ * made and one that comes early makes them all: the expand's wait (lora_wait on
+ * sync[1]) is at most for a chunk another thread is making. Returns the chunk count. */
+#define LORA_CHUNK 8
+static inline int64_t lora_shrink_team(const tm_lora_t *lo, int i, int64_t K,
+                                       const uint16_t *x, uint16_t *xa, int64_t *sync) {
+    const int64_t R = lo->r[i], chunks = (R + LORA_CHUNK - 1) / LORA_CHUNK;
+    for (int64_t c; (c = __atomic_fetch_add(sync, 1, __ATOMIC_RELAXED)) < chunks;) {
+        const int64_t j1 = (c + 1) * LORA_CHUNK < R ? (c + 1) * LORA_CHUNK : R;
+        lora_shrink_rank_rows(lo, i, K, x, c * LORA_CHUNK, j1, xa);
+        __atomic_fetch_add(sync + 1, 1, __ATOMIC_RELEASE);
+    }
+    return chunks;
+}
+
 /* The step for token `token` at position `pos`: its K/V into `slot`, attention over the
  * seq_len tokens of the blocks `table`. hidden_out (hidden,) bf16: the final norm's
  * output; logits (vocab,) fp32 when the model has an LM head here; lora: the sequence's
@@ -528,8 +546,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     const int64_t G = NH / KVH, QKV = (NH + 2 * KVH) * D, K_MAX = I > H ? I : H;
     const int64_t K_ATTN = NH * D > K_MAX ? NH * D : K_MAX;
     const int64_t q_groups = NH * D / ROWS, head_groups = D / ROWS;
-    /* shared: x, two residual buffers, qkv, attention output, gate_up */
-    const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I));
+    /* shared: x, two residual buffers, qkv, attention output, gate_up; with an adapter,
+     * the row's rank vectors and lora_shrink_team's counters */
+    const size_t lora_sync_bytes = 16 * LORA_LINEARS * (size_t)m->num_layers;
+    const size_t lora_bytes = lora ? up64(2 * (size_t)MAX_LORA_R) + up64(lora_sync_bytes) : 0;
+    const size_t shared_bytes = up64(2 * (size_t)(4 * H + QKV + NH * D + 2 * I)) + lora_bytes;
     /* per thread: a normed row, a private residual, a normed output (Gemma's attention and
      * MLP outputs), the quantized row, the scores */
     const size_t thread_bytes = up64(2 * (size_t)(K_ATTN + 2 * H)) + up64(2 * (size_t)K_ATTN) +
@@ -547,6 +568,11 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
     memcpy(res[0], m->embed + token * H, (size_t)H * 2);
     lora_parts_t parts[LORA_LINEARS];
     lora_parts(m, parts);
+    /* with an adapter: the row's rank vectors, and per layer and linear the two counters
+     * of lora_shrink_team */
+    uint16_t *lora_xa = (uint16_t *)(buf + shared_bytes - lora_bytes);
+    int64_t *lora_sync = (int64_t *)((char *)lora_xa + up64(2 * (size_t)MAX_LORA_R));
+    if (lora) memset(lora_sync, 0, lora_sync_bytes);
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -563,17 +589,20 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
         p += up64(12 * (size_t)(K_ATTN / QK));
         float *scores = (float *)p;
         int cur = 0; /* res[cur]: the residual stream so far */
-        /* with an adapter: the row's rank vectors, made by every thread from its own input
-         * row (a few microseconds: no barrier to share them), and each linear's expand */
-        uint16_t lora_xa[MAX_LORA_R];
+        /* with an adapter: the row's rank vectors made by the team (lora_shrink_team:
+         * reading A is most of a shrink's time, and each thread reads its part), then each
+         * linear's expand, which waits for the chunks the others are making (no barrier) */
         const int64_t lora_row = 0, lora_start[2] = {0, 1};
+        int64_t *sync;
         lora_out_t lora_e;
-#define TM_LORA_ROW(i, K, x_in, out)                                                   \
-    (lo && lo->r[(i)] ? (lora_shrink(lo, (i), (K), (x_in), 0, &lora_row, 1, lora_xa, 0), \
-                         lora_e = (lora_out_t){1, l, (i), &parts[(i)], &lora, &lora_row,  \
-                                               lora_start, lora_xa, 0, (out), 0},        \
-                         &lora_e)                                                      \
-                      : NULL)
+#define TM_LORA_ROW(i, K, x_in, out)                                                      \
+    (lo && lo->r[(i)]                                                                     \
+         ? (sync = lora_sync + 2 * (l * LORA_LINEARS + (i)),                              \
+            lora_e = (lora_out_t){1, l, (i), &parts[(i)], &lora, &lora_row, lora_start,      \
+                                  lora_xa, 0, (out), 0, sync + 1,                        \
+                                  lora_shrink_team(lo, (i), (K), (x_in), lora_xa, sync)}, \
+            &lora_e)                                                                      \
+         : NULL)
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const tm_layer_t *L = m->layers + l;

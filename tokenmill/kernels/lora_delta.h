@@ -12,8 +12,10 @@
  *
  * Where the work goes, so that no barrier is added to the step's: the shrink of a row
  * runs where the linear's input row is made (the batched step's row phase, by the row's
- * thread; at batch 1 each thread for the whole row, as it makes its own input row), before
- * the barrier that precedes the linear; the expand runs inside the linear, on each group
+ * thread, before the barrier that precedes the linear; at batch 1, where every thread
+ * makes the input row, the threads share its rank rows in chunks, and a linear's expand
+ * waits for the chunks the others are still making: decode_step.c's lora_shrink_team);
+ * the expand runs inside the linear, on each group
  * of ROWS (16) output columns just after the base computed them (lora_expand_group), by
  * whichever thread took the group. A batch's rows are grouped by adapter (SGMV's
  * segments): a group's columns of an adapter's B are read once for all of its rows.
@@ -31,6 +33,7 @@
  */
 #ifndef TOKENMILL_LORA_DELTA_H
 #define TOKENMILL_LORA_DELTA_H
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -161,6 +164,42 @@ static inline float lora_dot(const uint16_t *x, const uint16_t *a, int64_t K) {
     return s;
 }
 
+/* one input row xr's rank values dst[j] for linear i's rank rows [j0, j1) (j0 even): a
+ * row's rank values are the same bits however its rank rows are split (each a dot
+ * product of its own, summed in the same order by every block width) */
+static void lora_shrink_rank_rows(const tm_lora_t *lo, int i, int64_t K, const uint16_t *xr,
+                                  int64_t j0, int64_t j1, uint16_t *dst) {
+    const uint16_t *A = lo->a[i];
+    int64_t j = j0;
+#if LORA_ISA == 2
+    for (; j + 8 <= j1; j += 8) {
+        const uint16_t *ar[8];
+        float out[8];
+        for (int t = 0; t < 8; t++) ar[t] = A + (j + t) * K;
+        lora_dots_8(xr, ar, K, out);
+        for (int t = 0; t < 8; t++) dst[j + t] = f32_to_bf16(out[t]);
+    }
+#elif LORA_ISA == 1
+    for (; j + 4 <= j1; j += 4) {
+        const uint16_t *ar[4];
+        float out[4];
+        for (int t = 0; t < 4; t++) ar[t] = A + (j + t) * K;
+        lora_dots_4(xr, ar, K, out);
+        for (int t = 0; t < 4; t++) dst[j + t] = f32_to_bf16(out[t]);
+    }
+#endif
+#if LORA_ISA
+    for (; j + 2 <= j1; j += 2) {
+        const uint16_t *ar[2] = {A + j * K, A + (j + 1) * K};
+        float out[2];
+        lora_dots_2(xr, ar, K, out);
+        dst[j] = f32_to_bf16(out[0]);
+        dst[j + 1] = f32_to_bf16(out[1]);
+    }
+#endif
+    for (; j < j1; j++) dst[j] = f32_to_bf16(lora_dot(xr, A + j * K, K));
+}
+
 /* xa[row * xa_stride + j] for the `count` rows `rows` (x of row `row` at x + row *
  * x_stride) and every rank row j of linear i's stacked A (K inputs; K % 32 == 0) */
 static void lora_shrink(const tm_lora_t *lo, int i, int64_t K, const uint16_t *x,
@@ -185,38 +224,9 @@ static void lora_shrink(const tm_lora_t *lo, int i, int64_t K, const uint16_t *x
         }
     }
 #endif
-    for (; c < count; c++) {
-        const uint16_t *xr = x + rows[c] * x_stride;
-        uint16_t *dst = xa + rows[c] * xa_stride;
-        int64_t j = 0;
-#if LORA_ISA == 2
-        for (; j + 8 <= R; j += 8) {
-            const uint16_t *ar[8];
-            float out[8];
-            for (int t = 0; t < 8; t++) ar[t] = A + (j + t) * K;
-            lora_dots_8(xr, ar, K, out);
-            for (int t = 0; t < 8; t++) dst[j + t] = f32_to_bf16(out[t]);
-        }
-#elif LORA_ISA == 1
-        for (; j + 4 <= R; j += 4) {
-            const uint16_t *ar[4];
-            float out[4];
-            for (int t = 0; t < 4; t++) ar[t] = A + (j + t) * K;
-            lora_dots_4(xr, ar, K, out);
-            for (int t = 0; t < 4; t++) dst[j + t] = f32_to_bf16(out[t]);
-        }
-#endif
-#if LORA_ISA
-        for (; j + 2 <= R; j += 2) {
-            const uint16_t *ar[2] = {A + j * K, A + (j + 1) * K};
-            float out[2];
-            lora_dots_2(xr, ar, K, out);
-            dst[j] = f32_to_bf16(out[0]);
-            dst[j + 1] = f32_to_bf16(out[1]);
-        }
-#endif
-        for (; j < R; j++) dst[j] = f32_to_bf16(lora_dot(xr, A + j * K, K));
-    }
+    for (; c < count; c++)
+        lora_shrink_rank_rows(lo, i, K, x + rows[c] * x_stride, 0, lo->r[i],
+                              xa + rows[c] * xa_stride);
 }
 
 /* ---- the expand: out[row][n] += bf16(sum_j xa[row][j] b[j][n]) on one column group ---- */
@@ -234,7 +244,24 @@ typedef struct {
     int64_t xa_stride;
     uint16_t *out;
     int64_t out_stride;
+    /* NULL, or the rank vectors are made by several threads (each some rank rows, as
+     * the batch-1 step does): the expand waits until *ready >= ready_at (each thread
+     * adds 1 to *ready once its share is written) */
+    const int64_t *ready;
+    int64_t ready_at;
 } lora_out_t;
+
+/* until *ready >= at: the other threads' rank values written (acquire: their stores
+ * seen). They write them just before, so this rarely spins; it yields the core now and
+ * then in case a peer is descheduled (a shared machine). */
+static inline void lora_wait(const int64_t *ready, int64_t at) {
+    for (unsigned spin = 1; __atomic_load_n(ready, __ATOMIC_ACQUIRE) < at; spin++) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        if (!(spin & 1023)) sched_yield();
+    }
+}
 
 /* y (16,) bf16 += bf16(acc (16,)), each sum rounded to bf16 (as torch's index_add_ on
  * bf16 rows: the delta rounded, then the sum) */
@@ -331,6 +358,7 @@ static inline void lora_expand_rows(const uint16_t *bg, int64_t rank, const uint
  * groups never straddle two sub-projections: each a multiple of 16 columns). Called by
  * the thread that just computed those columns of the base. */
 static inline void lora_expand_group(const lora_out_t *e, int64_t g) {
+    if (e->ready) lora_wait(e->ready, e->ready_at);
     const int64_t n0 = g * LORA_COLS;
     int64_t p = 0, start = 0;
     while (p + 1 < LORA_PARTS && e->parts->size[p + 1] && n0 >= start + e->parts->size[p])

@@ -328,6 +328,20 @@ class SchedulerConfig:
 # each multiplies them by (tokenmill/quant/model.py; roofline holds each against the peak
 # of that arithmetic). Here, torch-free, for both.
 GGUF_ACTIVATIONS = {"gguf": "bf16", "gguf-a8": "int8", "gguf-a16": "int16"}
+# ...except the attention's linears (qkv_proj, o_proj) of gguf-a8, at int16: all-int8
+# activations failed the accuracy gate on the embedded Q4_1 file (mean KLD 0.00298 vs
+# llama.cpp's 0.00278), int16 ones there pass (docs/accuracy_gate.md); the MLP and the
+# LM head, most of the bytes, keep int8
+GGUF_ATTENTION_ACTIVATIONS = {"gguf-a8": "int16"}
+ATTENTION_LINEARS = ("qkv_proj", "o_proj")
+
+
+def gguf_activations(method: str, linear: str) -> str:
+    """The activations GGUF method `method` multiplies linear `linear`'s blocks by
+    (`linear`: its module's name, "qkv_proj", "down_proj", "lm_head"...)."""
+    if linear in ATTENTION_LINEARS and method in GGUF_ATTENTION_ACTIVATIONS:
+        return GGUF_ATTENTION_ACTIVATIONS[method]
+    return GGUF_ACTIVATIONS[method]
 
 
 @dataclass

@@ -69,7 +69,8 @@ def test_prompt_steps_give_gguf_a16_and_a8_the_same_dense_weights(scored):
 
 def test_decode_rows_run_each_paths_own_kernel(scored):
     (a16, r16), (a8, r8) = scored["gguf-a16", "decode"], scored["gguf-a8", "decode"]
-    assert r8.get("kernel int8", 0) > 0 and "kernel int16" not in r8, r8
+    # gguf-a8: int8 into the MLP (and the head), int16 into the attention's two linears
+    assert r8.get("kernel int8", 0) >= r8.get("kernel int16", 0) > 0, r8
     assert r16.get("kernel int16", 0) > 0 and "kernel int8" not in r16, r16
     assert not torch.equal(a16, a8)          # int8 vs int16 activations
     dense = scored["gguf-a8", "prompt"][0]

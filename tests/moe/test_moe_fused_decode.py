@@ -114,6 +114,25 @@ def test_fused_steps_give_the_module_paths_tokens_and_logits(which, engines, mon
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_gguf_a8s_two_widths_run_an_moe_file_in_the_fused_step(request, monkeypatch):
+    """gguf-a8 on an MoE file: the attention's linears on int16 activations, the experts
+    and layer 0's dense MLP on int8 (the record's attn_bits 16, bits 8), one fused call
+    a step with the module path's tokens and logits."""
+    path, _ = request.getfixturevalue("qwen3moe_q8")
+    engine = small_engine(model=str(path), quantization="gguf-a8", max_num_seqs=8)
+    record = engine.runner.fused_decode.record
+    assert (record.bits, record.attn_bits) == (8, 16)
+    steps = _Steps(engine, monkeypatch)
+    fused = _generate(engine, BATCH[:4], 12, fused=True)
+    fused_logits = list(steps.logits)
+    assert max(steps.rows) == 4
+    steps.logits.clear()
+    assert fused == _generate(engine, BATCH[:4], 12, fused=False)
+    assert len(fused_logits) == len(steps.logits)
+    for a, b in zip(fused_logits, steps.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def _sparse_layers(engine):
     return [(i, layer.mlp) for i, layer in enumerate(engine.runner.model.model.layers)
             if type(layer.mlp) is SparseMoeBlock]

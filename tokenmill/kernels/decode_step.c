@@ -101,7 +101,16 @@ typedef struct {
     int64_t kv_fmt;
     /* the MLP's activation: ACT_SILU (Llama's silu * up) or ACT_GELU_TANH (Gemma's GeGLU) */
     int64_t act;
+    /* the attention linears' (qkv, o) activation width, 8 or 16, where it differs from
+     * `bits` (the MLP's and the LM head's); 0: `bits` too. gguf-a8 runs them at 16: int8
+     * activations there cost the embedded Q4_1 its accuracy gate (docs/accuracy_gate.md) */
+    int64_t attn_bits;
 } tm_model_t;
+
+/* the activations' width of the attention linears' inputs */
+static inline int64_t attn_bits(const tm_model_t *m) {
+    return m->attn_bits ? m->attn_bits : m->bits;
+}
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
@@ -168,6 +177,8 @@ static inline void group_out(const uint8_t *w, int64_t fmt, const uint16_t *bias
  * biases only on FMT_BF16 weights */
 static int formats_ok(const tm_model_t *m) {
     if (m->bits != 0 && m->bits != 8 && m->bits != 16) return 0;
+    if (m->attn_bits != 0 && (m->bits == 0 || (m->attn_bits != 8 && m->attn_bits != 16)))
+        return 0; /* a bf16 model has no second width */
     if (m->act != ACT_SILU && m->act != ACT_GELU_TANH) return 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tm_layer_t *L = m->layers + l;
@@ -615,7 +626,7 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 rms_norm_row(out_normed(m, L - 1, x, normed), res[cur], dst, L->input_norm,
                              xn, H, m->eps);
             }
-            quantize_row(xn, H, m->bits, &a);
+            quantize_row(xn, H, attn_bits(m), &a);
             {   /* QKV rows (with an adapter's delta, before they are rotated and stored);
                  * a K head rotated and stored, a V head stored, by the thread that computed
                  * all its rows (shares end on head boundaries past Q) */
@@ -625,8 +636,8 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
                 g0 = head_aligned(g0, q_groups, head_groups);
                 g1 = head_aligned(g1, q_groups, head_groups);
                 for (int64_t g = g0; g < g1; g++) {
-                    group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, m->bits, &a, qkv,
-                              0);
+                    group_out(L->qkv, L->qkv_fmt, L->qkv_bias, g, 1, H, QKV, attn_bits(m), &a,
+                              qkv, 0);
                     if (lx) lora_expand_group(lx, g);
                 }
                 for (int64_t g = g0 > q_groups ? g0 : q_groups; g < g1; g += head_groups) {
@@ -662,9 +673,9 @@ int64_t tm_decode_step(const tm_model_t *m, int64_t token, int64_t pos, int64_t 
             }
 #pragma omp barrier
             /* 3. o_proj */
-            quantize_row(attn, NH * D, m->bits, &a);
-            gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, 1, &a, o_out, 0, runs,
-                       tid, nth, NULL, TM_LORA_ROW(1, NH * D, attn, o_out));
+            quantize_row(attn, NH * D, attn_bits(m), &a);
+            gemv_share(L->o, L->o_fmt, L->o_bias, NH * D, H, attn_bits(m), 1, &a, o_out, 0,
+                       runs, tid, nth, NULL, TM_LORA_ROW(1, NH * D, attn, o_out));
 #pragma omp barrier
             /* 4. residual add + norm, gate_up */
             const uint16_t *o_in = L->attn_out_norm ? normed : o_out;
@@ -755,7 +766,8 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         shared_blocks > table_stride || (shared_blocks && (m->kv_fmt >= 0 || windowed(m))))
         return -1;
     /* the widened weights' batches (all or none of the linears: one activation layout) */
-    const int wide = TM_AVX2 && m->bits == 16 && m->wide_min_rows > 0 && B >= m->wide_min_rows;
+    const int wide = TM_AVX2 && m->bits == 16 && attn_bits(m) == 16 && m->wide_min_rows > 0 &&
+                     B >= m->wide_min_rows;
     int64_t max_len = 1, max_own = 1;
     for (int64_t r = 0; r < B; r++) {
         const int64_t len = seq_lens[r];
@@ -868,14 +880,15 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
         const kv_prefetch_t pf0 = kv_prefetch_init(tables, table_stride, seq_lens, B,
                                                    shared_blocks, r0, r1, tid, nth, KVH, NB,
                                                    BS, D);
-/* the rows r0..r1 of the (B, K) linear input xn, quantized in the layout of B rows */
-#define TM_QUANTIZE_MINE(K)                                                           \
+/* the rows r0..r1 of the (B, K) linear input xn, quantized at `bits` in the layout of
+ * B rows */
+#define TM_QUANTIZE_MINE(K, bits)                                                     \
     if (wide)                                                                         \
         quantize16_rows(xn, (K), r0, r1, (int16_t *)act.q, act.d, act.s);             \
-    else if (m->bits)                                                                 \
+    else if (bits)                                                                    \
         for (int64_t r = r0; r < r1; r++)                                             \
             for (int64_t b = 0; b < (K) / QK; b++)                                    \
-                quantize_block(xn, B, (K), m->bits, act.q, act.d, act.s, act.sum, r, b);
+                quantize_block(xn, B, (K), (bits), act.q, act.d, act.s, act.sum, r, b);
 /* linear i's adapter rank vectors of this thread's rows of its input xn (B, K): before
  * the barrier that precedes the linear */
 #define TM_LORA_SHRINK(i, K)                                                          \
@@ -904,13 +917,13 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                     rms_norm_row(out_normed(m, L - 1, x + r * H, x + r * H), res + r * H,
                                  res + r * H, L->input_norm, xn + r * H, H, m->eps);
             }
-            TM_QUANTIZE_MINE(H)
+            TM_QUANTIZE_MINE(H, attn_bits(m))
             TM_LORA_SHRINK(0, H)
 #pragma omp barrier
             /* 2. QKV (and the adapters' deltas on each group of it) */
             lx = TM_LORA_OUT(0, qkv, QKV);
-            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, m->bits, B, &act,
-                                   wide, qkv, runs, tid, nth, NULL, lx);
+            failed |= linear_share(L->qkv, L->qkv_fmt, L->qkv_bias, H, QKV, attn_bits(m), B,
+                                   &act, wide, qkv, runs, tid, nth, NULL, lx);
 #pragma omp barrier
             TM_LORA_WIDE(lx, QKV)
             /* 3. per (row, kv head): K/V into the cache, q rotated, attention */
@@ -935,12 +948,12 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 cascade_phases(&layer_cas, tid);
             }
             /* 4. o_proj (its input: the attention rows, written into xn) */
-            TM_QUANTIZE_MINE(NH * D)
+            TM_QUANTIZE_MINE(NH * D, attn_bits(m))
             TM_LORA_SHRINK(1, NH * D)
 #pragma omp barrier
             lx = TM_LORA_OUT(1, o_out, H);
-            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, m->bits, B, &act,
-                                   wide, o_out, runs, tid, nth, NULL, lx);
+            failed |= linear_share(L->o, L->o_fmt, L->o_bias, NH * D, H, attn_bits(m), B,
+                                   &act, wide, o_out, runs, tid, nth, NULL, lx);
 #pragma omp barrier
             TM_LORA_WIDE(lx, H)
             /* 5. residual add + norm, gate_up (and down, below) with the next layer's
@@ -959,7 +972,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
                 moe_layer(m, L, xn, B, x, &moe, runs, tid, nth);
                 continue;
             }
-            TM_QUANTIZE_MINE(H)
+            TM_QUANTIZE_MINE(H, m->bits)
             TM_LORA_SHRINK(2, H)
 #pragma omp barrier
             lx = TM_LORA_OUT(2, gu, 2 * I);
@@ -970,7 +983,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             /* 6. silu * up, down */
             for (int64_t r = r0; r < r1; r++)
                 act_mul_row(m, gu + r * 2 * I, gu + r * 2 * I + I, xn + r * I, I);
-            TM_QUANTIZE_MINE(I)
+            TM_QUANTIZE_MINE(I, m->bits)
             TM_LORA_SHRINK(3, I)
 #pragma omp barrier
             lx = TM_LORA_OUT(3, x, H);
@@ -986,7 +999,7 @@ int64_t tm_decode_batch(const tm_model_t *m, int64_t B, const int64_t *tokens,
             memcpy(hidden_out + r * H, xn + r * H, (size_t)H * 2);
         }
         if (m->lm_head && logits) {
-            TM_QUANTIZE_MINE(H)
+            TM_QUANTIZE_MINE(H, m->bits)
 #pragma omp barrier
             if (wide) {
                 failed |= gemm16_share(m->lm_head, m->lm_head_fmt, H, m->vocab, B,

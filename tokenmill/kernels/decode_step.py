@@ -59,7 +59,10 @@ class ModelRecord(ctypes.Structure):
                 # v_cache then hold the bytes, k_scale / v_scale their scales
                 ("kv_fmt", _I64),
                 # the MLP's activation: ACT_SILU (0) or ACT_GELU_TANH (1, Gemma's GeGLU)
-                ("act", _I64)]
+                ("act", _I64),
+                # the attention linears' (qkv, o) activation width where it is not `bits`
+                # (the MLP's and the LM head's): gguf-a8's 16; 0 `bits` too
+                ("attn_bits", _I64)]
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1

@@ -6,11 +6,14 @@ log, /server_info (`quantization_reason`) and `tokenmill explain` print that rea
 
   AVX-512 VNNI  gguf-a16, as before: gguf-a8 (int8 activations per block of 32,
                 llama.cpp's arithmetic on the same file; half the integer work) failed
-                the full-text accuracy gate on the embedded Q4_1 file (mean KLD 0.00298
-                [0.00291, 0.00307] vs llama.cpp's 0.00278 on the same file); it passed
-                on Q4_K_M and Gemma 3, and on Q6_K (0.00311 vs 0.00420) once Q6_K
-                tensors became 8-bit records (0.00481 with the 6-bit ones;
-                docs/accuracy_gate.md). A8_DEFAULT_ON_AVX512_VNNI is the switch.
+                the full-text accuracy gate on the embedded Q4_1 file in its all-int8
+                form (mean KLD 0.00298 [0.00291, 0.00307] vs llama.cpp's 0.00278); with
+                the attention's linears at int16 (its form since, config.py) it passes
+                there (0.00247 [0.00240, 0.00255]) and on SmolLM2 Q4_K_M (0.00258 vs
+                0.00439) and Q6_K (0.00263 vs 0.00420); Gemma 3 was gated on the
+                all-int8 form only (PASS, 0.00369): not yet every file in this form
+                (docs/accuracy_gate.md). A8_DEFAULT_ON_AVX512_VNNI is the
+                switch.
   AVX2          gguf-a16, as before: a8 gives the same bits on AVX2 (the kernels are
                 exact), but its speed there was never measured (no AVX2 machine), so
                 the default does not move on a guess
@@ -31,9 +34,10 @@ from tokenmill.cpuinfo import cpu_flags
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import vnni
 
-# off: gguf-a8's mean KLD lies above llama.cpp's on the embedded Q4_1 (0.00298 vs 0.00278,
-# the full-text gate of 2026-12-06, docs/accuracy_gate.md); Q6_K passes since its 8-bit
-# records (0.00311 vs 0.00420)
+# off until gguf-a8 in its current form (attention at int16) passes on every gated file:
+# the embedded Q4_1 0.00247 vs llama.cpp's 0.00278 (all-int8: 0.00298, FAIL),
+# SmolLM2 Q4_K_M 0.00258 vs 0.00439, Q6_K 0.00263 vs 0.00420; Gemma 3 not re-gated in this
+# form (docs/accuracy_gate.md)
 A8_DEFAULT_ON_AVX512_VNNI = False
 FORCE_ENV = "TOKENMILL_GGUF_DEFAULT"
 GATE_PAGE = "docs/accuracy_gate.md"
@@ -70,7 +74,7 @@ def default_gguf_arithmetic(flags: set[str] | None = None,
             return DefaultArithmetic("gguf-a8", "gguf-a8: default on AVX-512 VNNI "
                                      f"(accuracy gate: {GATE_PAGE})")
         return DefaultArithmetic("gguf-a16", "gguf-a16: default on AVX-512 VNNI (gguf-a8 "
-                                 "failed the accuracy gate on the embedded Q4_1 file: "
+                                 "has not passed the accuracy gate on every file: "
                                  f"{GATE_PAGE})")
     return DefaultArithmetic("gguf-a16", "gguf-a16: default on AVX2 (gguf-a8 not timed on "
                              f"AVX2; accuracy gate: {GATE_PAGE})")

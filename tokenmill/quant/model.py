@@ -6,8 +6,9 @@ lm_head. Methods:
   gguf  run the GGUF blocks the loader kept (`module.gguf_quantized`) natively:
         Q4_0 / Q4_1 / Q8_0 -> Int4Linear (codes.py); other types stay float
   gguf-a8  the same weights times int8 activations quantized on the fly per block
-        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic): the
-        default on AVX512-VNNI (default_arithmetic.py; docs/accuracy_gate.md)
+        of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic) in the
+        MLP and the LM head, int16 ones in the attention's qkv_proj and o_proj (config.py's
+        GGUF_ATTENTION_ACTIVATIONS: the accuracy gate, docs/accuracy_gate.md)
   gguf-a16  the same with int16 activations (two int8 planes, twice the integer
         work, an activation error below bf16's rounding): the default on AVX2.
         With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from tokenmill import malloc
-from tokenmill.config import GGUF_ACTIVATIONS
+from tokenmill.config import GGUF_ACTIVATIONS, gguf_activations
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.models.deferred_weights import materialize, materialize_all
 from tokenmill.models.moe import Experts
@@ -384,7 +385,8 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
             materialize(weight)
             summary.kept_float[name] = _no_native_reason(module, on_kernel)
             return
-        new = gguf_int4_linear(shards, bias, dense, dense_min_rows, GGUF_ACTIVATIONS[method])
+        new = gguf_int4_linear(shards, bias, dense, dense_min_rows,
+                               gguf_activations(method, name.rpartition(".")[2]))
         new.gguf_types = "+".join(sorted({s.qtype.name for s in shards}))
     elif weight.shape[1] % GROUP_SIZE and method == "int4":
         summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"

@@ -158,14 +158,15 @@ def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
 
 def _moe_unsupported(block: SparseMoeBlock, hidden: int, bits: int | None) -> str | None:
     """Why a sparse MoE layer cannot run inside the step (kernels/moe_step.h); None if
-    it can: its experts in their records (a GGUF's, gguf-a16 / gguf-a8), a bf16 router,
+    it can: its experts in their records (a GGUF's, gguf-a16 / gguf-a8) at the MLP
+    activations' width `bits` (None: the first MLP seen sets it), a bf16 router,
     a top k that torch.topk picks by nth_element (the order moe_step.h reproduces)."""
     experts, gate = block.experts, block.gate
     if type(experts) is not RecordExperts:
         return ("MoE experts not in GGUF kernel records (float experts: the module path "
                 "runs them)")
-    if bits is None or experts.bits != bits or experts.hidden != hidden:
-        return "MoE experts on other activations than the attention's linears"
+    if (bits is not None and experts.bits != bits) or experts.hidden != hidden:
+        return "MoE experts on other activations than the other MLPs' linears"
     e, k = experts.num_experts, block.top_k
     if not 1 <= k <= MAX_TOP_K or k * 64 <= e:
         return (f"top {k} of {e} experts (the kernel takes top k with k * 64 > experts, "
@@ -197,7 +198,9 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
         return "final logit softcapping"
     inner = model.model
     hidden, d = cfg.hidden_size, cfg.head_dim
-    bits = None
+    # the activations' widths: one for the attention linears, one for the MLPs' (and the
+    # LM head's); gguf-a8 runs the attention at 16 (decode_step.c's attn_bits)
+    attn_bits = mlp_bits = None
     first = inner.layers[0]  # every layer must have its shapes (the kernel takes one set)
     heads, kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
     # every layer's linears on the quantized-activation kernel, or every one plain bf16
@@ -219,10 +222,10 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
             return f"layer {i} is not a plain {'Gemma 3' if gemma else 'Llama'} layer"
         sparse = type(layer.mlp) is SparseMoeBlock
         if sparse:
-            bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
-            why = _moe_unsupported(layer.mlp, hidden, bits)
+            why = _moe_unsupported(layer.mlp, hidden, mlp_bits)
             if why is not None:
                 return f"layer {i}: {why}"
+            mlp_bits = layer.mlp.experts.bits
         linears = ((attn.qkv_proj, attn.o_proj) if sparse else
                    (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if gemma and (type(layer.mlp) is not Gemma3MLP or layer.mlp.approximate != "tanh"):
@@ -235,10 +238,14 @@ def unsupported_reason(model: torch.nn.Module, backend: object,
             if not gemma and not sparse and type(layer.mlp) is not FusedSiluMLP:
                 return (f"layer {i}: its MLP does not run silu * up in the down projection "
                         "(--quantization gguf-a16 / gguf-a8)")
-            bits = bits or getattr(attn.qkv_proj, "vnni_bits", None)
-            if not all(_lowbit(lin, bits) for lin in linears):
+            attn_bits = attn_bits or getattr(attn.qkv_proj, "vnni_bits", None)
+            if not sparse:
+                mlp_bits = mlp_bits or getattr(layer.mlp.down_proj, "vnni_bits", None)
+            if not (all(_lowbit(lin, attn_bits) for lin in linears[:2])
+                    and all(_lowbit(lin, mlp_bits) for lin in linears[2:])):
                 return (f"layer {i}: a linear not on the quantized-activation kernel "
-                        "(--quantization gguf-a16 / gguf-a8), or with a bias")
+                        "(--quantization gguf-a16 / gguf-a8), with a bias, or at another "
+                        "activation width than its kind's in the other layers")
         for norm, size in _norms(layer, hidden, d):
             if not _plain_norm(norm) or not _bf16(norm.weight, size) \
                     or norm.eps != cfg.rms_norm_eps:
@@ -321,7 +328,10 @@ class FusedDecode:
                 rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
         first = inner.layers[0].self_attn
         head = model.lm_head
-        bits = 0 if self.plain else first.qkv_proj.vnni_bits
+        # the MLPs' and the LM head's activation width, and the attention linears' (gguf-a8:
+        # 8 and 16; unsupported_reason checked every layer agrees)
+        bits = 0 if self.plain else self._mlp_bits(inner.layers)
+        attn_bits = 0 if self.plain else first.qkv_proj.vnni_bits
         # the LM head runs inside the call when it is on the same kernel (the embedded
         # model's Q8_0 head is, and a bf16 model's plain one); otherwise the runner calls
         # compute_logits after it
@@ -359,7 +369,8 @@ class FusedDecode:
             lm_head_fmt=(0 if not self.lm_head_fused else FMT_BF16 if self.plain
                          else head.vnni_format), layers=layers,
             kv_fmt=-1 if self.kv_fmt is None else self.kv_fmt.native_code,
-            act=native.ACT_GELU_TANH if gemma else native.ACT_SILU)
+            act=native.ACT_GELU_TANH if gemma else native.ACT_SILU,
+            attn_bits=0 if attn_bits == bits else attn_bits)
         # a bf16 model's modules run bf16_gemv up to its rows, F.linear past them
         self.max_rows = min(MAX_ROWS, bf16_gemv.max_rows()) if self.plain else MAX_ROWS
         if wide and (not self.lm_head_fused or isinstance(head.dense, WidenedWeight)):
@@ -370,6 +381,12 @@ class FusedDecode:
         # LoRA adapter id -> (its weights per linear, the LoraRecords naming them, the
         # installed_generation they were checked at)
         self._adapters: dict[int, tuple[tuple, ctypes.Array, int]] = {}
+
+    @staticmethod
+    def _mlp_bits(layers: torch.nn.ModuleList) -> int:
+        """The MLPs' activation width (a dense MLP's down projection's, or the experts')."""
+        mlp = layers[0].mlp
+        return mlp.experts.bits if type(mlp) is SparseMoeBlock else mlp.down_proj.vnni_bits
 
     @staticmethod
     def _inter(layers: torch.nn.ModuleList) -> int:

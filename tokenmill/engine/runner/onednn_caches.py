@@ -58,17 +58,20 @@ def packed_shapes(model: torch.nn.Module, max_rows: int, max_head_rows: int
     """Each packed weight shape the model's linears run, with the bucketed row counts a
     step of at most `max_rows` tokens (an LM head: `max_head_rows` logit rows) can give
     it, from the linear's `dense_min_rows` on."""
-    shapes: dict[tuple[int, int, torch.dtype], tuple[DenseWeight, list[int]]] = {}
+    found: dict[tuple[int, int, torch.dtype], tuple[DenseWeight, set[int]]] = {}
+    buckets: dict[tuple[int, int], set[int]] = {}  # (first, last row) -> its buckets
     for name, module in model.named_modules():
         dense = getattr(module, "dense", None)
         if not isinstance(dense, DenseWeight) or dense.packed is None:
             continue
-        top = max_head_rows if name.endswith("lm_head") else max_rows
-        rows = sorted({bucket_rows(m) for m in range(module.dense_min_rows or 1, top + 1)})
+        span = (module.dense_min_rows or 1,
+                max_head_rows if name.endswith("lm_head") else max_rows)
+        if span not in buckets:
+            buckets[span] = {bucket_rows(m) for m in range(span[0], span[1] + 1)}
         key = (dense.in_features, dense.out_features, dense.dtype)
-        old = shapes.get(key)
-        if old is None or len(rows) > len(old[1]):
-            shapes[key] = (dense, rows)
+        # one weight per shape compiles for all of them: the union of their row counts
+        found.setdefault(key, (dense, set()))[1].update(buckets[span])
+    shapes = {key: (dense, sorted(rows)) for key, (dense, rows) in found.items()}
     return shapes
 
 

@@ -27,7 +27,7 @@ def test_server_info_carries_the_engine_flags():
                           get_stats=lambda: SimpleNamespace(num_total_blocks=100),
                           runner=SimpleNamespace(kv_cache_bytes=100 * 368_640))
     info = server_info(llm)
-    assert info["engine"] == "tokenmill"
+    assert info["engine"] == "tokenmill" and info["onednn_precompile"] is None  # no engine's
     assert (info["max_num_seqs"], info["max_num_batched_tokens"]) == (12, 256)
     assert info["enable_chunked_prefill"] is True and info["enable_prefix_caching"] is False
     assert info["speculative"] == "ngram" and info["num_speculative_tokens"] == 4
@@ -73,7 +73,7 @@ def test_a_server_without_server_info_gives_none():
 
 @pytest.mark.slow
 def test_served_config_reaches_the_bench_result_and_explain(tmp_path, capsys):
-    from tests.serving import start_server
+    from tests.serving import start_server, wait_until
     from tokenmill.cli import main
 
     srv = start_server("smollm2-135m", "--max-num-seqs", "8", "--max-num-batched-tokens",
@@ -82,6 +82,16 @@ def test_served_config_reaches_the_bench_result_and_explain(tmp_path, capsys):
         info = httpx.get(f"{srv.base_url}/server_info").json()
         assert info["engine"] == "tokenmill" and info["max_num_seqs"] == 8
         assert info["max_num_batched_tokens"] == 128 and info["num_kv_blocks"] == 64
+        # the packed matmuls' oneDNN compile runs in the core once it answers, and
+        # /server_info follows it to the end
+        precompile = info["onednn_precompile"]
+        if precompile["why"] != "no packed large-batch linears":  # else: none on this CPU
+            assert precompile["state"] in ("pending", "running", "done"), precompile
+            assert wait_until(lambda: httpx.get(f"{srv.base_url}/server_info").json()[
+                "onednn_precompile"]["state"] == "done", 120, 0.2)
+            done = httpx.get(f"{srv.base_url}/server_info").json()["onednn_precompile"]
+            assert done["shapes"] > 0 and done["seconds"] > 0
+            assert f"{done['shapes']} oneDNN shapes compiled in the background" in srv.log()
         out = tmp_path / "run.json"
         assert main(["bench", "--base-url", srv.base_url, "--concurrency", "2",
                      "--input-len", "16", "--output-len", "8", "--num-requests", "4",

@@ -231,8 +231,8 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any,
     from tokenmill.engine.core.llm_engine import LLMEngine
     from tokenmill.engine.frontend.async_engine import AsyncEngine
 
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args)),
-                         max_waiting=args.max_waiting, **_backlog(args))
+    llm = LLMEngine(engine_config_from_args(args), precompile_now=False)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting, **_backlog(args))
     server = _uvicorn_server(args, engine, serving_config, api_keys)
 
     def serve_http() -> None:
@@ -249,6 +249,7 @@ def _serve_in_process(args: argparse.Namespace, serving_config: Any,
         signal.signal(sig, server.handle_exit)
     http = threading.Thread(target=serve_http, name="tokenmill-http")
     http.start()
+    llm.precompile.start()  # off the start-up path, on the engine loop's thread count
     engine.run()
     died = engine.health()[0] is False and not server.should_exit
     if died and not args.keep_serving_after_engine_death:  # see engine_watchdog.py

@@ -24,6 +24,7 @@ from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.stop_checker import StopChecker
 from tokenmill.engine.core.validation import RequestValidator
 from tokenmill.engine.executor.worker_group import check_tensor_parallel, start_workers
+from tokenmill.engine.runner.onednn_caches import PackedPrecompile
 from tokenmill.engine.runner.rank_model import build_rank_model
 from tokenmill.kvcache.attention_groups import (
     AttentionGroups,
@@ -87,6 +88,7 @@ class EngineParts:
     validator: RequestValidator
     speculator: Any  # engine/speculative: None unless --speculative
     attention_groups: AttentionGroups  # sliding / global layers and their KV bytes
+    precompile: PackedPrecompile  # rank 0's packed-matmul compile, not run yet
     lora: Any = None  # engine/core/lora_manager.LoRAManager: None unless --enable-lora
     kv_transfer: Any = None  # engine/core/kv_transfer.KVTransferConnector (disabled: no flag)
 
@@ -168,7 +170,8 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
         stop_checker=StopChecker(eos, rank.max_model_len, detokenizer),
         validator=RequestValidator(tokenizer, loaded.config.vocab_size, rank.max_model_len,
                                    rank.context_note, block_manager.max_tokens_that_fit),
-        speculator=speculator, attention_groups=groups, lora=lora, kv_transfer=kv_transfer)
+        speculator=speculator, attention_groups=groups, precompile=rank.precompile, lora=lora,
+        kv_transfer=kv_transfer)
 
 
 def build_kv_transfer(config: EngineConfig, model_config: ModelConfig, runner: Any,

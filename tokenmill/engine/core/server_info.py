@@ -55,7 +55,15 @@ def server_info(llm: Any) -> dict[str, Any]:
         "attention_layers": _attention_layers(llm),
         # prefill/decode disaggregation: this instance's kv_role, or None
         "kv_transfer": getattr(getattr(cache, "kv_transfer", None), "kv_role", None),
+        # the packed matmuls' oneDNN compile (rank 0's; a server runs it in the background
+        # once it answers): {"state", "shapes", "seconds", "why"}
+        "onednn_precompile": _precompile(llm),
     }
+
+
+def _precompile(llm: Any) -> dict[str, Any] | None:
+    precompile = getattr(llm, "precompile", None)
+    return precompile.describe() if precompile is not None else None
 
 
 def _attention_layers(llm: Any) -> dict[str, Any] | None:

@@ -119,6 +119,7 @@ def run_rank(launch, rank: int, device_kind: str = "auto") -> int:
         tp.gather_object(built.parameter_bytes)
         logger.info("rank %d ready: %.1f MiB of weights, %d KV blocks", rank,
                     built.parameter_bytes / 2**20, built.num_blocks)
+        built.precompile.start()  # each rank its own, off the start-up path
         with torch.inference_mode():
             while True:
                 inputs = tp.broadcast_object()

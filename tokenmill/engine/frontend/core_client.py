@@ -292,6 +292,8 @@ class CoreClient(Admission):
                 if msg.stats is not None:
                     self.stats = msg.stats
                 self._on_outputs(msg)
+            elif isinstance(msg, m.ServerInfo):
+                self.engine.server_info = msg.server_info  # replaced whole, never mutated
             elif isinstance(msg, m.LoRAUpdated) and self.engine.lora is not None:
                 self.engine.lora.answered(msg)
 

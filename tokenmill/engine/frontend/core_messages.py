@@ -4,8 +4,9 @@ Typed msgspec Structs, msgpack on the wire. Front end -> core: requests in
 (token ids, never text: tokenization stays in the front end), aborts, a
 shutdown. Core -> front end: one `CoreReady` at start-up, one `StepOutputs`
 per engine step (new token ids only, so a long output costs O(1) per step,
-and the stats of that step), and `Heartbeat`s from a thread of their own, so
-that a long step still beats and only a stopped or frozen process goes quiet.
+and the stats of that step), `Heartbeat`s from a thread of their own, so
+that a long step still beats and only a stopped or frozen process goes quiet,
+and a `ServerInfo` when what /server_info says changes after start-up.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class Heartbeat(msgspec.Struct, tag="beat"):
     step_running_s: float | None  # how long the current step has run; None between steps
 
 
+class ServerInfo(msgspec.Struct, tag="server_info"):
+    """GET /server_info anew: the background oneDNN compile started or finished."""
+
+    server_info: dict
+
+
 class LoRAUpdated(msgspec.Struct, tag="lora_updated"):
     """The answer to a LoadLoRA / UnloadLoRA: the adapters served now, or why not."""
 
@@ -118,7 +125,7 @@ class LoRAUpdated(msgspec.Struct, tag="lora_updated"):
     not_found: bool = False  # the error is an unknown adapter (a 404)
 
 
-FromCore = CoreReady | StepOutputs | Heartbeat | LoRAUpdated
+FromCore = CoreReady | StepOutputs | Heartbeat | ServerInfo | LoRAUpdated
 
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

@@ -5,7 +5,9 @@
 thread: take what the front end sent, run one `LLMEngine.step()`, send the new
 token ids of that step. The loop stays on the main thread because a libgomp
 parallel region started from any other thread costs ~10x more (async_engine.py
-has the numbers).
+has the numbers). Once ready it compiles the packed matmuls' oneDNN shapes on a
+background thread (engine/runner/onednn_caches.py), off the start-up path, and
+sends /server_info anew when that starts and when it ends.
 
 A second thread sends a heartbeat every `--heartbeat-interval` seconds. It
 needs no GIL for long (torch releases it inside ops), so a long prefill keeps
@@ -97,9 +99,11 @@ class EngineCore:
         self.tracker = _DeltaTracker()
         self.step_started_at: float | None = None  # read by the heartbeat thread
         self._sent_free_blocks = -1  # in the stats last sent to the front end
+        self._sent_precompile_state = ""  # in the server_info last sent to the front end
 
     def ready(self) -> m.CoreReady:
         e = self.engine
+        self._sent_precompile_state = e.precompile.state
         return m.CoreReady(pid=os.getpid(), model_name=e.model_name,
                            model_config=e.model_config, max_model_len=e.max_model_len,
                            max_num_seqs=e.config.max_num_seqs,
@@ -115,10 +119,12 @@ class EngineCore:
         """Until a Shutdown arrives (the front end's exit is handled by the heartbeat)."""
         self.outbox.send(m.encoder.encode(self.ready()))
         mark("core: ready sent")
+        self.engine.precompile.start()  # on this thread's intra-op thread count
         warm = getattr(self.engine.tokenizer, "warm", None)
         if warm is not None:  # a DeferredTokenizer: load it now, off the start-up path
             warm()
         while True:
+            self._send_server_info_if_changed()
             busy = self.engine.has_unfinished_requests()
             acks, changed, stop = self._drain(timeout_ms=0 if busy else 500)
             if stop:
@@ -228,10 +234,17 @@ class EngineCore:
         deltas = [self.tracker.delta(out) for out in outputs]  # none mid-prefill
         self._send(m.StepOutputs([], deltas, self.engine.get_stats()))
 
+    def _send_server_info_if_changed(self) -> None:
+        """/server_info anew when the background compile has started or finished."""
+        state = self.engine.precompile.state
+        if state != self._sent_precompile_state:
+            self._sent_precompile_state = state
+            self._send(m.ServerInfo(server_info(self.engine)))
+
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.requests))
 
-    def _send(self, msg: m.StepOutputs | m.LoRAUpdated) -> None:
+    def _send(self, msg: m.StepOutputs | m.ServerInfo | m.LoRAUpdated) -> None:
         if isinstance(msg, m.StepOutputs) and msg.stats is not None:
             self._sent_free_blocks = msg.stats.num_free_blocks
         self.outbox.send(m.encoder.encode(msg))
@@ -291,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BackendUnavailable, ValueError) as e:  # e.g. --attention-backend, TP size
         print(f"tokenmill serve: error: {e}", file=sys.stderr, flush=True)
         return USAGE_ERROR_EXIT
-    engine = LLMEngine(config, detokenize=False)
+    engine = LLMEngine(config, detokenize=False, precompile_now=False)  # run() starts it
     mark("core: engine built")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

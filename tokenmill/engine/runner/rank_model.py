@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.engine.runner.heap_trim import fix_mmap_threshold
 from tokenmill.engine.runner.model_runner import ModelRunner
-from tokenmill.engine.runner.onednn_caches import bound_onednn_caches, precompile_packed
+from tokenmill.engine.runner.onednn_caches import PackedPrecompile, bound_onednn_caches
 from tokenmill.engine.runner.weights import load_engine_model
 from tokenmill.kvcache.budget import choose_num_blocks
 from tokenmill.loaders import LoadedModel, ModelSource
@@ -36,6 +35,8 @@ class RankModel:
     num_blocks: int
     max_model_len: int
     context_note: str  # why max_model_len is below the model's, if it is
+    # the packed matmuls' oneDNN compile, planned, not run: its owner runs or starts it
+    precompile: PackedPrecompile
 
     @property
     def parameter_bytes(self) -> int:
@@ -97,16 +98,14 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
                          enforce_eager=config.enforce_eager, capture_graphs=capture)
     if config.cache.prefault:
         runner.pool.zero_blocks(list(range(num_blocks)))
-    if device.type == "cpu":
-        started = time.perf_counter()
-        compiled, why_not = precompile_packed(loaded.model, config.max_num_batched_tokens,
-                                              min(config.max_num_seqs,
-                                                  config.max_num_batched_tokens))
-        if tp.is_driver:
-            logger.info("packed matmuls: %s", f"{compiled} oneDNN shapes compiled at start-up "
-                        f"({time.perf_counter() - started:.2f} s)" if compiled else f"compiled at first use ({why_not})")
+    precompile = PackedPrecompile.plan(loaded.model, config.max_num_batched_tokens,
+                                       min(config.max_num_seqs, config.max_num_batched_tokens),
+                                       logging.INFO if tp.is_driver else logging.DEBUG)
+    if device.type == "cpu" and tp.is_driver and precompile.state == "skipped":
+        logger.info("packed matmuls: compiled at first use (%s)", precompile.why_not)
     mark("KV cache allocated, model runner built (kernels, warm-up)")
-    return RankModel(loaded, quantization, runner, num_blocks, max_model_len, context_note)
+    return RankModel(loaded, quantization, runner, num_blocks, max_model_len, context_note,
+                     precompile)
 
 
 @torch.inference_mode()

@@ -88,12 +88,15 @@ class EngineParts:
     validator: RequestValidator
     speculator: Any  # engine/speculative: None unless --speculative
     attention_groups: AttentionGroups  # sliding / global layers and their KV bytes
-    precompile: PackedPrecompile  # rank 0's packed-matmul compile, not run yet
+    precompile: PackedPrecompile  # rank 0's packed-matmul compile (run, or for its owner)
     lora: Any = None  # engine/core/lora_manager.LoRAManager: None unless --enable-lora
     kv_transfer: Any = None  # engine/core/kv_transfer.KVTransferConnector (disabled: no flag)
 
 
-def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
+def build_engine_parts(config: EngineConfig, detokenize: bool,
+                       precompile_now: bool = True) -> EngineParts:
+    """precompile_now=False: the packed matmuls' oneDNN compile is planned, not run (a
+    server starts it on a background thread once it answers)."""
     baseline_rss_bytes = process_rss_bytes()  # the interpreter, torch, libraries
     device = check_startup_choices(config)
     torch.manual_seed(config.seed)
@@ -109,6 +112,8 @@ def build_engine_parts(config: EngineConfig, detokenize: bool) -> EngineParts:
     loaded, runner = rank.loaded, rank.runner
     if workers is not None:
         workers.attach(runner, rank.parameter_bytes)
+    if precompile_now:  # after the workers' join: they compile theirs meanwhile
+        rank.precompile.run()
     if not detokenize and source.kind == "gguf" and loaded.config.eos_token_id is not None:
         # the core process: the front end tokenizes; the tokenizer built from this
         # file's metadata has its eos (tokenizer.ggml.eos_token_id) as the config does

@@ -35,20 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """detokenize=False: outputs carry token ids only (text ""), and `stop` strings are
-    left to whoever detokenizes (the front end of the core process). precompile_now=False:
-    the packed matmuls' oneDNN compile (engine/runner/onednn_caches.py) is left for the
-    owner to `precompile.start()` once it serves (the servers do), instead of running
-    before this returns. Its parts (runner, scheduler, block_manager, sampler,
-    tokenizer, ...) are builder.EngineParts' fields."""
+    """detokenize=False: outputs carry token ids only (text ""), `stop` strings are left to
+    whoever detokenizes (the core process's front end). precompile_now=False: a server starts
+    `precompile` once it answers. Its parts (runner, ...) are builder.EngineParts' fields."""
 
     def __init__(self, config: EngineConfig | None = None, detokenize: bool = True,
                  precompile_now: bool = True, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
-        vars(self).update(vars(build_engine_parts(config, detokenize)))
-        if precompile_now:
-            self.precompile.run()
+        vars(self).update(vars(build_engine_parts(config, detokenize, precompile_now)))
         self.overlap: OverlapStepper | None = None
         if config.async_scheduling:
             if self.speculator is not None:  # drafts need the host's accepted tokens

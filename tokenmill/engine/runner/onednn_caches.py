@@ -89,22 +89,21 @@ class PackedPrecompile:
     state ("pending", "running", "done", "skipped" or "failed") is on /server_info
     (`describe`); an exception is logged and leaves the shapes to compile at first use."""
 
-    def __init__(self, shapes: dict[Any, tuple[DenseWeight, list[int]]], why_not: str = "",
-                 log_level: int = logging.INFO) -> None:
+    def __init__(self, shapes: dict[Any, tuple[DenseWeight, list[int]]], why_not: str = ""
+                 ) -> None:
         self.shapes = {} if why_not else shapes
         self.num_shapes = sum(len(rows) for _, rows in self.shapes.values())
         self.why_not = why_not  # why it is skipped, or why it failed
         self.state = "skipped" if why_not else "pending"
         self.seconds: float | None = None
-        self.log_level = log_level  # a tensor-parallel worker's line is DEBUG: rank 0 says it
         self._lock = threading.Lock()  # state, seconds and why_not change together
         self._finished = threading.Event()
         if why_not:
             self._finished.set()
 
     @classmethod
-    def plan(cls, model: torch.nn.Module, max_rows: int, max_head_rows: int,
-             log_level: int = logging.INFO) -> PackedPrecompile:
+    def plan(cls, model: torch.nn.Module, max_rows: int, max_head_rows: int
+             ) -> PackedPrecompile:
         """What a step of at most `max_rows` tokens (`max_head_rows` logit rows) can
         compile; skipped where it would not all fit the caches (it would evict itself)."""
         shapes = packed_shapes(model, max_rows, max_head_rows)
@@ -116,7 +115,7 @@ class PackedPrecompile:
         elif total > capacity:
             why_not = (f"{total} shapes at up to {max_rows} tokens a step would not fit the "
                        f"caches' {capacity} entries")
-        return cls(shapes, why_not, log_level)
+        return cls(shapes, why_not)
 
     def run(self) -> None:
         """Compile now, on this thread (the offline engine, before its first step)."""
@@ -168,8 +167,10 @@ class PackedPrecompile:
             self._finish("failed", time.perf_counter() - started, f"{type(e).__name__}: {e}")
             return
         seconds = time.perf_counter() - started
-        logger.log(self.log_level, "packed matmuls: %d oneDNN shapes compiled %s (%.2f s)",
-                   self.num_shapes, where, seconds)  # before "done": a reader sees both
+        # every rank says it (a worker's line carries its rank); before "done", so that
+        # whoever sees "done" finds the line
+        logger.info("packed matmuls: %d oneDNN shapes compiled %s (%.2f s)", self.num_shapes,
+                    where, seconds)
         self._finish("done", seconds)
 
     def _finish(self, state: str, seconds: float, why: str = "") -> None:

@@ -99,8 +99,7 @@ def build_rank_model(config: EngineConfig, source: ModelSource,
     if config.cache.prefault:
         runner.pool.zero_blocks(list(range(num_blocks)))
     precompile = PackedPrecompile.plan(loaded.model, config.max_num_batched_tokens,
-                                       min(config.max_num_seqs, config.max_num_batched_tokens),
-                                       logging.INFO if tp.is_driver else logging.DEBUG)
+                                       min(config.max_num_seqs, config.max_num_batched_tokens))
     if device.type == "cpu" and tp.is_driver and precompile.state == "skipped":
         logger.info("packed matmuls: compiled at first use (%s)", precompile.why_not)
     mark("KV cache allocated, model runner built (kernels, warm-up)")

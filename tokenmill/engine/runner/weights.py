@@ -37,8 +37,10 @@ def _one_thread(device: torch.device) -> Iterator[None]:
     at best; a second OpenMP thread then spun at every op's barrier for a core it did not
     get: 2.5x the CPU time of the same load on one thread (issue 60, measured under
     load). The threads the engine runs with are back once the weights are packed.
-    (The front end no longer imports torch and is idle from ~1 s on: whether the
-    packing, which starts after that, is faster on two threads is not measured yet.)"""
+    The front end no longer imports torch and is idle from ~1 s on, but one thread is
+    still the faster load on an idle machine: `benchmarks/startup.py` on the quiet 2-core
+    Zen 4 (2026-12-06), the packing phase on one thread 1.5-1.9 s, on two 5.3-5.8 s
+    (weights read and packing both on two: 4.5-5.7 s)."""
     if device.type != "cpu":
         yield
         return

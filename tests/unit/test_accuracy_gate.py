@@ -247,6 +247,47 @@ def test_verdict_table_has_a_cell_per_path_per_file():
     assert "**FAIL** 0.00500 [0.00450, 0.00550], PPL x1.0010 | - |" in rows["gguf-a8 kernel"]
 
 
+def test_verdict_table_judges_a_run_without_llama_against_the_files_recorded_anchor():
+    """A `--no-llama` run (no anchor of its own) gets the rule's verdict against the
+    llama.cpp figure recorded on the same file and positions, marked; the latest run of a
+    path on a file replaces an earlier one whatever the results' names; a file with no
+    anchor anywhere gets no verdict."""
+    from benchmarks.accuracy_gate.verdicts import verdict_table
+
+    def fig(label, engine, value, low, high, model="a.gguf", verdict=None, ratio=1.002):
+        cfg = {"model": model, "positions": 510, "ci95": [low, high], "ppl_ratio": ratio}
+        if verdict:
+            cfg["verdict"] = verdict
+        return {"label": label, "engine": engine, "metric": "mean KLD", "runs": [value],
+                "config": cfg}
+
+    def result(name, date, figs):
+        return {"workload": "kld-gate", "name": name, "date": date,
+                "machine": {"class": "avx512-vnni"}, "figures": figs}
+
+    a8 = "gguf-a8 kernel"
+    table = verdict_table([
+        # the later run's name sorts first: date, not name, decides which form is shown
+        result("kld-gate-a-zz-old-form", "2026-12-06T01", [
+            fig("llama.cpp", "llama.cpp", 0.003, 0.0029, 0.0031),
+            fig(a8, "tokenmill", 0.005, 0.0045, 0.0055, verdict="FAIL")]),
+        result("kld-gate-a-new-form", "2026-12-06T02", [
+            fig(a8, "tokenmill", 0.0025, 0.0024, 0.0026)]),
+        result("kld-gate-a-too-far", "2026-12-06T03", [
+            fig("far", "tokenmill", 0.004, 0.0035, 0.0045)]),
+        result("kld-gate-a-ppl", "2026-12-06T04", [
+            fig("ppl", "tokenmill", 0.001, 0.0009, 0.0011, ratio=1.02)]),
+        result("kld-gate-b", "2026-12-06T05", [
+            fig(a8, "tokenmill", 0.001, 0.0009, 0.0011, model="b.gguf")]),
+    ]).splitlines()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:] if line.startswith("|")}
+    assert "**PASS**\u2020 0.00250 [0.00240, 0.00260], PPL x1.0020 | 0.00100" in rows[a8]
+    assert "FAIL" not in rows[a8]
+    assert "**FAIL**\u2020 0.00400" in rows["far"]
+    assert "**FAIL**\u2020 0.00100" in rows["ppl"]
+    assert any(line.startswith("\u2020 judged against llama.cpp's figure") for line in table)
+
+
 def test_report_prints_interval_ends_rounded():
     from benchmarks.report import _config
 

@@ -21,6 +21,12 @@ SHAPES = {  # head_dim 16, 2 query heads per kv head (the plain-C attention tile
     # head_dim 128, 4 query heads per kv head (the AVX512-BF16 tiles), tied head
     "d128-g4-tied": {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1,
                      "intermediate_size": 256, "tie_word_embeddings": True},
+    # head_dim 256 (Gemma 3's), 4 and 2 query heads per kv head: the attention's V sums in
+    # passes of the head dimension, the tiles unrolled at compile time
+    "d256-g4": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1,
+                "head_dim": 256, "intermediate_size": 256},
+    "d256-g2": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 256, "intermediate_size": 256},
 }
 
 

@@ -441,6 +441,10 @@ static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16
     if (vector_path && G == 3 && D == 64) scores_tiled(&it, q, s, mx, 3, 2);
     else if (vector_path && G == 2 && D == 64) scores_tiled(&it, q, s, mx, 2, 2);
     else if (vector_path && G == 1 && D == 64) scores_tiled(&it, q, s, mx, 1, 2);
+    /* Llama 3's and Gemma 3's groups: the tiles' loops unrolled at compile time */
+    else if (vector_path && G == 4 && D == 128) scores_tiled(&it, q, s, mx, 4, 4);
+    else if (vector_path && G == 4 && D == 256) scores_tiled(&it, q, s, mx, 4, 8);
+    else if (vector_path && G == 2 && D == 256) scores_tiled(&it, q, s, mx, 2, 8);
     else if (vector_path) scores_tiled(&it, q, s, mx, G, D / 32);
     else
 #endif
@@ -474,6 +478,9 @@ static void attend_heads(const item_t *item, const uint16_t *q, float *s, uint16
     if (vector_path && G == 3 && D == 64) weighted_v_pairs(&it, s, acc, 3, 2);
     else if (vector_path && G == 2 && D == 64) weighted_v_pairs(&it, s, acc, 2, 2);
     else if (vector_path && G == 1 && D == 64) weighted_v_pairs(&it, s, acc, 1, 2);
+    else if (vector_path && G == 4 && D == 128) weighted_v_pairs(&it, s, acc, 4, 4);
+    else if (vector_path && G == 4 && D == 256) weighted_v_pairs(&it, s, acc, 4, 8);
+    else if (vector_path && G == 2 && D == 256) weighted_v_pairs(&it, s, acc, 2, 8);
     else if (vector_path) weighted_v_pairs(&it, s, acc, G, D / 32);
     else
 #endif

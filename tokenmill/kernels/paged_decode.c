@@ -724,52 +724,62 @@ static inline __attribute__((always_inline)) void scores_tiled(const item_t *it,
 
 /* acc = sum_t p_t v_t with bf16 p (already rounded in s) and bf16 V, two tokens per
  * vdpbf16ps: rows t and t+1 interleaved by unpacklo/hi_epi16, which order the output
- * lanes as d = 32c + 8L + k (lo) and 32c + 8L + 4 + k (hi) in 128-bit lane L */
+ * lanes as d = 32c + 8L + k (lo) and 32c + 8L + 4 + k (hi) in 128-bit lane L.
+ * The head dimension runs in passes of W chunks of 32, W such that the G * W lo and hi
+ * accumulators stay in registers (2 * 8 of the 32 zmm): with G * C of them at once,
+ * Gemma 3's G = 4, D = 256 kept 64 on the stack and every vdpbf16ps went through a store
+ * and a load (~half the decode attention's time). A pass reads only its W chunks of each
+ * row (the rows of one item stay in L2 between passes) and each accumulator still sums
+ * its tokens in order: the same bits as one pass. */
 static inline __attribute__((always_inline)) void weighted_v_pairs(const item_t *it,
                                                                    const float *s, float *acc,
                                                                    const int64_t G,
                                                                    const int64_t C) {
     const int64_t BS = it->BS, D = it->D;
-    __m512 lo[MAX_GROUP_DIM / 32], hi[MAX_GROUP_DIM / 32]; /* [g * C + c] */
-    for (int64_t i = 0; i < G * C; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    const int64_t W = G * C <= 8 ? C : (G < 8 ? 8 / G : 1); /* chunks of 32 a pass */
     const int64_t nblocks = (it->len + BS - 1) / BS;
-    for (int64_t j = 0, t0 = 0, n; j < nblocks; j++, t0 += BS) {
-        const uint16_t *blk = block_rows(it, it->v, j, &n);
-        prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
-        for (int64_t i = 0; i < n; i += 2) {
-            const int pair = i + 1 < n; /* a lone last token pairs with itself at p = 0 */
-            const uint16_t *r0 = blk + i * D, *r1 = pair ? r0 + D : r0;
-            __m512bh pp[MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) {
-                union { float f; uint32_t u; } a, b;
-                a.f = s[g * it->s_stride + t0 + i];
-                b.f = pair ? s[g * it->s_stride + t0 + i + 1] : 0.0f;
-                pp[g] = (__m512bh)_mm512_set1_epi32((int)((a.u >> 16) | (b.u & 0xFFFF0000u)));
-            }
-            for (int64_t c = 0; c < C; c++) {
-                const __m512i x0 = _mm512_loadu_si512((const void *)(r0 + 32 * c));
-                const __m512i x1 = _mm512_loadu_si512((const void *)(r1 + 32 * c));
-                const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-                const __m512bh h = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    for (int64_t c0 = 0; c0 < C; c0 += W) {
+        const int64_t cw = C - c0 < W ? C - c0 : W;
+        __m512 lo[MAX_GROUP_DIM / 32], hi[MAX_GROUP_DIM / 32]; /* [g * W + c] */
+        for (int64_t i = 0; i < G * W; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+        for (int64_t j = 0, t0 = 0, n; j < nblocks; j++, t0 += BS) {
+            const uint16_t *blk = block_rows(it, it->v, j, &n) + 32 * c0;
+            if (c0 == 0) prefetch_ahead(it, it->v, 2, NULL, j, nblocks);
+            for (int64_t i = 0; i < n; i += 2) {
+                const int pair = i + 1 < n; /* a lone last token pairs with itself at p = 0 */
+                const uint16_t *r0 = blk + i * D, *r1 = pair ? r0 + D : r0;
+                __m512bh pp[MAX_GROUP];
                 for (int64_t g = 0; g < G; g++) {
-                    lo[g * C + c] = _mm512_dpbf16_ps(lo[g * C + c], l, pp[g]);
-                    hi[g * C + c] = _mm512_dpbf16_ps(hi[g * C + c], h, pp[g]);
+                    union { float f; uint32_t u; } a, b;
+                    a.f = s[g * it->s_stride + t0 + i];
+                    b.f = pair ? s[g * it->s_stride + t0 + i + 1] : 0.0f;
+                    pp[g] = (__m512bh)_mm512_set1_epi32((int)((a.u >> 16) | (b.u & 0xFFFF0000u)));
+                }
+                for (int64_t c = 0; c < cw; c++) {
+                    const __m512i x0 = _mm512_loadu_si512((const void *)(r0 + 32 * c));
+                    const __m512i x1 = _mm512_loadu_si512((const void *)(r1 + 32 * c));
+                    const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                    const __m512bh h = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+                    for (int64_t g = 0; g < G; g++) {
+                        lo[g * W + c] = _mm512_dpbf16_ps(lo[g * W + c], l, pp[g]);
+                        hi[g * W + c] = _mm512_dpbf16_ps(hi[g * W + c], h, pp[g]);
+                    }
                 }
             }
         }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < cw; c++) {
+                float l[16], h[16];
+                _mm512_storeu_ps(l, lo[g * W + c]);
+                _mm512_storeu_ps(h, hi[g * W + c]);
+                float *out = acc + g * D + 32 * (c0 + c);
+                for (int L = 0; L < 4; L++)
+                    for (int k = 0; k < 4; k++) {
+                        out[8 * L + k] = l[4 * L + k];
+                        out[8 * L + 4 + k] = h[4 * L + k];
+                    }
+            }
     }
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < C; c++) {
-            float l[16], h[16];
-            _mm512_storeu_ps(l, lo[g * C + c]);
-            _mm512_storeu_ps(h, hi[g * C + c]);
-            float *out = acc + g * D + 32 * c;
-            for (int L = 0; L < 4; L++)
-                for (int k = 0; k < 4; k++) {
-                    out[8 * L + k] = l[4 * L + k];
-                    out[8 * L + 4 + k] = h[4 * L + k];
-                }
-        }
 }
 
 /* 16 bytes of a row -> 16 floats (unscaled): int8 converted, fp8 through the table */
@@ -953,6 +963,8 @@ static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *a
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) scores_tiled(it, qb, s, mx, 3, 2);
     else if (vector_path && G == 4 && D == 128) scores_tiled(it, qb, s, mx, 4, 4);
+    else if (vector_path && G == 4 && D == 256) scores_tiled(it, qb, s, mx, 4, 8); /* Gemma 3 */
+    else if (vector_path && G == 2 && D == 256) scores_tiled(it, qb, s, mx, 2, 8);
     else if (vector_path && G == 1 && D == 64) scores_tiled(it, qb, s, mx, 1, 2);
     else if (vector_path) scores_tiled(it, qb, s, mx, G, D / 32);
     else
@@ -978,6 +990,8 @@ static void attend_item(const item_t *it, const uint16_t *qb, float *s, float *a
 #ifdef TM_AVX512BF16
     if (vector_path && G == 3 && D == 64) weighted_v_pairs(it, s, acc, 3, 2);
     else if (vector_path && G == 4 && D == 128) weighted_v_pairs(it, s, acc, 4, 4);
+    else if (vector_path && G == 4 && D == 256) weighted_v_pairs(it, s, acc, 4, 8);
+    else if (vector_path && G == 2 && D == 256) weighted_v_pairs(it, s, acc, 2, 8);
     else if (vector_path && G == 1 && D == 64) weighted_v_pairs(it, s, acc, 1, 2);
     else if (vector_path) weighted_v_pairs(it, s, acc, G, D / 32);
     else

@@ -52,6 +52,29 @@ def test_temperature_sampling_matches_softmax_frequencies():
     assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
 
 
+@pytest.mark.parametrize("params", [{}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}])
+def test_temperature_one_samples_like_any_temperature_and_leaves_logits_untouched(params):
+    """Temperature 1.0 skips the division: the same draws as a temperature a hair away
+    from 1 (the same uniforms, nearly the same distribution), the filters still apply,
+    and the caller's logits are not written."""
+    torch.manual_seed(3)
+    logits = torch.randn(64, 40) * 2
+    before = logits.clone()
+
+    def draw(temperature):
+        torch.manual_seed(99)
+        seqs = [make_seq(temperature=temperature, **params) for _ in range(64)]
+        return Sampler([EOS])(logits, seqs).token_ids
+
+    at_one = draw(1.0)
+    assert torch.equal(logits, before)
+    near = draw(1.0 + 1e-6)
+    assert sum(a != b for a, b in zip(at_one, near)) <= 1  # a draw on a boundary at most
+    if "top_k" in params:
+        allowed = logits.topk(3, dim=-1).indices
+        assert all(t in allowed[i].tolist() for i, t in enumerate(at_one))
+
+
 def test_top_k_never_samples_outside_the_k_largest():
     torch.manual_seed(0)
     row = torch.randn(50).tolist()

@@ -160,9 +160,15 @@ class Sampler:
         if all(greedy):
             return _argmax(logits)
 
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             device=device)
-        scaled = logits / temps[:, None]
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+        masked = (any(p.min_p > 0.0 for p in params) or any(p.top_k > 0 for p in params)
+                  or any(p.top_p < 1.0 and not g for g, p in zip(greedy, params)))
+        if all(t == 1.0 for t in temps):
+            # x / 1.0 is x: skip a pass over the (N, V) logits (16 x 262k fp32 is 1.3 ms
+            # a step on 2 cores); a copy only where the filters below write in place
+            scaled = logits.clone() if masked else logits
+        else:
+            scaled = logits / torch.tensor(temps, device=device)[:, None]
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)
             probs = torch.softmax(scaled, dim=-1)

@@ -33,22 +33,22 @@ def any_isa(monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)
 
 
-def test_the_gate_keeps_gguf_a16_on_every_isa_and_one_constant_would_switch_vnni(
+def test_vnni_defaults_to_gguf_a8_avx2_to_gguf_a16_and_one_constant_switches_vnni_back(
         any_isa, monkeypatch):
-    # gguf-a8 has not passed the full-text gate on every file in its current form
-    on = default_gguf_arithmetic(AVX512_VNNI)
-    assert on.method == "gguf-a16" and "not passed the accuracy gate" in on.reason
-    assert GATE_PAGE in on.reason and (REPO / GATE_PAGE).is_file()  # the page it names
-    avx2 = default_gguf_arithmetic(AVX2)
-    assert avx2.method == "gguf-a16" and "default on AVX2" in avx2.reason
-    # the one-line switch, once a8 passes on every file: VNNI only
-    monkeypatch.setattr(default_arithmetic, "A8_DEFAULT_ON_AVX512_VNNI", True)
+    # gguf-a8 (attention at int16) passed the full-text gate on every gated file
     on = default_gguf_arithmetic(AVX512_VNNI)
     assert on.reason == f"gguf-a8: default on AVX-512 VNNI (accuracy gate: {GATE_PAGE})"
-    assert default_gguf_arithmetic(AVX2).method == "gguf-a16"
+    assert (REPO / GATE_PAGE).is_file()  # the page it names
+    avx2 = default_gguf_arithmetic(AVX2)
+    assert avx2.method == "gguf-a16" and "default on AVX2" in avx2.reason
     # a VNNI CPU whose kernel was built without it (e.g. CC for x86-64-v3): not a8
     monkeypatch.setattr(q4q8_gemv, "has_vnni", lambda: False)
     assert default_gguf_arithmetic(AVX512_VNNI).method == "gguf-a16"
+    monkeypatch.setattr(q4q8_gemv, "has_vnni", lambda: True)
+    # the one-line switch back
+    monkeypatch.setattr(default_arithmetic, "A8_DEFAULT_ON_AVX512_VNNI", False)
+    off = default_gguf_arithmetic(AVX512_VNNI)
+    assert off.method == "gguf-a16" and "A8_DEFAULT_ON_AVX512_VNNI off" in off.reason
     monkeypatch.setattr(vnni, "fast", lambda: False)  # no SIMD build: torch's int4 kernel
     assert default_gguf_arithmetic(AVX512_VNNI).method == "gguf"
 

@@ -56,3 +56,32 @@ def test_a_connection_the_server_closed_while_idle_costs_no_request():
     records = asyncio.run(_run(6))
     assert [r.error_kind for r in records] == [None] * 6
     assert all(len(r.chunk_times_s) == 3 for r in records)
+
+
+async def _run_after_a_burst(burst: int, n: int) -> list[RequestRecord]:
+    """`burst` requests at once (a connection each, all left idle in the pool and dead
+    to the server), then n one after another: the first of those meets every dead one."""
+    server = await asyncio.start_server(_serve_one_response_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = OpenAIClient(ClientOptions(base_url=f"http://127.0.0.1:{port}", model="m",
+                                        ignore_eos=False))
+    try:
+        first = [RequestRecord(request_id=i, prompt_len=None, max_tokens=3)
+                 for i in range(burst)]
+        await asyncio.gather(*(client.send(r, "hello", 0.0) for r in first))
+        records = list(first)
+        for i in range(n):
+            record = RequestRecord(request_id=burst + i, prompt_len=None, max_tokens=3)
+            records.append(await client.send(record, "hello", 0.0))
+    finally:
+        await client.aclose()
+        server.close()
+    return records
+
+
+def test_more_dead_connections_than_retries_cost_no_request():
+    """W2 against llama-server -np 16 lost a request after five dead connections in a
+    row (more than the bench's retries): a resend goes out on a new connection."""
+    records = asyncio.run(_run_after_a_burst(12, 3))
+    assert [r.error_kind for r in records] == [None] * 15
+    assert all(len(r.chunk_times_s) == 3 for r in records)

@@ -114,6 +114,10 @@ class OpenAIClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self.dropped_fields: list[str] = []
         self._session: aiohttp.ClientSession | None = None
+        # resends after a dead kept-alive connection go out on a connection of their own:
+        # the pool may hold more dead ones than there are retries (W2 against llama-server
+        # -np 16 lost a request after 5 dead connections in a row)
+        self._fresh_session: aiohttp.ClientSession | None = None
         self._stale_retries: dict[int, int] = {}  # id(record) -> resends on dead connections
 
     @property
@@ -121,12 +125,26 @@ class OpenAIClient:
         """The streaming requests' session (aiohttp: its C HTTP parser costs a fraction of
         httpcore's pure-Python one per chunk, and a server-sent event is a chunk)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                base_url=self.options.base_url.rstrip("/") + "/", headers=self.headers,
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
-                                              sock_read=self.options.timeout_s))
+            # idle connections kept 2 s, under the 5 s after which llama-server (and
+            # uvicorn) close theirs: fewer dead ones to find in the pool
+            self._session = self._new_session(aiohttp.TCPConnector(limit=0,
+                                                                   keepalive_timeout=2.0))
         return self._session
+
+    @property
+    def fresh_session(self) -> aiohttp.ClientSession:
+        """A session that opens a new connection for every request (a resend's)."""
+        if self._fresh_session is None:
+            self._fresh_session = self._new_session(aiohttp.TCPConnector(limit=0,
+                                                                         force_close=True))
+        return self._fresh_session
+
+    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            base_url=self.options.base_url.rstrip("/") + "/", headers=self.headers,
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
+                                          sock_read=self.options.timeout_s))
 
     async def warm(self) -> None:
         """Open a connection and pay lazy imports before the clock starts."""
@@ -136,8 +154,9 @@ class OpenAIClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
 
     @property
     def path(self) -> str:
@@ -178,9 +197,10 @@ class OpenAIClient:
         record.send_time_s = now() - t0
         done = False
         answered = False
+        session = self.fresh_session if id(record) in self._stale_retries else self.session
         try:
-            async with self.session.post(self.path.lstrip("/"), data=_encode(body),
-                                         headers=_JSON) as resp:
+            async with session.post(self.path.lstrip("/"), data=_encode(body),
+                                    headers=_JSON) as resp:
                 answered = True
                 if resp.status != 200:
                     text = (await resp.read()).decode(errors="replace")

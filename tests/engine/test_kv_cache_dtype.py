@@ -16,7 +16,11 @@ BUDGET = 24 * 2**20
 
 
 def _engine(kv_cache_dtype: str, **cache) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=8, cache=CacheConfig(
+    # gguf-a16 named: these tests isolate the cache's rounding. On gguf-a8 (the AVX-512
+    # VNNI default since 2026-12-06) the teacher-forced top-1 agreement of the int8 cache
+    # with the bf16 one read 0.941 (256 positions), the int8 activations' own near-tie
+    # flips on top of the cache's; the accuracy gate judges each path against fp32
+    return LLMEngine(EngineConfig(max_num_seqs=8, quantization="gguf-a16", cache=CacheConfig(
         kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False, **cache)))
 
 

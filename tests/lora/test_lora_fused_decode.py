@@ -28,11 +28,17 @@ SPECS = {"a": (16, ALL), "b": (8, ["q_proj", "v_proj", "down_proj"]),
 # VNNI_DENSE_MIN_ROWS rows they take dense bf16 weights: other roundings, other tokens)
 PROMPTS = [[504, 3575, 282], [1143, 28267, 30], [9038, 2115, 253], [378, 1450, 970],
            [10300, 29030, 418], [3152, 5055, 3761]]
-PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 # The kernel sums A x and B (A x) in its own (vector) order, torch in oneDNN's: a delta's
 # bf16 rounding can fall the other way, which moves later bf16 activations; seen on these
-# adapters: <= 0.07 on a chosen token's logprob over 8 tokens.
+# adapters: <= 0.07 on a chosen token's logprob over 8 tokens. On gguf-a8 (int8 inputs to
+# the MLP and head) such a difference can also move a block's int8 rounding: where the
+# module path's top two tokens lie within this tolerance of each other, either may come
+# out (seen: 0.087 apart at the 8th token of adapter a's batch-1 run), and the sequences
+# part there; and a chosen token's logprob moves further (seen: 0.105 in the batch of
+# six), so gguf-a8 gets twice the tolerance.
 LOGPROB_ATOL = 0.1
+A8_LOGPROB_ATOL = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +67,21 @@ def adapters(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="module")
-def llm():
+@pytest.fixture(scope="module", params=["gguf-a16", "gguf-a8"])
+def llm(request):
     llm = LLM("smollm2-135m", enable_lora=True, max_loras=3, max_cpu_loras=3,
-              max_lora_rank=16)
+              max_lora_rank=16, quantization=request.param)
     assert llm.engine.runner.fused_decode is not None
     return llm
 
 
 def _generate(llm: LLM, prompts: list[str], loras: list[LoRARequest | None]
-              ) -> list[tuple[list[int], list[float]]]:
+              ) -> list[tuple[list[int], list[float], list[dict[int, float]]]]:
+    """Per prompt: the greedy tokens, their logprobs, and each position's top two."""
     outs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
     return [(o.outputs[0].token_ids,
-             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+             [{t: x.logprob for t, x in lp.items()} for lp in o.outputs[0].logprobs])
             for o in outs]
 
 
@@ -86,11 +94,21 @@ def _alone_on_the_module_path(llm: LLM, prompts, loras):
         fused.enabled = True
 
 
-def _same(got, want) -> None:
-    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, want)):
-        assert tokens == want_tokens, i
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                                   atol=LOGPROB_ATOL, rtol=0)
+def _same(got, want, llm: LLM) -> None:
+    """The module path's tokens, up to the first position where its top two lie within
+    the tolerance (a near-tie either path may take: the sequences part there), and their
+    logprobs within it."""
+    atol = A8_LOGPROB_ATOL if llm.engine.quantization == "gguf-a8" else LOGPROB_ATOL
+    for i, ((tokens, logprobs, _), (want_tokens, want_logprobs, want_top)) in enumerate(
+            zip(got, want)):
+        n = next((j for j, (t, u) in enumerate(zip(tokens, want_tokens)) if t != u),
+                 len(want_tokens))
+        if n < len(want_tokens):
+            top2 = sorted(want_top[n].values(), reverse=True)
+            assert tokens[n] in want_top[n] and top2[0] - top2[1] < atol, (i, n)
+        assert len(tokens) == len(want_tokens), i
+        torch.testing.assert_close(torch.tensor(logprobs[:n]), torch.tensor(want_logprobs[:n]),
+                                   atol=atol, rtol=0)
 
 
 @pytest.fixture
@@ -119,7 +137,7 @@ def test_batch_one_decode_with_an_adapter_is_fused(llm, adapters, fused_calls):
     steps = [c for c in fused_calls if c[0] == "step"]
     assert len(steps) == 3 * (PARAMS.max_tokens - 1)  # every decode step was fused
     assert len({c[1] for c in steps}) == 3  # a's records, b's, and none for the base
-    _same(got, _alone_on_the_module_path(llm, [PROMPTS[0]] * 3, [a, b, None]))
+    _same(got, _alone_on_the_module_path(llm, [PROMPTS[0]] * 3, [a, b, None]), llm)
     # the adapters change the output (so a step that dropped them fails above)
     assert got[0][0] != got[2][0] and got[1][0] != got[2][0]
 
@@ -132,7 +150,7 @@ def test_a_batch_of_the_base_and_three_adapters_is_fused(llm, adapters, fused_ca
     assert ("batch", 6, 3) in batches  # all six rows in one fused call, 3 adapter slots
     assert all(call[2] for call in batches)  # no decode step fell back to the modules
     assert not [call for call in fused_calls if call[0] == "step"]
-    _same(got, _alone_on_the_module_path(llm, PROMPTS, loras))
+    _same(got, _alone_on_the_module_path(llm, PROMPTS, loras), llm)
     # the adapters change their rows' output, and only theirs: the base rows give the
     # bits of an all-base step; each adapter row differs (a dropped delta would give the
     # base's bits), adapter a's (rank 16, all 7) by more than the tolerance
@@ -156,7 +174,7 @@ def test_unloaded_reused_and_evicted_adapters(llm, adapters, fused_calls):
     loras = [e, c, None]
     got = _generate(llm, PROMPTS[:3], loras)
     assert ("batch", 3, 2) in fused_calls
-    _same(got, _alone_on_the_module_path(llm, PROMPTS[:3], loras))
+    _same(got, _alone_on_the_module_path(llm, PROMPTS[:3], loras), llm)
     # loaded: a, c, e; d (b's file under a new name) evicts the least recently used idle
     # ones, c among them, as the batch's adapters are acquired
     d = LoRARequest("d", 4, adapters["b"])
@@ -164,7 +182,7 @@ def test_unloaded_reused_and_evicted_adapters(llm, adapters, fused_calls):
     got = _generate(llm, PROMPTS[:3], loras)
     assert 3 not in llm.engine.lora.loaded
     assert 3 not in fused._adapters  # its cached records (and tensors) dropped
-    _same(got, _alone_on_the_module_path(llm, PROMPTS[:3], loras))
+    _same(got, _alone_on_the_module_path(llm, PROMPTS[:3], loras), llm)
     loras = [c, None, a]  # c back from disk (evicting d)
     got = _generate(llm, PROMPTS[3:], loras)
-    _same(got, _alone_on_the_module_path(llm, PROMPTS[3:], loras))
+    _same(got, _alone_on_the_module_path(llm, PROMPTS[3:], loras), llm)

@@ -8,15 +8,21 @@ import pytest
 from tokenmill.cli import main as cli_main
 
 pytestmark = pytest.mark.slow  # a real model on a shared CPU
+# long enough that the 0.1 s scrapes see requests running: at 8 tokens a turn the whole
+# run could fall between two scrapes once decode got faster (gauges' running max 0 in a
+# make test of 2026-12-06)
+OUTPUT_LEN = 32
 
 
 @pytest.fixture(scope="module")
 def chat_run(server, tmp_path_factory):
-    """2 multi-turn chat conversations of 3 turns (plus 1 warmup conversation)."""
+    """2 multi-turn chat conversations of 3 turns (plus 1 warmup conversation), each
+    reply OUTPUT_LEN tokens."""
     out = tmp_path_factory.mktemp("reconcile") / "mt.json"
     code = cli_main(["bench", "--base-url", server.base_url, "--endpoint", "chat",
                      "--dataset", "multiturn", "--turns", "3", "--input-len", "40",
-                     "--output-len", "8", "--num-requests", "2", "--concurrency", "2",
+                     "--output-len", str(OUTPUT_LEN), "--num-requests", "2",
+                     "--concurrency", "2",
                      "--warmup", "1", "--no-progress", "--tokenizer", "smollm2-135m",
                      "--scrape-interval", "0.1", "--output", str(out)])
     assert code == 0
@@ -41,7 +47,7 @@ def test_client_and_server_means_agree_but_for_the_transport(chat_run):
     assert e2e["client"] >= e2e["server"] - 5.0, e2e
     # counts agree exactly, and the warmup conversation fell outside the scrapes
     assert rows["requests finished"]["server"] == rows["requests finished"]["client"] == 6
-    assert rows["output tokens"]["server"] == rows["output tokens"]["client"] == 6 * 8
+    assert rows["output tokens"]["server"] == rows["output tokens"]["client"] == 6 * OUTPUT_LEN
     assert rows["input tokens"]["diff_pct"] == 0  # the chat template counted on both sides
     assert srv["gauges"]["running"]["max"] >= 1  # seen mid-run by the periodic scrapes
     assert 0 < srv["gauges"]["kv_cache_usage"]["max"] <= 1

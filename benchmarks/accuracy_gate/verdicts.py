@@ -13,7 +13,7 @@ tokenmill's code), and its cell says so with a dagger."""
 
 from __future__ import annotations
 
-from benchmarks.accuracy_gate.figures import PPL_TOLERANCE
+from benchmarks.accuracy_gate.figures import verdict
 
 FOOTNOTE = ("Rows scored at the gate's 256-row prompt steps run every GGUF linear on its "
             "large-batch weight (packed bf16 unless the path changes it), so a plain "
@@ -40,13 +40,16 @@ def _column(r: dict, f: dict) -> str:
 
 
 def _borrowed_verdict(f: dict, anchor: dict) -> str:
-    """The rule (figures.verdict) from recorded figures: the KLD interval's low end not
-    above llama.cpp's high end, perplexity within 1% of the reference."""
-    low, ratio = f["config"].get("ci95", [None])[0], f["config"].get("ppl_ratio")
-    high = anchor["config"].get("ci95", [None, None])[1]
-    if low is None or high is None or not isinstance(ratio, float):
+    """The rule (figures.verdict) on recorded figures: each KLD interval from its ci95,
+    the perplexity ratio from the path's configuration."""
+    ours, theirs = f["config"].get("ci95"), anchor["config"].get("ci95")
+    ratio = f["config"].get("ppl_ratio")
+    if not ours or not theirs or None in (*ours, *theirs) or not isinstance(ratio, float):
         return "?"
-    return "PASS" if low <= high and abs(ratio - 1.0) <= PPL_TOLERANCE else "FAIL"
+    passes, _ = verdict({"kld_mean": {"low": ours[0], "high": ours[1]},
+                         "ppl_ratio": {"value": ratio}},
+                        {"kld_mean": {"low": theirs[0], "high": theirs[1]}})
+    return "PASS" if passes else "FAIL"
 
 
 def verdict_table(results: list[dict]) -> str:

@@ -36,24 +36,8 @@ async def _serve_one_response_per_connection(reader, writer) -> None:
     writer.close()
 
 
-async def _run(n: int) -> list[RequestRecord]:
-    server = await asyncio.start_server(_serve_one_response_per_connection, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    client = OpenAIClient(ClientOptions(base_url=f"http://127.0.0.1:{port}", model="m",
-                                        ignore_eos=False))
-    records = []
-    try:
-        for i in range(n):  # one after another: each reuses the pool's connection
-            record = RequestRecord(request_id=i, prompt_len=None, max_tokens=3)
-            records.append(await client.send(record, "hello", 0.0))
-    finally:
-        await client.aclose()
-        server.close()
-    return records
-
-
 def test_a_connection_the_server_closed_while_idle_costs_no_request():
-    records = asyncio.run(_run(6))
+    records = asyncio.run(_run_after_a_burst(0, 6))  # one after another: each reuses one
     assert [r.error_kind for r in records] == [None] * 6
     assert all(len(r.chunk_times_s) == 3 for r in records)
 

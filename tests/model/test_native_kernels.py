@@ -302,6 +302,62 @@ def test_native_argmax_picks_what_torch_argmax_picks():
     assert layer_ops.argmax(rows[:, ::2]) is None  # not contiguous: torch's
 
 
+def _torch_draws(logits: torch.Tensor, temps: list[float], u: torch.Tensor) -> torch.Tensor:
+    from tokenmill.engine.core.sampling_ops import inverse_cdf_draw
+
+    return inverse_cdf_draw(torch.softmax(logits / torch.tensor(temps)[:, None], -1), u)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("march", ["in use", "x86-64-v3", "x86-64-v2"])
+def test_native_draw_takes_the_token_torchs_draw_takes(march):
+    """Random sampling without filters (what a request with only a temperature gets):
+    with the same uniforms, the native draw (the build in use, and the AVX2 and plain-C
+    builds) takes torch's softmax + inverse-CDF token on all but the rare row whose
+    uniform falls within the sums' rounding of a boundary, at T = 1 and T = 0.7, a
+    vocabulary not a multiple of its blocks; never a token of logit -inf; and leaves
+    NaN rows to torch."""
+    from tokenmill.cpuinfo import cpu_flags
+
+    if march == "in use":
+        fn = layer_ops._lib.get("tm_sample_f32")
+    else:
+        if march == "x86-64-v3" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+            pytest.skip("this CPU cannot run an x86-64-v3 build")
+        fn = _layer_ops_build(march).tm_sample_f32
+
+    def draw(x, temps, u):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        t = torch.tensor(temps)  # held: a temporary's memory is freed before the call
+        fn(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), u.data_ptr(), out.data_ptr(), 2)
+        return out
+
+    gen = torch.Generator().manual_seed(7)
+    x = 4 * torch.randn(64, 50_001, generator=gen)
+    x[:, 1000:1500] = float("-inf")  # masked tokens (min_tokens, a stop id)
+    before = x.clone()
+    agree = total = 0
+    for temps in ([1.0] * 64, [0.7] * 64):
+        for _ in range(10):
+            u = torch.rand(64, generator=gen)
+            got = draw(x, temps, u)
+            assert not ((got >= 1000) & (got < 1500)).any()
+            assert ((got >= 0) & (got < x.shape[1])).all()
+            agree += int((got == _torch_draws(x, temps, u)).sum())
+            total += 64
+    assert agree >= 0.995 * total, (agree, total)
+    assert torch.equal(x, before)
+    one = torch.full((1, 5000), float("-inf"))
+    one[0, 4321] = -3.0  # one token left: always it
+    assert draw(one, [1.0], torch.tensor([0.999])).item() == 4321
+    assert draw(one, [1.0], torch.tensor([0.0])).item() == 4321
+    nan = torch.randn(2, 300)
+    nan[1, 7] = float("nan")
+    assert draw(nan, [1.0, 1.0], torch.rand(2))[1].item() == -1
+    if march == "in use":  # the wrapper: torch's path for such a row
+        assert layer_ops.sample(nan, [1.0, 1.0], torch.rand(2)) is None
+
+
 def test_fused_ops_leave_float32_to_torch():
     x = torch.randn(3, 64)
     assert layer_ops.rms_norm(x, torch.ones(64), 1e-5) is None

@@ -24,6 +24,7 @@ _lib = Library("layer_ops", {
     "tm_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
     "tm_gelu_tanh_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
     "tm_argmax_f32": ([_PTR, _I64, _I64, _PTR], None),
+    "tm_sample_f32": ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64], None),
 })
 
 
@@ -121,3 +122,24 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], uniforms: torch.Tensor
+           ) -> torch.Tensor | None:
+    """One token a row of fp32 logits (N, V) on the CPU, drawn from
+    softmax(logits / temperature) with each row's U[0, 1) draw, as
+    sampling_ops.inverse_cdf_draw draws from torch.softmax (the same draw but for the
+    rounding of the sums) in two passes over the logits instead of torch's five; the
+    logits are not written. None if not taken (then torch's path runs): not fp32 on the
+    CPU, or a row with a NaN, +inf or no finite logit."""
+    fn = _lib.get("tm_sample_f32")
+    if (fn is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0):
+        return None
+    n = logits.shape[0]
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    u = uniforms.to(torch.float32).contiguous()
+    out = torch.empty(n, dtype=torch.int64)
+    fn(logits.data_ptr(), n, logits.shape[1], temps.data_ptr(), u.data_ptr(), out.data_ptr(),
+       torch.get_num_threads())
+    return None if bool((out < 0).any()) else out

@@ -206,13 +206,16 @@ def step_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> N
 
 
 def linears_mode(args: argparse.Namespace, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
-    from q4q8_step import LM_HEAD, SHAPES, records
-
+    from benchmarks.kernels.q4q8_step import LM_HEAD, SHAPES, records
     from tokenmill.kernels import q4q8_gemv
     from tokenmill.quant import huge_pages
 
     gen = torch.Generator().manual_seed(0)
-    step = SHAPES * args.layers + [LM_HEAD]
+    head = LM_HEAD
+    if args.head:  # HIDDENxVOCAB: another model's Q8_0 LM head (gemma3-270m: 640x262144)
+        hidden, vocab = (int(v) for v in args.head.split("x"))
+        head = (hidden, vocab, LM_HEAD[2])
+    step = SHAPES * args.layers + [head]
     weights = [records(k, n, f, gen) for k, n, f in step]
     weights = huge_pages.gather(weights) or weights
     xs = [torch.randn((args.rows, k), generator=gen).bfloat16() for k, _, _ in step]
@@ -257,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="step mode: every request under a LoRA adapter of this rank on all "
                     "7 projections (0: none)")
     ap.add_argument("--bits", type=int, default=16, choices=(8, 16), help="linears mode")
+    ap.add_argument("--head", help="linears mode: the LM head's HIDDENxVOCAB (default "
+                    "SmolLM2's; with --layers 0 the head alone)")
     ap.add_argument("--gemm16", action="store_true",
                     help="linears mode: tm_q4q8_gemm16 (AVX2's batched kernel, 16-bit)")
     args = ap.parse_args(argv)

@@ -308,7 +308,7 @@ static __attribute__((noipa)) void quantize_block(const uint16_t *x, int64_t M, 
     }
 #endif
     d[m * nb + b] = dd;
-    sum[m * nb + b] = total;
+    sum[m * nb + b] = 128 * total; /* what the Q8 records subtract (q8_group) */
 #if TM_VNNI
     s[m * nb + b] = _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(dd), _mm_set_ss((float)total), TM_RN));
 #else
@@ -450,7 +450,7 @@ static inline __attribute__((always_inline)) void q8_group(
                 for (int c = 0; c < 8; c++) t = _mm512_dpbusd_epi32(t, w[c], bcast4(xl + 4 * c));
                 dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), t);
             }
-            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum[i * nb + b]));
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(sum[i * nb + b]));
             acc[i] = _mm512_fmadd_round_ps(
                 _mm512_cvtepi32_ps(dot),
                 _mm512_mul_round_ps(wd, _mm512_set1_ps(d[i * nb + b]), TM_RN), acc[i], TM_RN);
@@ -726,7 +726,7 @@ static inline __attribute__((always_inline)) void q8_halves(
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
             for (int i = 0; i < mr; i++) {
                 const __m256i dt = _mm256_sub_epi32(dot[i][h],
-                                                    _mm256_set1_epi32(128 * sum[i * nb + bb]));
+                                                    _mm256_set1_epi32(sum[i * nb + bb]));
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),
                                             _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + bb])),
                                             acc[i][h]);
@@ -807,7 +807,7 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *rec = wg + b * Q8_RECORD;
                 const int8_t *xb = q + i * K + b * QK;
-                int32_t dot = -128 * sum[i * nb + b];
+                int32_t dot = -sum[i * nb + b];
                 for (int c = 0; c < 8; c++)
                     for (int j = 0; j < 4; j++)
                         dot += rec[64 * c + 4 * r + j] * act_value(xb, plane, planes, 4 * c + j);

@@ -329,6 +329,15 @@ static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every
     return _mm512_set1_epi32(v);
 }
 
+/* acc + w (unsigned bytes) . the 4 signed bytes at p in every lane: vpdpbusd with its
+ * third operand broadcast from memory ({1to16}), which gcc does not fold from
+ * _mm512_set1_epi32 (it emits a vpbroadcastd for each) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w,
+                                                                 const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* The int32 dot products of 16 rows with one activation block: Q4 records. With two
  * planes, 256 * (w . qh) + (w . ql); |w . qh| <= 32 * 15 * 127, so no overflow. Each
  * plane's 8 vpdpbusd run as two chains of 4 (the low nibbles' inputs and the high
@@ -338,15 +347,15 @@ static inline __attribute__((always_inline)) __m512i q4_dots(
     const __m512i *lo, const __m512i *hi, const int8_t *xb, const int8_t *xl, int planes) {
     __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
-        a = _mm512_dpbusd_epi32(a, lo[c], bcast4(xb + 4 * c));
-        b = _mm512_dpbusd_epi32(b, hi[c], bcast4(xb + 16 + 4 * c));
+        a = dpbusd_bcast(a, lo[c], xb + 4 * c);
+        b = dpbusd_bcast(b, hi[c], xb + 16 + 4 * c);
     }
     __m512i s = _mm512_add_epi32(a, b);
     if (planes == 2) {
         __m512i e = _mm512_setzero_si512(), f = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            e = _mm512_dpbusd_epi32(e, lo[c], bcast4(xl + 4 * c));
-            f = _mm512_dpbusd_epi32(f, hi[c], bcast4(xl + 16 + 4 * c));
+            e = dpbusd_bcast(e, lo[c], xl + 4 * c);
+            f = dpbusd_bcast(f, hi[c], xl + 16 + 4 * c);
         }
         s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(e, f));
     }
@@ -443,11 +452,11 @@ static inline __attribute__((always_inline)) void q8_group(
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
             __m512i dot = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, w[c], bcast4(xb + 4 * c));
+            for (int c = 0; c < 8; c++) dot = dpbusd_bcast(dot, w[c], xb + 4 * c);
             if (planes == 2) {
                 const int8_t *xl = xb + plane;
                 __m512i t = _mm512_setzero_si512();
-                for (int c = 0; c < 8; c++) t = _mm512_dpbusd_epi32(t, w[c], bcast4(xl + 4 * c));
+                for (int c = 0; c < 8; c++) t = dpbusd_bcast(t, w[c], xl + 4 * c);
                 dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), t);
             }
             dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(sum[i * nb + b]));

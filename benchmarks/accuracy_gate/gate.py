@@ -50,6 +50,9 @@ PATHS = {
     "w8a8": "--batched-linears w8a8",
     "int8 KV": "--kv-cache-dtype int8",
     "fp8 KV": "--kv-cache-dtype fp8",
+    # the GPU's fp8 weights (e4m3 per output channel, activations per token, LM head
+    # bf16) computed on the CPU (tokenmill_runs.FP8_CPU_EMULATION_FLAG): issue 63
+    "fp8 weights (CPU emulation)": "--quantization fp8 --fp8-cpu-emulation",
 }
 REFERENCE_FLAGS = "--dtype float32"
 

@@ -25,7 +25,7 @@ import argparse
 import contextlib
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -53,14 +53,45 @@ def split_gate_flags(flags: str) -> tuple[str, int | None]:
     return shlex.join(words[:i] + words[i + 2:]), rows
 
 
+# The gate's own flag (not the engine's): `--quantization fp8` on a CPU, which the engine
+# refuses (no fp8 matmul), built anyway so that Fp8Linear runs its CPU branch: the
+# weights' e4m3 codes per output channel and the activations' per token, dequantized and
+# multiplied in fp32 (what torch._scaled_mm computes on the GPU, up to its accumulation
+# order), the LM head bf16 as on the GPU. Issue 63: fp8 gated at the model level
+# without a device.
+FP8_CPU_EMULATION_FLAG = "--fp8-cpu-emulation"
+
+
 def build_engine(model: str, flags: str):
     from tokenmill.cli.engine_args import add_engine_args, engine_config_from_args
     from tokenmill.engine.core.llm_engine import LLMEngine
 
+    words = shlex.split(flags)
+    emulate = FP8_CPU_EMULATION_FLAG in words
+    if emulate:
+        words.remove(FP8_CPU_EMULATION_FLAG)
     parser = argparse.ArgumentParser(prog="engine flags")
     add_engine_args(parser)
-    args = parser.parse_args([model, "--no-prefix-caching", *shlex.split(flags)])
-    return LLMEngine(engine_config_from_args(args))
+    args = parser.parse_args([model, "--no-prefix-caching", *words])
+    with _fp8_on_cpu() if emulate else contextlib.nullcontext():
+        return LLMEngine(engine_config_from_args(args))
+
+
+@contextlib.contextmanager
+def _fp8_on_cpu() -> Iterator[None]:
+    """`--quantization fp8` accepted on a CPU while an engine is built (Fp8Linear's CPU
+    branch then runs its matmuls); a GPU's own check is left as it is."""
+    from unittest import mock
+
+    import tokenmill.quant.model as quant_model
+
+    real = quant_model.fp8_unavailable_reason
+
+    def reason(device: torch.device) -> str | None:
+        return None if device.type == "cpu" else real(device)
+
+    with mock.patch.object(quant_model, "fp8_unavailable_reason", reason):
+        yield
 
 
 def describe(engine) -> str:

@@ -293,3 +293,27 @@ def test_report_prints_interval_ends_rounded():
 
     assert _config({"ci95": [0.0028103541780858943, 0.0031261898127933428], "n": 3}) == \
         "ci95=[0.00281, 0.00313], n=3"
+
+
+def test_the_fp8_path_runs_the_gpus_fp8_arithmetic_on_a_cpu():
+    """`fp8 weights (CPU emulation)` (issue 63): the engine the gate builds has every
+    linear but the LM head as Fp8Linear (e4m3 codes), where the same engine flags
+    without the gate's own flag are refused on a CPU, naming fp8."""
+    import torch
+
+    from benchmarks.accuracy_gate import tokenmill_runs
+    from benchmarks.accuracy_gate.gate import PATHS
+    from tokenmill.quant.fp8 import Fp8Linear
+
+    flags = PATHS["fp8 weights (CPU emulation)"]
+    assert tokenmill_runs.FP8_CPU_EMULATION_FLAG in flags
+    engine = tokenmill_runs.build_engine("smollm2-135m", f"{flags} --max-model-len 256")
+    assert engine.quantization == "fp8"
+    model = engine.runner.model
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(fp8) == 4 * 30  # SmolLM2's 30 layers: qkv, o, gate_up, down
+    assert not any("lm_head" in n for n in fp8)
+    assert all(m.weight_fp8.dtype == torch.float8_e4m3fn for m in fp8.values())
+    plain = flags.replace(tokenmill_runs.FP8_CPU_EMULATION_FLAG, "")
+    with pytest.raises(ValueError, match="fp8"):
+        tokenmill_runs.build_engine("smollm2-135m", f"{plain} --max-model-len 256")

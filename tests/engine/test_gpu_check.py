@@ -38,7 +38,7 @@ def test_smoke_fills_every_row(tmp_path):
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
                      "async vs sync scheduling at batch 64",
                      "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
-                     "MoE batch 64 decode",
+                     "MoE batch 64 decode", "engine ready, dummy weights", "  engine built",
                      *(f"gguf {t} " for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))):
         assert any(c.startswith(expected) for c in checks), expected
     by_check = {r["check"]: r for r in rows}
@@ -52,6 +52,6 @@ def test_smoke_fills_every_row(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows  # written as it went
     assert float(by_check["fused MoE kernel vs grouped experts"]["value"]) < 1e-5
     table = proc.stdout.strip().splitlines()[:-1]
-    sections = ("machine", "correctness", "gguf", "speed")
+    sections = ("machine", "correctness", "gguf", "speed", "start-up")
     assert len([line for line in table if line.startswith(sections)]) \
         == len(rows)

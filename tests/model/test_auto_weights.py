@@ -9,7 +9,7 @@ import torch
 from tests.model.conftest import make_hf_model, write_tiny_gguf
 from tokenmill.engine.runner import weights
 from tokenmill.loaders import resolve_model
-from tokenmill.quant import default_arithmetic, vnni
+from tokenmill.quant import default_arithmetic, mlp_int8, vnni
 from tokenmill.quant.default_arithmetic import default_gguf_arithmetic
 from tokenmill.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
 from tokenmill.quant.model import DENSE_MIN_ROWS, VNNI_DENSE_MIN_ROWS
@@ -47,6 +47,31 @@ def test_auto_on_a_native_bf16_cpu_is_bf16_with_int4_below_8_rows(tiny_gguf, mon
     assert not torch.equal(m(below), m.dense(below))
 
 
+def test_auto_on_avx512_vnni_runs_the_mlps_large_batches_on_their_own_records(
+        tiny_gguf, monkeypatch):
+    """On AVX512-VNNI (where `--batched-linears mlp-int8` passed the accuracy gate on
+    every gated file) the MLP's gate_up and down take large batches on their own records
+    at 8-bit activations, keeping no float copy; the attention's linears keep packed
+    bf16."""
+    if not mlp_int8.available():
+        pytest.skip("needs q4q8_gemv built with AVX512-VNNI")
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.delenv(default_arithmetic.FORCE_ENV, raising=False)
+    loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
+                                               torch.device("cpu"))
+    assert method in ("gguf-a8", "gguf-a16")
+    kinds = {}
+    for name, m in loaded.model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            leaf = name.rpartition(".")[2]
+            mlp = leaf in mlp_int8.MLP_LINEARS
+            kinds[leaf] = type(m.dense).__name__
+            assert isinstance(m.dense, mlp_int8.Int8ActivationWeight) == mlp, name
+            x = torch.randn(VNNI_DENSE_MIN_ROWS, m.in_features, dtype=torch.bfloat16)
+            assert torch.equal(m(x), m.dense(x))
+    assert {"gate_up_proj", "down_proj", "qkv_proj"} <= set(kinds), kinds
+
+
 def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_at_every_batch(tiny_gguf,
                                                                         monkeypatch):
     """No native bf16 but the kernel's AVX2 dot products: the model runs bf16 on
@@ -62,6 +87,7 @@ def test_auto_on_an_avx2_cpu_is_bf16_on_the_int16_kernel_at_every_batch(tiny_ggu
     monkeypatch.setattr(dense, "has_native_bf16", lambda: False)
     monkeypatch.setattr(vnni, "fast", lambda: True)
     monkeypatch.setattr(default_arithmetic, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(mlp_int8, "available", lambda: False)  # no VNNI: no mlp-int8
     monkeypatch.delenv(default_arithmetic.FORCE_ENV, raising=False)
     loaded, method = weights.load_engine_model(resolve_model(tiny_gguf), "auto", None,
                                                torch.device("cpu"))

@@ -79,8 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    "mlp-int8 (the MLP's GGUF integers x int8 activations on AVX512-VNNI, "
                    "attention's linears bf16), none (the low-bit kernels at every batch, no copy); "
                    "auto: none where the bf16 copy would exceed 1 GiB, int16 for gguf-a16 "
-                   "on AVX2 without native bf16, else the default that passed the accuracy "
-                   "gate")
+                   "on AVX2 without native bf16, mlp-int8 for gguf-a8/gguf-a16 on AVX512-VNNI "
+                   "(it passed the accuracy gate on every gated file), else bf16")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,

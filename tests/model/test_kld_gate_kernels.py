@@ -81,17 +81,26 @@ def test_decode_rows_run_each_paths_own_kernel(scored):
 
 def test_route_reading_matches_int4linears_dispatch(scored):
     """routes.route names the branch Int4Linear takes: kernel below dense_min_rows,
-    the dense weight from it (the output equals that branch's own call)."""
+    the dense weight from it (the output equals that branch's own call): packed bf16
+    for an attention linear, the MLP's own int8 records for an MLP linear under
+    `--batched-linears auto` on AVX512-VNNI (mlp-int8)."""
+    from tokenmill.quant import mlp_int8
     from tokenmill.quant.linear import Int4Linear
 
-    m = next(x for x in scored["gguf-a8", "model"].modules()
-             if isinstance(x, Int4Linear) and x.activations == "int8")
-    for rows in (1, VNNI_DENSE_MIN_ROWS - 1, VNNI_DENSE_MIN_ROWS, 64):
-        x = torch.randn(rows, m.in_features, dtype=torch.bfloat16)
-        name = routes.route(m, rows)
-        assert name == ("kernel int8" if rows < VNNI_DENSE_MIN_ROWS else "dense bfloat16")
-        want = m._lowbit(x) if name.startswith("kernel") else m.dense(x)
-        assert torch.equal(m(x), want.to(torch.bfloat16)), (rows, name)
+    linears = {name.rpartition(".")[2]: x for name, x in
+               scored["gguf-a8", "model"].named_modules()
+               if isinstance(x, Int4Linear) and x.activations in ("int8", "int16")}
+    mlp_dense = ("dense int8 records (mlp-int8)" if mlp_int8.available()
+                 else "dense bfloat16")
+    for leaf, dense in (("qkv_proj", "dense bfloat16"), ("down_proj", mlp_dense)):
+        m = linears[leaf]
+        for rows in (1, VNNI_DENSE_MIN_ROWS - 1, VNNI_DENSE_MIN_ROWS, 64):
+            x = torch.randn(rows, m.in_features, dtype=torch.bfloat16)
+            name = routes.route(m, rows)
+            assert name == (f"kernel {m.activations}" if rows < VNNI_DENSE_MIN_ROWS
+                            else dense), (leaf, rows)
+            want = m._lowbit(x) if name.startswith("kernel") else m.dense(x)
+            assert torch.equal(m(x), want.to(torch.bfloat16)), (leaf, rows, name)
 
 
 def test_gate_flags_are_split_from_engine_flags():

@@ -323,12 +323,6 @@ void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, 
 }
 
 #if TM_VNNI
-static inline __m512i bcast4(const int8_t *p) { /* 4 activation bytes into every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 /* acc + w (unsigned bytes) . the 4 signed bytes at p in every lane: vpdpbusd with its
  * third operand broadcast from memory ({1to16}), which gcc does not fold from
  * _mm512_set1_epi32 (it emits a vpbroadcastd for each) */

@@ -100,11 +100,11 @@ BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8", "none")
 # weights would exceed this (issue 56: resident weights about the file's bytes; an 8B
 # model's bf16 copy alone is 16 GB)
 FLOAT_COPY_LIMIT_BYTES = 1 << 30
-# for --batched-linears auto where mlp-int8 does not run: on AVX512-VNNI a GGUF model's
-# MLP takes its own records at 8-bit activations for large batches too (mlp-int8: it
-# passed the accuracy gate on all four gated files, docs/accuracy_gate.md, and keeps
-# no float copy of the MLP); elsewhere packed bf16
-DEFAULT_BATCHED_LINEARS = "bf16"
+# --batched-linears auto's choice where it runs, else packed bf16: mlp-int8 (a GGUF model's
+# MLP on its own records at 8-bit activations for large batches too, on AVX512-VNNI) since
+# it passed the accuracy gate on all four gated files (docs/accuracy_gate.md); it keeps no
+# float copy of the MLP. "bf16" puts packed bf16 back in one line.
+DEFAULT_BATCHED_LINEARS = "mlp-int8"
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -321,8 +321,8 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
     """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16 |
     mlp-int8 | none): auto is none where the float copy (`float_copy` bytes, see
     `float_copy_bytes`) would exceed FLOAT_COPY_LIMIT_BYTES, int16 for gguf-a16 on an
-    AVX2 CPU without native bf16, mlp-int8 for gguf-a8 / gguf-a16 on AVX512-VNNI, else
-    DEFAULT_BATCHED_LINEARS where it runs, else bf16 (`native_bf16`: whether this CPU
+    AVX2 CPU without native bf16, else DEFAULT_BATCHED_LINEARS where it runs (mlp-int8:
+    gguf-a8 / gguf-a16 on AVX512-VNNI), else bf16 (`native_bf16`: whether this CPU
     has it, default cpuinfo's answer). An explicit choice that cannot run here is an
     error naming the flag."""
     choices = ("auto", *BATCHED_LINEARS)
@@ -356,11 +356,13 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
         native = has_native_bf16() if native_bf16 is None else native_bf16
         if method == "gguf-a16" and widened.available() and not native:
             return "int16"  # oneDNN's large-batch weight would be fp32 here (dense.py)
-        if (method in ("gguf-a8", "gguf-a16") and dtype == torch.bfloat16
-                and mlp_int8.available()):
-            return "mlp-int8"  # AVX512-VNNI (see DEFAULT_BATCHED_LINEARS)
-        return ("w8a8" if DEFAULT_BATCHED_LINEARS == "w8a8" and runs_here
-                and w8a8_available() else "bf16")
+        default = DEFAULT_BATCHED_LINEARS
+        if default == "mlp-int8" and method in ("gguf-a8", "gguf-a16") \
+                and dtype == torch.bfloat16 and mlp_int8.available():
+            return default
+        if default == "w8a8" and runs_here and w8a8_available():
+            return default
+        return "bf16"
     return requested
 
 

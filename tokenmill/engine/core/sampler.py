@@ -162,14 +162,14 @@ class Sampler:
 
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         assert plan.uniforms is not None
+        filters = _Filters.of(params, greedy)
         sampled = None
-        if not any(p.min_p > 0.0 or p.top_k > 0 or (p.top_p < 1.0 and not g)
-                   for p, g in zip(params, greedy)):
+        if not filters.any:
             # no filter: the native draw reads the logits twice and writes nothing (torch's
             # softmax and cumulative sums: ~2.5 ms a step over 16 x 262k logits)
             sampled = layer_ops.sample(logits, temps, plan.uniforms)
         if sampled is None:
-            sampled = _filtered_draw(logits, params, greedy, temps, plan.uniforms)
+            sampled = _filtered_draw(logits, params, filters, temps, plan.uniforms)
         if any(greedy):
             is_greedy = torch.tensor(greedy, device=device)
             sampled = torch.where(is_greedy, _argmax(logits), sampled)
@@ -195,26 +195,41 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:  # (N, V) -> (N,)
     return ids if ids is not None else logits.argmax(dim=-1)
 
 
-def _filtered_draw(logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool],
+@dataclass
+class _Filters:
+    """Which of a batch's rows filter their distribution before the draw."""
+
+    min_p: bool  # some row has min_p
+    top_k: bool  # some row has top_k
+    top_p_rows: list[int]  # the random rows with top_p < 1
+
+    @staticmethod
+    def of(params: list[SamplingParams], greedy: list[bool]) -> _Filters:
+        return _Filters(any(p.min_p > 0.0 for p in params), any(p.top_k > 0 for p in params),
+                        [i for i, p in enumerate(params) if p.top_p < 1.0 and not greedy[i]])
+
+    @property
+    def any(self) -> bool:
+        return self.min_p or self.top_k or bool(self.top_p_rows)
+
+
+def _filtered_draw(logits: torch.Tensor, params: list[SamplingParams], filters: _Filters,
                    temps: list[float], uniforms: torch.Tensor) -> torch.Tensor:
     """torch's draw: temperature, then min-p, top-k and top-p, then the inverse CDF."""
     vocab, device = logits.shape[1], logits.device
-    min_p_rows = any(p.min_p > 0.0 for p in params)
-    top_k_rows = any(p.top_k > 0 for p in params)
-    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0 and not greedy[i]]
+    top_p_rows = filters.top_p_rows
     if all(t == 1.0 for t in temps):
         # x / 1.0 is x: skip a pass over the (N, V) logits (16 x 262k fp32 is 1.3 ms
         # a step on 2 cores); a copy only where the filters below write in place
-        masked = min_p_rows or top_k_rows or bool(top_p_rows)
-        scaled = logits.clone() if masked else logits
+        scaled = logits.clone() if filters.any else logits
     else:
         scaled = logits / torch.tensor(temps, device=device)[:, None]
-    if min_p_rows:
+    if filters.min_p:
         min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = torch.softmax(scaled, dim=-1)
         too_unlikely = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         scaled.masked_fill_(too_unlikely, float("-inf"))
-    if top_k_rows:
+    if filters.top_k:
         apply_top_k(scaled, [p.top_k if p.top_k > 0 else vocab for p in params])
     if top_p_rows:
         apply_top_p(scaled, top_p_rows, [params[i].top_p for i in top_p_rows])

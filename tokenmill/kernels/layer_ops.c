@@ -152,6 +152,11 @@ static inline float sample_exps(const float *x, int64_t len, float t, float m, f
 #endif
 }
 
+/* the logits in block b of a row of n */
+static inline int64_t block_len(int64_t n, int64_t b) {
+    return n - b * SAMPLE_BLOCK < SAMPLE_BLOCK ? n - b * SAMPLE_BLOCK : SAMPLE_BLOCK;
+}
+
 /* is f +-inf or NaN (from the bits: -ffast-math assumes neither) */
 static inline int not_finite(float f) {
     uint32_t b;
@@ -176,9 +181,7 @@ static int64_t sample_row(const float *x, int64_t n, float t, float u) {
     if (!sums) return -1;
     double total = 0.0;
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t len = n - b * SAMPLE_BLOCK < SAMPLE_BLOCK ? n - b * SAMPLE_BLOCK
-                                                                 : SAMPLE_BLOCK;
-        sums[b] = sample_exps(x + b * SAMPLE_BLOCK, len, t, m, 0);
+        sums[b] = sample_exps(x + b * SAMPLE_BLOCK, block_len(n, b), t, m, 0);
         total += sums[b];
     }
     /* the first block whose running total reaches (1 - u) of the whole: never one with
@@ -199,8 +202,7 @@ static int64_t sample_row(const float *x, int64_t n, float t, float u) {
     }
     if (sums != stack) free(sums);
     float e[SAMPLE_BLOCK];
-    const int64_t len = n - b * SAMPLE_BLOCK < SAMPLE_BLOCK ? n - b * SAMPLE_BLOCK
-                                                             : SAMPLE_BLOCK;
+    const int64_t len = block_len(n, b);
     sample_exps(x + b * SAMPLE_BLOCK, len, t, m, e);
     const double residual = target - before;
     double cum = 0.0;

@@ -23,7 +23,7 @@ _lib = Library("layer_ops", {
     "tm_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64], None),
     "tm_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
     "tm_gelu_tanh_mul_bf16": ([_PTR, _PTR, _I64, _I64, _I64], None),
-    "tm_argmax_f32": ([_PTR, _I64, _I64, _PTR], None),
+    "tm_argmax_f32": ([_PTR, _I64, _I64, _PTR, _I64], None),
     "tm_sample_f32": ([_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64], None),
 })
 
@@ -120,7 +120,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
             or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0):
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+       torch.get_num_threads())
     return out
 
 

@@ -242,7 +242,7 @@ static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *meta
  *   bits 8:  vmax 127, v = q (one int8 plane q);
  *   bits 16: vmax 32512 = 127 * 256, v = 256 qh + ql with qh in -127..127 and ql in
  *            -128..127 (planes q = qh and q + M * K = ql), so each plane is int8.
- * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = sum(v). The AVX-512
+ * d, s (M, K/32) fp32 with s = dx * sum(v); sum (M, K/32) int32 = -128 sum(v). The AVX-512
  * version computes exactly what the plain one does (the same fp32 products, rounded to
  * nearest even). */
 /* noipa: one compiled body for every caller (inlined with a constant `bits`, -ffast-math
@@ -308,7 +308,7 @@ static __attribute__((noipa)) void quantize_block(const uint16_t *x, int64_t M, 
     }
 #endif
     d[m * nb + b] = dd;
-    sum[m * nb + b] = 128 * total; /* what the Q8 records subtract (q8_group) */
+    sum[m * nb + b] = -128 * total; /* what the Q8 records add (q8_group) */
 #if TM_VNNI
     s[m * nb + b] = _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(dd), _mm_set_ss((float)total), TM_RN));
 #else
@@ -445,15 +445,16 @@ static inline __attribute__((always_inline)) void q8_group(
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
         for (int i = 0; i < mr; i++) {
             const int8_t *xb = q + i * K + b * QK;
-            __m512i dot = _mm512_setzero_si512();
+            /* one plane: the chain starts at - 128 sum(v) (no subtraction after it) */
+            const __m512i neg = _mm512_set1_epi32(sum[i * nb + b]);
+            __m512i dot = planes == 2 ? _mm512_setzero_si512() : neg;
             for (int c = 0; c < 8; c++) dot = dpbusd_bcast(dot, w[c], xb + 4 * c);
             if (planes == 2) {
                 const int8_t *xl = xb + plane;
-                __m512i t = _mm512_setzero_si512();
+                __m512i t = neg;
                 for (int c = 0; c < 8; c++) t = dpbusd_bcast(t, w[c], xl + 4 * c);
                 dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), t);
             }
-            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(sum[i * nb + b]));
             acc[i] = _mm512_fmadd_round_ps(
                 _mm512_cvtepi32_ps(dot),
                 _mm512_mul_round_ps(wd, _mm512_set1_ps(d[i * nb + b]), TM_RN), acc[i], TM_RN);
@@ -728,7 +729,7 @@ static inline __attribute__((always_inline)) void q8_halves(
         for (int h = h0; h < h0 + nh; h++) {
             const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
             for (int i = 0; i < mr; i++) {
-                const __m256i dt = _mm256_sub_epi32(dot[i][h],
+                const __m256i dt = _mm256_add_epi32(dot[i][h],
                                                     _mm256_set1_epi32(sum[i * nb + bb]));
                 acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),
                                             _mm256_mul_ps(wd, _mm256_set1_ps(d[i * nb + bb])),
@@ -810,7 +811,7 @@ static inline void q8_group(const uint8_t *wg, int64_t nb, int64_t K, const int8
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *rec = wg + b * Q8_RECORD;
                 const int8_t *xb = q + i * K + b * QK;
-                int32_t dot = -sum[i * nb + b];
+                int32_t dot = sum[i * nb + b];
                 for (int c = 0; c < 8; c++)
                     for (int j = 0; j < 4; j++)
                         dot += rec[64 * c + 4 * r + j] * act_value(xb, plane, planes, 4 * c + j);

@@ -139,7 +139,7 @@ def quantize(x: torch.Tensor, bits: int = 8
     total = torch.empty((m, k // 32), dtype=torch.int32)
     fn(x.data_ptr(), m, k, bits, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
     v = q[0].int() * 256 + q[1].int() if bits == 16 else q[0].int()
-    return v, d, total // 128  # the kernel keeps 128 sum(v), what Q8 records subtract
+    return v, d, -total // 128  # the kernel keeps -128 sum(v), what Q8 records add
 
 
 def bind(in_features: int, out_features: int, fmt: int, bits: int = 8, silu_mul: bool = False

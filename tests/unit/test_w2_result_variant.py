@@ -31,3 +31,37 @@ def test_a_second_tokenmill_server_counts_as_tokenmill_in_the_ratios():
              if r["metric"] == "output throughput c=16"}
     assert pairs == {("tokenmill", "llama-server -np 16"),
                      ("tokenmill --quantization gguf-a16", "llama-server -np 16")}
+
+
+def test_repeats_keep_every_run_and_the_targets_read_medians(capsys):
+    """`--repeat 3`: each figure holds the three runs (the result's median is theirs),
+    the table and the target read each column's median, and a server's failures add up."""
+    from benchmarks.workloads.w2_serving import figures_of, median_summaries, print_targets
+    from benchmarks.workloads.w2_targets import TARGETS
+
+    def summary(tok_s: float, ttft: float, failed: int = 0) -> dict:
+        return {"output_throughput_tok_s": tok_s, "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+                "tpot_ms": {"mean": 1000 / tok_s}, "num_failed": failed}
+
+    per_repeat = [
+        {"tokenmill": [summary(440.0, 400.0)], "llama-server -np 16": [summary(140.0, 2900.0)]},
+        {"tokenmill": [summary(375.0, 450.0, 1)], "llama-server -np 16": [summary(150.0, 2600.0)]},
+        {"tokenmill": [summary(410.0, 370.0)], "llama-server -np 16": [summary(155.0, 2800.0)]},
+    ]
+    med = median_summaries(per_repeat, [16])
+    assert med["tokenmill"][0]["output_throughput_tok_s"] == 410.0
+    assert med["llama-server -np 16"][0]["output_throughput_tok_s"] == 150.0
+    assert med["tokenmill"][0]["ttft_ms"] == {"p50": 400.0, "p99": 800.0}
+    assert med["tokenmill"][0]["num_failed"] == 1
+    assert median_summaries(per_repeat[:1], [16]) == per_repeat[0]
+    figures = figures_of(per_repeat, [16], {"model": "m", "repeats": 3})
+    tok_s = {f.label: f.runs for f in figures if f.metric == "output throughput c=16"}
+    assert tok_s == {"tokenmill": [440.0, 375.0, 410.0],
+                     "llama-server -np 16": [140.0, 150.0, 155.0]}
+    ratio = next(r for r in results.ratios(figures) if r["metric"] == "output throughput c=16")
+    assert abs(ratio["ratio"] - 410.0 / 150.0) < 1e-4
+    print_targets(med, [16], TARGETS["gemma3"])
+    out = capsys.readouterr().out
+    assert "2.73x" in out and "missed" in out  # 410 / 150: the medians, not one repeat's
+    print_targets(per_repeat[0], [16], TARGETS["gemma3"], verdicts=False)
+    assert "target" not in capsys.readouterr().out

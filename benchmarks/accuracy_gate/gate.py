@@ -47,6 +47,7 @@ PATHS = {
     "gguf-a16 kernel (decode rows)": "--quantization gguf-a16 --scored-step-rows 16",
     "gguf-a8 kernel (decode rows)": "--quantization gguf-a8 --scored-step-rows 16",
     "mlp-int8": "--batched-linears mlp-int8",
+    "int8 (prompt chunks)": "--batched-linears int8",
     "w8a8": "--batched-linears w8a8",
     "int8 KV": "--kv-cache-dtype int8",
     "fp8 KV": "--kv-cache-dtype fp8",

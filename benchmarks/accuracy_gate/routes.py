@@ -32,7 +32,7 @@ def route(module, rows: int) -> str:
 
 
 # the large-batch weights' classes by what they compute with
-_DENSE = {"Int8ActivationWeight": "int8 records (mlp-int8)",
+_DENSE = {"Int8ActivationWeight": "int8 records",
           "Int8DynamicWeight": "w8a8", "WidenedWeight": "int16 records"}
 
 

@@ -119,3 +119,44 @@ def test_mlp_int8_is_refused_where_it_cannot_run():
     else:
         with pytest.raises(ValueError, match="--batched-linears mlp-int8 needs"):
             resolve_batched_linears("mlp-int8", "gguf-a16", torch.bfloat16)
+
+
+def test_int8_takes_the_attention_linears_too_and_is_refused_where_it_cannot_run():
+    """`--batched-linears int8`: the attention's qkv_proj and o_proj on their records at
+    8 bits as well, the LM head on packed bf16; refused by name where mlp-int8 is."""
+    with pytest.raises(ValueError, match="--batched-linears int8.*gguf-a16"):
+        resolve_batched_linears("int8", "gguf", torch.bfloat16)
+    if not mlp_int8.available():
+        with pytest.raises(ValueError, match="--batched-linears int8 needs"):
+            resolve_batched_linears("int8", "gguf-a16", torch.bfloat16)
+        return
+    engine = small_engine(quantization="gguf-a16", batched_linears="int8")
+    linears = _linears(engine)
+    head = linears.pop("lm_head")
+    assert len(linears) == 30 * 4
+    assert all(isinstance(m.dense, mlp_int8.Int8ActivationWeight) and m.dense_min_rows == 20
+               for m in linears.values())
+    assert isinstance(head.dense, DenseWeight)
+    engine.add_request("g", "The capital of France is", SamplingParams(temperature=0,
+                                                                       max_tokens=4))
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+    assert "Paris" in text
+
+
+def test_auto_takes_int8_for_gemma3_on_gguf_a8_only():
+    """--batched-linears auto on AVX512-VNNI: int8 for an architecture whose gguf-a8
+    attention runs at int8 (config.GGUF_INT8_ATTENTION_ARCHITECTURES: Gemma 3, gated),
+    mlp-int8 for the others and for gguf-a16."""
+    if not mlp_int8.available():
+        pytest.skip("needs AVX512-VNNI")
+
+    def auto(method, arch):
+        return resolve_batched_linears("auto", method, torch.bfloat16, True, 0, arch)
+    assert auto("gguf-a8", "Gemma3ForCausalLM") == "int8"
+    assert auto("gguf-a8", "Gemma3ForConditionalGeneration") == "int8"
+    assert auto("gguf-a16", "Gemma3ForCausalLM") == "mlp-int8"
+    assert auto("gguf-a8", "LlamaForCausalLM") == "mlp-int8"
+    assert auto("gguf-a8", None) == "mlp-int8"

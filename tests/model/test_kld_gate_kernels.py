@@ -90,7 +90,7 @@ def test_route_reading_matches_int4linears_dispatch(scored):
     linears = {name.rpartition(".")[2]: x for name, x in
                scored["gguf-a8", "model"].named_modules()
                if isinstance(x, Int4Linear) and x.activations in ("int8", "int16")}
-    mlp_dense = ("dense int8 records (mlp-int8)" if mlp_int8.available()
+    mlp_dense = ("dense int8 records" if mlp_int8.available()
                  else "dense bfloat16")
     for leaf, dense in (("qkv_proj", "dense bfloat16"), ("down_proj", mlp_dense)):
         m = linears[leaf]

@@ -72,15 +72,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    "checkpoint, for a GGUF on CPU gguf-a8 on AVX512-VNNI and gguf-a16 on "
                    "AVX2 (TOKENMILL_GGUF_DEFAULT forces one; docs/accuracy_gate.md)")
     g.add_argument("--batched-linears", default="auto",
-                   choices=["auto", "bf16", "w8a8", "int16", "mlp-int8", "none"],
+                   choices=["auto", "bf16", "w8a8", "int16", "mlp-int8", "int8", "none"],
                    help="weights the low-bit linears use for many rows a step: bf16 (packed "
                    "for oneDNN), w8a8 (int8 weights x per-token int8 activations on "
                    "AVX512-VNNI), int16 (gguf-a16's own integers widened, on AVX2) or "
                    "mlp-int8 (the MLP's GGUF integers x int8 activations on AVX512-VNNI, "
-                   "attention's linears bf16), none (the low-bit kernels at every batch, no copy); "
+                   "attention's linears bf16), int8 (the attention's too), none (the low-bit "
+                   "kernels at every batch, no copy); "
                    "auto: none where the bf16 copy would exceed 1 GiB, int16 for gguf-a16 "
                    "on AVX2 without native bf16, mlp-int8 for gguf-a8/gguf-a16 on AVX512-VNNI "
-                   "(it passed the accuracy gate on every gated file), else bf16")
+                   "(it passed the accuracy gate on every gated file; int8 for a Gemma 3 "
+                   "file on gguf-a8, whose gate passes it), else bf16")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at the checkpoint's shapes (speed checks)")
     g.add_argument("--max-model-len", type=int, default=None,

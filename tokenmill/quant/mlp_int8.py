@@ -10,10 +10,11 @@ every linear miss the accuracy gate (gguf-a8: ~96% greedy top-1 with fp32 agains
 with them left in bf16 reads 97.7% (BENCHMARKS.md). `--batched-linears mlp-int8` gives
 the MLP's linears (gate_up and down, ~¾ of a decoder layer's multiply-adds) this weight
 for their large batches and leaves attention's and the LM head's on packed bf16; no
-float copy of the MLP's weights is kept. It is opt-in: the engine's own gate run in
-prefill mode reads 96.6% (its bf16 baseline 97.1%), perplexity within 0.12%; decode
-after an 8-bit prompt 98.9% (BENCHMARKS.md, 2026-12-04 12:40). A 512-token prefill:
-323 -> 295 ms on the 2-core Zen 4.
+float copy of the MLP's weights is kept. `--batched-linears int8` gives it to the
+attention's qkv_proj and o_proj as well. `auto` picks mlp-int8 on AVX512-VNNI (the KLD
+gate passes it on all four gated files) and int8 for Gemma 3 on gguf-a8 (its gate
+passes that too: docs/accuracy_gate.md). A 512-token prefill: 323 -> 295 ms on the
+2-core Zen 4 (mlp-int8 against packed bf16).
 
 The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.
 """

@@ -37,7 +37,9 @@ widened.py; the per-row kernel's arithmetic at any batch, no float copy kept), o
 "mlp-int8" (gguf-a16 / gguf-a8 on AVX512-VNNI: the MLP's gate_up and down run their
 own records on int8 activations, mlp_int8.py, no float copy kept; the attention's
 linears and the LM head keep packed bf16; changed numerics, gated by
-benchmarks/accuracy.py).
+benchmarks/accuracy.py), or "int8" (the same for the attention's qkv_proj and o_proj
+too: every decoder linear on its own records at 8 bits; auto's choice for the
+architectures of config.GGUF_INT8_ATTENTION_ARCHITECTURES, whose gate passes it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ import torch
 from torch import nn
 
 from tokenmill import malloc
-from tokenmill.config import GGUF_ACTIVATIONS, gguf_activations
+from tokenmill.config import (
+    ATTENTION_LINEARS,
+    GGUF_ACTIVATIONS,
+    GGUF_INT8_ATTENTION_ARCHITECTURES,
+    gguf_activations,
+)
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.models.deferred_weights import materialize, materialize_all
 from tokenmill.models.moe import Experts
@@ -96,7 +103,7 @@ DENSE_MIN_ROWS = 8
 # "Batched rows on the VNNI kernel"); 20 lies between the last win and the first loss.
 VNNI_DENSE_MIN_ROWS = 20
 # the large-batch weight (module docstring); "none": the low-bit kernels at every batch
-BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8", "none")
+BATCHED_LINEARS = ("bf16", "w8a8", "int16", "mlp-int8", "int8", "none")
 # --batched-linears auto keeps no float copy of a model whose quantized linears' float
 # weights would exceed this (issue 56: resident weights about the file's bytes; an 8B
 # model's bf16 copy alone is 16 GB)
@@ -106,6 +113,9 @@ FLOAT_COPY_LIMIT_BYTES = 1 << 30
 # it passed the accuracy gate on all four gated files (docs/accuracy_gate.md); it keeps no
 # float copy of the MLP. "bf16" puts packed bf16 back in one line.
 DEFAULT_BATCHED_LINEARS = "mlp-int8"
+# ...and "int8" (the attention's linears on their records too) for the architectures
+# whose gguf-a8 runs the attention at int8 (config.GGUF_INT8_ATTENTION_ARCHITECTURES):
+# Gemma 3's gate passes it (docs/accuracy_gate.md), its prompt chunks 1.07x faster
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -145,7 +155,7 @@ def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | 
     if dense_min_rows == "auto":
         vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
         dense_min_rows = (VNNI_DENSE_MIN_ROWS
-                          if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8")
+                          if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8", "int8")
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
     freed = 0  # bytes of GGUF blocks freed since the last malloc trim
@@ -186,9 +196,10 @@ def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | 
         if batched_linears == "int16":  # the int16 records widened (widened.py)
             _records_for_batches(model, dense_min_rows, widened.WidenedWeight,
                                  lambda name, m: m.activations == "int16")
-        if batched_linears == "mlp-int8":  # the MLP's records at 8 bits (mlp_int8.py)
+        if batched_linears in ("mlp-int8", "int8"):  # records at 8 bits (mlp_int8.py)
+            leaves = _int8_record_linears(batched_linears)
             _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
-                                 lambda name, m: name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
+                                 lambda name, m: name.rpartition(".")[2] in leaves)
     if method == "none":  # a GGUF type with no kernel at all is still named (issue 56)
         for name, module in model.named_modules():
             shards = module.__dict__.get(_GGUF_BLOCKS_ATTR)
@@ -316,14 +327,21 @@ def resolve_quantization(requested: str | None, model: nn.Module,
     return "none", "none: no GGUF blocks a native kernel runs (float weights)"
 
 
+def _int8_record_linears(batched_linears: str) -> tuple[str, ...]:
+    """The linears (leaf names) that run their own records at 8 bits for large batches."""
+    return mlp_int8.MLP_LINEARS + (ATTENTION_LINEARS if batched_linears == "int8" else ())
+
+
 def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
                             native_bf16: bool | None = None,
-                            float_copy: int | None = None) -> str:
+                            float_copy: int | None = None,
+                            architecture: str | None = None) -> str:
     """The large-batch weight for `--batched-linears` (auto | bf16 | w8a8 | int16 |
-    mlp-int8 | none): auto is none where the float copy (`float_copy` bytes, see
+    mlp-int8 | int8 | none): auto is none where the float copy (`float_copy` bytes, see
     `float_copy_bytes`) would exceed FLOAT_COPY_LIMIT_BYTES, int16 for gguf-a16 on an
     AVX2 CPU without native bf16, else DEFAULT_BATCHED_LINEARS where it runs (mlp-int8:
-    gguf-a8 / gguf-a16 on AVX512-VNNI), else bf16 (`native_bf16`: whether this CPU
+    gguf-a8 / gguf-a16 on AVX512-VNNI; int8 for gguf-a8 on an `architecture` of
+    GGUF_INT8_ATTENTION_ARCHITECTURES), else bf16 (`native_bf16`: whether this CPU
     has it, default cpuinfo's answer). An explicit choice that cannot run here is an
     error naming the flag."""
     choices = ("auto", *BATCHED_LINEARS)
@@ -343,13 +361,14 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
     if requested == "int16" and not widened.available():
         raise ValueError("--batched-linears int16 needs the native kernel built with AVX2 "
                          "and without AVX512-VNNI (where packed bf16 is faster)")
-    if requested == "mlp-int8" and method not in ("gguf-a8", "gguf-a16"):
-        raise ValueError("--batched-linears mlp-int8 runs the MLP's GGUF records on int8 "
-                         "activations: it needs --quantization gguf-a16 or gguf-a8 "
+    if requested in ("mlp-int8", "int8") and method not in ("gguf-a8", "gguf-a16"):
+        what = "MLP's" if requested == "mlp-int8" else "linears'"
+        raise ValueError(f"--batched-linears {requested} runs the {what} GGUF records on "
+                         "int8 activations: it needs --quantization gguf-a16 or gguf-a8 "
                          f"(here {method})")
-    if requested == "mlp-int8" and not mlp_int8.available():
-        raise ValueError("--batched-linears mlp-int8 needs the native kernel built with "
-                         "AVX512-VNNI (q4q8_gemv.c)")
+    if requested in ("mlp-int8", "int8") and not mlp_int8.available():
+        raise ValueError(f"--batched-linears {requested} needs the native kernel built "
+                         "with AVX512-VNNI (q4q8_gemv.c)")
     if requested == "auto" and float_copy is not None and float_copy > FLOAT_COPY_LIMIT_BYTES \
             and method in (*GGUF_ACTIVATIONS, "int4", "int8"):
         return "none"  # memory that scales: no float copy (an explicit bf16 keeps one)
@@ -360,6 +379,8 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
         default = DEFAULT_BATCHED_LINEARS
         if default == "mlp-int8" and method in ("gguf-a8", "gguf-a16") \
                 and dtype == torch.bfloat16 and mlp_int8.available():
+            if method == "gguf-a8" and architecture in GGUF_INT8_ATTENTION_ARCHITECTURES:
+                return "int8"  # its attention takes int8 in decode too (config.py)
             return default
         if default == "w8a8" and runs_here and w8a8_available():
             return default
@@ -378,7 +399,8 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         return
     # int16 and mlp-int8: the records themselves, after (_records_for_batches)
     on_records = batched_linears == "int16" or (
-        batched_linears == "mlp-int8" and name.rpartition(".")[2] in mlp_int8.MLP_LINEARS)
+        batched_linears in ("mlp-int8", "int8")
+        and name.rpartition(".")[2] in _int8_record_linears(batched_linears))
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
                   and not on_records)
     if keep_dense or method not in GGUF_ACTIVATIONS:  # the float values are read here

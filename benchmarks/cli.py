@@ -60,7 +60,7 @@ def _run_all(rest: list[str]) -> int:
     ap.add_argument("--peers", default=None, help="comma-separated: vllm,llama,transformers")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--model", default=None, help="GGUF file or alias, for W2-W4")
-    ap.add_argument("--repeats", type=int, default=None, help="for W1, W3, W4, W5")
+    ap.add_argument("--repeats", type=int, default=None, help="for W1-W5")
     args = ap.parse_args(rest)
     if args.peers is not None:
         known = {"vllm", "llama", "transformers"}

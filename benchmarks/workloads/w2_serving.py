@@ -26,9 +26,9 @@ benchmarks/results/<date>-<machine class>-w2[-<model>].json.
     python -m benchmarks run w2 --skip-peers        # tokenmill only
     python -m benchmarks run w2 -- --max-num-seqs 32  # extra serve flags
     python -m benchmarks run w2 --also-serve "--quantization gguf-a16"  # a 2nd tokenmill
-    python -m benchmarks run w2 --peers llama --model F.gguf --repeat 3  # medians of 3
+    python -m benchmarks run w2 --peers llama --model F.gguf --repeats 3  # medians of 3
 
---repeat N runs the servers' sequence N times over (tokenmill, llama-server, tokenmill,
+--repeats N runs the servers' sequence N times over (tokenmill, llama-server, tokenmill,
 ...), so that a VM's drift between minutes falls on every server alike; each server's
 figures then hold N runs, the tables and the targets read their medians, and each
 repeat's own ratios are printed beside them.
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="vLLM runs: 'both' cores and/or its 'default' (default: both,default)")
     ap.add_argument("--llama-np", type=int, default=16, help="llama-server -np (slots)")
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeats", type=int, default=1,
                     help="run every server's sweep this many times, the servers alternated; "
                     "figures keep each run, tables and targets read the medians")
     ap.add_argument("--no-result", action="store_true",
@@ -229,13 +229,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"model's, not {gguf.name}'s")
         print(f"[peers] {notes[-1]}")
     print(f"W2 online serving · {gguf.name} · {machine()}")
-    if args.repeat < 1:
-        raise SystemExit("--repeat: at least 1")
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
     vllm, llama = ensure_servers(peers)
     repeats: list[dict[str, dict]] = []  # each repeat's sweeps, by server
-    for r in range(args.repeat):
-        if args.repeat > 1:
-            print(f"repeat {r + 1} of {args.repeat}", flush=True)
+    for r in range(args.repeats):
+        if args.repeats > 1:
+            print(f"repeat {r + 1} of {args.repeats}", flush=True)
         repeats.append(sweep_servers(args, levels, gguf, vllm, llama, vllm_threads))
     sweeps = repeats[0]
     runs = {name: swept["runs"] for name, swept in repeats[-1].items()}
@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         extra = " ".join(args.serve_args)
         if extra:
             cfg["serve_args"] = extra
-        if args.repeat > 1:
-            cfg["repeats"] = args.repeat
+        if args.repeats > 1:
+            cfg["repeats"] = args.repeats
         figures = figures_of(per_repeat, levels, cfg)
         result = results_mod.build(
             "w2", TITLE, figures, notes=notes,

@@ -34,7 +34,7 @@ def test_a_second_tokenmill_server_counts_as_tokenmill_in_the_ratios():
 
 
 def test_repeats_keep_every_run_and_the_targets_read_medians(capsys):
-    """`--repeat 3`: each figure holds the three runs (the result's median is theirs),
+    """`--repeats 3`: each figure holds the three runs (the result's median is theirs),
     the table and the target read each column's median, and a server's failures add up."""
     from benchmarks.workloads.w2_serving import figures_of, median_summaries, print_targets
     from benchmarks.workloads.w2_targets import TARGETS

@@ -28,3 +28,15 @@ def small_engine(kv_cache_mib: int = 16, kv_cache_dtype: str = "auto", **config)
     return LLMEngine(EngineConfig(**{"max_num_seqs": 4, **config}, cache=CacheConfig(
         enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_mib * 2**20,
         kv_cache_dtype=kv_cache_dtype)))
+
+
+def greedy_text(engine, prompt: str, n: int) -> str:
+    """The text of `engine`'s greedy completion of `prompt`, n tokens (request id "g")."""
+    from tokenmill.sampling_params import SamplingParams
+
+    engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=n))
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+    return text

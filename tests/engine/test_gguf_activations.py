@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.conftest import small_engine
-from tokenmill.engine.core.llm_engine import LLMEngine
+from tests.engine.conftest import greedy_text, small_engine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear, widened
 from tokenmill.quant.fused_mlp import FusedSiluMLP
@@ -25,15 +24,6 @@ def engines():
     return {"gguf-a16": small_engine(quantization="gguf-a16"),
             "gguf-a8": small_engine(quantization="gguf-a8"),
             "fp32": small_engine(dtype="float32")}
-
-
-def _greedy(engine: LLMEngine, prompt: str, n: int) -> str:
-    engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=n))
-    text = ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-    return text
 
 
 @pytest.mark.parametrize(("method", "activations"), [("gguf-a16", "int16"), ("gguf-a8", "int8")])
@@ -52,7 +42,7 @@ def test_every_linear_runs_the_quantized_activation_kernel(engines, method, acti
     # silu * up runs inside each down projection's call
     assert sum(isinstance(m, FusedSiluMLP) for m in engine.runner.model.modules()) == 30
     assert engines["fp32"].quantization == "none"  # the exact reference stays exact
-    assert "Paris" in _greedy(engine, "The capital of France is", 4)
+    assert "Paris" in greedy_text(engine, "The capital of France is", 4)
 
 
 def test_logits_keep_the_fp32_sums_a_greedy_choice_needs(engines):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.conftest import greedy_text
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.core.llm_engine import LLMEngine
 
@@ -62,16 +63,7 @@ def test_server_info_names_the_kv_cache_dtype(engines):
 
 
 def test_int8_cache_generates_text(engines):
-    from tokenmill.sampling_params import SamplingParams
-
-    engine = engines["int8"]
-    engine.add_request("g", "The capital of France is", SamplingParams(temperature=0,
-                                                                       max_tokens=4))
-    text = ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-    assert "Paris" in text
+    assert "Paris" in greedy_text(engines["int8"], "The capital of France is", 4)
 
 
 def test_the_llm_class_takes_the_kv_cache_dtype():

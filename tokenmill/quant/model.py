@@ -52,12 +52,7 @@ import torch
 from torch import nn
 
 from tokenmill import malloc
-from tokenmill.config import (
-    ATTENTION_LINEARS,
-    GGUF_ACTIVATIONS,
-    GGUF_INT8_ATTENTION_ARCHITECTURES,
-    gguf_activations,
-)
+from tokenmill.config import ATTENTION_LINEARS, GGUF_ACTIVATIONS, gguf_activations
 from tokenmill.cpuinfo import has_native_bf16
 from tokenmill.models.deferred_weights import materialize, materialize_all
 from tokenmill.models.moe import Experts
@@ -111,11 +106,13 @@ FLOAT_COPY_LIMIT_BYTES = 1 << 30
 # --batched-linears auto's choice where it runs, else packed bf16: mlp-int8 (a GGUF model's
 # MLP on its own records at 8-bit activations for large batches too, on AVX512-VNNI) since
 # it passed the accuracy gate on all four gated files (docs/accuracy_gate.md); it keeps no
-# float copy of the MLP. "bf16" puts packed bf16 back in one line.
+# float copy of the MLP. "bf16" puts packed bf16 back in one line. Where the attention
+# runs at int8 in decode as well (config.GGUF_INT8_ATTENTION_ARCHITECTURES), auto takes
+# "int8" instead (the attention's linears on their records too): Gemma 3's gate passes it
+# (docs/accuracy_gate.md), its mixed prompt-and-decode steps 1.08x faster.
 DEFAULT_BATCHED_LINEARS = "mlp-int8"
-# ...and "int8" (the attention's linears on their records too) for the architectures
-# whose gguf-a8 runs the attention at int8 (config.GGUF_INT8_ATTENTION_ARCHITECTURES):
-# Gemma 3's gate passes it (docs/accuracy_gate.md), its prompt chunks 1.07x faster
+# the batched-linears choices that run GGUF records at 8 bits (mlp_int8.py)
+INT8_RECORD_BATCHES = ("mlp-int8", "int8")
 _GGUF_BLOCKS_ATTR = "gguf_quantized"  # where the loader keeps a module's GGUF blocks
 
 
@@ -155,7 +152,7 @@ def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | 
     if dense_min_rows == "auto":
         vnni_kernel = GGUF_ACTIVATIONS.get(method) in ("int8", "int16")
         dense_min_rows = (VNNI_DENSE_MIN_ROWS
-                          if vnni_kernel and batched_linears in ("bf16", "int16", "mlp-int8", "int8")
+                          if vnni_kernel and batched_linears in ("bf16", "int16", *INT8_RECORD_BATCHES)
                           else DENSE_MIN_ROWS)
     summary = QuantizationSummary(method)
     freed = 0  # bytes of GGUF blocks freed since the last malloc trim
@@ -196,7 +193,7 @@ def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | 
         if batched_linears == "int16":  # the int16 records widened (widened.py)
             _records_for_batches(model, dense_min_rows, widened.WidenedWeight,
                                  lambda name, m: m.activations == "int16")
-        if batched_linears in ("mlp-int8", "int8"):  # records at 8 bits (mlp_int8.py)
+        if batched_linears in INT8_RECORD_BATCHES:  # records at 8 bits (mlp_int8.py)
             leaves = _int8_record_linears(batched_linears)
             _records_for_batches(model, dense_min_rows, mlp_int8.Int8ActivationWeight,
                                  lambda name, m: name.rpartition(".")[2] in leaves)
@@ -361,12 +358,12 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
     if requested == "int16" and not widened.available():
         raise ValueError("--batched-linears int16 needs the native kernel built with AVX2 "
                          "and without AVX512-VNNI (where packed bf16 is faster)")
-    if requested in ("mlp-int8", "int8") and method not in ("gguf-a8", "gguf-a16"):
+    if requested in INT8_RECORD_BATCHES and method not in ("gguf-a8", "gguf-a16"):
         what = "MLP's" if requested == "mlp-int8" else "linears'"
         raise ValueError(f"--batched-linears {requested} runs the {what} GGUF records on "
                          "int8 activations: it needs --quantization gguf-a16 or gguf-a8 "
                          f"(here {method})")
-    if requested in ("mlp-int8", "int8") and not mlp_int8.available():
+    if requested in INT8_RECORD_BATCHES and not mlp_int8.available():
         raise ValueError(f"--batched-linears {requested} needs the native kernel built "
                          "with AVX512-VNNI (q4q8_gemv.c)")
     if requested == "auto" and float_copy is not None and float_copy > FLOAT_COPY_LIMIT_BYTES \
@@ -379,8 +376,8 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
         default = DEFAULT_BATCHED_LINEARS
         if default == "mlp-int8" and method in ("gguf-a8", "gguf-a16") \
                 and dtype == torch.bfloat16 and mlp_int8.available():
-            if method == "gguf-a8" and architecture in GGUF_INT8_ATTENTION_ARCHITECTURES:
-                return "int8"  # its attention takes int8 in decode too (config.py)
+            if gguf_activations(method, ATTENTION_LINEARS[0], architecture) == "int8":
+                return "int8"  # the attention takes int8 in decode too (config.py)
             return default
         if default == "w8a8" and runs_here and w8a8_available():
             return default
@@ -399,7 +396,7 @@ def _quantize_one(model: nn.Module, name: str, module: nn.Module, method: str,
         return
     # int16 and mlp-int8: the records themselves, after (_records_for_batches)
     on_records = batched_linears == "int16" or (
-        batched_linears in ("mlp-int8", "int8")
+        batched_linears in INT8_RECORD_BATCHES
         and name.rpartition(".")[2] in _int8_record_linears(batched_linears))
     keep_dense = (dense_min_rows is not None and weight.dtype == torch.bfloat16
                   and not on_records)

@@ -77,7 +77,7 @@ def load_engine_model(source: ModelSource, dtype: str, quantization: str | None,
         float_copy = float_copy_bytes(loaded.model)
         large = resolve_batched_linears(batched_linears, method, loaded.dtype,
                                         cpu_has_native_bf16(), float_copy,
-                                        getattr(loaded.config, "architecture", None))
+                                        loaded.config.architecture)
         summary = quantize_model(loaded.model, method, batched_linears=large)
         summary.reason = why  # the start-up log, /server_info and explain say it
         mark(f"linears packed as {method} (kernel cache checked)")

@@ -14,6 +14,7 @@ from tests.engine.conftest import greedy_text, small_engine
 from tokenmill.kernels import q4q8_gemv
 from tokenmill.quant import Int4Linear, mlp_int8
 from tokenmill.quant.dense import DenseWeight
+from tokenmill.quant.embedding import RecordsEmbedding
 from tokenmill.quant.model import dense_copy_bytes, resolve_batched_linears
 from tokenmill.sampling_params import SamplingParams
 
@@ -122,8 +123,10 @@ def test_mlp_int8_is_refused_where_it_cannot_run():
 
 
 def test_int8_takes_the_attention_linears_too_and_is_refused_where_it_cannot_run():
-    """`--batched-linears int8`: the attention's qkv_proj and o_proj on their records at
-    8 bits as well, the LM head on packed bf16; refused by name where mlp-int8 is."""
+    """`--batched-linears int8`: every linear on its records at 8 bits for large batches,
+    the attention's qkv_proj and o_proj and the LM head too; no float copy of any, and
+    the tied embedding's rows read from the head's records (no float table); refused
+    by name where mlp-int8 is."""
     with pytest.raises(ValueError, match="--batched-linears int8.*gguf-a16"):
         resolve_batched_linears("int8", "gguf", torch.bfloat16)
     if not mlp_int8.available():
@@ -132,11 +135,20 @@ def test_int8_takes_the_attention_linears_too_and_is_refused_where_it_cannot_run
         return
     engine = small_engine(quantization="gguf-a16", batched_linears="int8")
     linears = _linears(engine)
-    head = linears.pop("lm_head")
-    assert len(linears) == 30 * 4
+    assert len(linears) == 30 * 4 + 1
     assert all(isinstance(m.dense, mlp_int8.Int8ActivationWeight) and m.dense_min_rows == 20
                for m in linears.values())
-    assert isinstance(head.dense, DenseWeight)
+    model = engine.runner.model
+    assert dense_copy_bytes(model) == 0
+    assert isinstance(model.model.embed_tokens, RecordsEmbedding)
+    assert not any(p.numel() >= model.lm_head.in_features * model.lm_head.out_features
+                   for p in model.parameters())  # no float table of the vocabulary left
+    # the head's 8-bit records at a prompt's 24 rows: the per-row kernel's sums
+    x = torch.randn(24, model.lm_head.in_features, generator=torch.Generator().manual_seed(3)
+                    ).bfloat16()
+    assert torch.equal(model.lm_head.forward_fp32(x), q4q8_gemv.linear(
+        x, model.lm_head.vnni_packed, model.lm_head.out_features, model.lm_head.vnni_format,
+        torch.float32, bits=8))
     assert "Paris" in greedy_text(engine, "The capital of France is", 4)
 
 

@@ -232,6 +232,31 @@ def test_the_avx2_build_runs_the_new_types_records():
             _check(y, x, w, types, 16)
 
 
+def test_q8_rows_gathered_by_the_kernel_are_the_records_weights():
+    """A tied Q8_0 embedding's lookups (record_rows, a decode step's rows) go through
+    the kernel's gather, in each build this machine runs: gguf's dequantization of the
+    rows asked, exactly, at group edges too; an id out of range is refused."""
+    from tests.model.conftest import load_for_march
+    from tokenmill.quant import record_rows
+
+    shard, w = _shard(Q.Q8_0, 100, 256)
+    packed, fmt, _ = gguf_records.repack_shards([shard])
+    assert fmt == q4q8_gemv.FORMAT_Q8
+    ids = torch.tensor([0, 15, 16, 99, 57, 57])
+    rows = q4q8_gemv.q8_record_rows(packed, 256, ids)
+    assert torch.equal(rows.double(), w[ids])
+    assert np.array_equal(record_rows.rows_of_records(packed, fmt, 256, ids.numpy()),
+                          rows.numpy())
+    assert q4q8_gemv.q8_record_rows(packed, 256, torch.tensor([100]), rows=100) is None
+    assert q4q8_gemv.q8_record_rows(packed, 256, torch.tensor([-1])) is None
+    assert q4q8_gemv.q8_record_rows(packed, 256, torch.tensor([112])) is None  # past the padding
+    avx2 = load_for_march(q4q8_gemv._lib, "x86-64-v3")
+    out = torch.empty(len(ids), 256)
+    assert avx2.tm_q8_record_rows(packed.data_ptr(), 100, 256, ids.data_ptr(), len(ids),
+                                  out.data_ptr()) == 0
+    assert torch.equal(out, rows)
+
+
 def test_types_without_records_are_none():
     shard, _ = _shard(Q.Q4_0, 16, 256)
     shard.qtype = Q.IQ2_XXS

@@ -316,6 +316,31 @@ static __attribute__((noipa)) void quantize_block(const uint16_t *x, int64_t M, 
 #endif
 }
 
+/* Rows ids (n,) of a weight of N rows in Q8 records (K inputs) -> out (n, K) fp32, each
+ * weight as the kernel multiplies it: d (q - 128), exact in fp32 (record_rows.py's Q8
+ * rows: a tied embedding's lookups from the LM head's records). Returns 0; -1 (nothing
+ * written) when K is not a multiple of QK or an id is outside [0, N). */
+int64_t tm_q8_record_rows(const uint8_t *w, int64_t N, int64_t K, const int64_t *ids,
+                          int64_t n, float *out) {
+    if (K % QK || N < 1) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t g = ids[i] / ROWS, r = ids[i] % ROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = w + (g * nb + b) * Q8_RECORD;
+            uint16_t h;
+            memcpy(&h, rec + ROWS * 32 + 2 * r, 2);
+            const float d = half_to_f32(h);
+            float *o = out + i * K + b * QK;
+            for (int k = 0; k < QK; k++)
+                o[k] = d * (float)((int)rec[64 * (k / 4) + 4 * r + k % 4] - 128);
+        }
+    }
+    return 0;
+}
+
 void tm_q8_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t bits, int8_t *q,
                          float *d, float *s, int32_t *sum) {
     for (int64_t m = 0; m < M; m++)

@@ -20,6 +20,7 @@ _lib = Library("q4q8_gemv", {
     "tm_q4q8_has_vnni": ([], _I64),
     "tm_q4q8_isa": ([], _I64),
     "tm_q8_quantize_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR], None),
+    "tm_q8_record_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR], _I64),
     "tm_q4q8_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64], _I64),
     "tm_q4q8_silu_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
                             _I64),
@@ -162,6 +163,24 @@ def bind(in_features: int, out_features: int, fmt: int, bits: int = 8, silu_mul:
             raise MemoryError("q4q8_gemv: no scratch for the quantized activations")
         return y
     return call
+
+
+def q8_record_rows(records: torch.Tensor, in_features: int, ids: torch.Tensor,
+                   rows: int | None = None) -> torch.Tensor | None:
+    """Rows `ids` (n,) int64 of the weight of `rows` rows (default: every row the
+    records hold) in FORMAT_Q8 `records` (one segment) -> (n, in_features) fp32,
+    d (q - 128) each; None where the kernel is not built or does not take them (an id
+    out of range)."""
+    fn = _lib.get("tm_q8_record_rows")
+    groups = groups_of(records, FORMAT_Q8, in_features)
+    if fn is None or groups is None or (rows is not None and not 0 < rows <= groups * ROWS):
+        return None
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), in_features), dtype=torch.float32)
+    if fn(records.data_ptr(), rows or groups * ROWS, in_features, ids.data_ptr(), ids.numel(),
+          out.data_ptr()):
+        return None
+    return out
 
 
 def linear(x2d: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: int,

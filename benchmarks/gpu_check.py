@@ -324,6 +324,14 @@ class Check:
                          (1, max(plan.batches)), "batch {batch} decode, torch layer ops",
                          "fused layer ops vs torch ops", "", "triton_layer_ops off")
 
+        def separate_rotary_store() -> None:
+            # rotary and the KV store as two kernels (before rotary_store.py): its A/B
+            from tokenmill.attention.triton import backend as triton_backend
+
+            switched_off(mock.patch.object(triton_backend, "FUSED_ROTARY_STORE", False), None,
+                         (1, max(plan.batches)), "batch {batch} decode, rotary then store",
+                         "rotary+store in one kernel vs two", "", "rotary_store off")
+
         def overlapped() -> None:
             engine = self.engine(path, quantization=None, eager=False, async_scheduling=True)
             for batch in (1, max(plan.batches)):
@@ -353,6 +361,7 @@ class Check:
                 self.free()
 
         parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused),
+                 ("rotary store", separate_rotary_store),
                  ("old splits", old_splits), ("fp8", fp8), ("fp8 cublas", fp8_cublas),
                  ("async", overlapped)]
         if self.profile:

@@ -38,7 +38,8 @@ def compiled() -> dict:
 @pytest.mark.slow
 def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
     results = compiled["results"]
-    per_head = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill", "rotary"}
+    per_head = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill", "rotary",
+                "rotary_store"}
     layer_ops = {"rms_norm", "rms_norm_add", "silu_mul"}
     fp8 = {"fp8_rows", "fp8_gemm_reduce", *(f"fp8_gemm_m{m}{split}" for m in (16, 32, 64)
                                            for split in ("", "_split"))}

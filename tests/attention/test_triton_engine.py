@@ -86,6 +86,12 @@ def test_engine_on_triton_matches_torch(two_layer_model, monkeypatch):
     assert preemptions >= 1 and max(cached[1:3]) >= 32  # the workload does what it says
 
     forbid_other_attention(monkeypatch)
+    from tokenmill.attention.triton import backend as triton_backend
+
+    def separate(*args, **kwargs):
+        raise AssertionError("a step rotated and stored in two kernels, not rotary_store")
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "store_kv", separate)
     llm = LLM(two_layer_model, attention_backend="triton", **engine_args)
     assert llm.engine.runner.backend.name == "triton"
     assert llm.engine.runner.pool.fresh is None  # no zeroing: the kernels mask

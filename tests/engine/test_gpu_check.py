@@ -36,7 +36,8 @@ def test_smoke_fills_every_row(tmp_path):
                      "batch 64 decode", "graphs vs eager", "prefill 32 tokens", "prefill 128",
                      "fp8 batch 1 decode", "fp8 vs float32 at batch 1", "fp8 batch 64 decode",
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
-                     "async vs sync scheduling at batch 64",
+                     "async vs sync scheduling at batch 64", "batch 1 decode, rotary then store",
+                     "rotary+store in one kernel vs two at batch 64",
                      "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
                      "MoE batch 64 decode", "engine ready, dummy weights", "  engine built",
                      *(f"gguf {t} " for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))):

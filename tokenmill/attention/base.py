@@ -75,6 +75,16 @@ class AttentionBackend(ABC):
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v: (T, num_kv_heads, head_dim) -> the caches at meta.slot_mapping (T,)."""
 
+    def rotate_and_store(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int,
+                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> bool:
+        """qk (T, num_heads + num_kv_heads, head_dim): rotate its query and key heads in
+        place (RotaryEmbedding's fp32 tables cos, sin at `positions`) and store the keys
+        and v into the caches, as rotate then `store_kv` would, in one kernel where the
+        backend has one (triton); False (nothing touched): the caller does both."""
+        return False
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

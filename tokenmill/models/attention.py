@@ -36,8 +36,22 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def rotate_and_store(self, positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """qk (T, num_heads + num_kv_heads, head_dim) rotated in place with the fp32
+        tables cos, sin (RotaryEmbedding's) and its keys and v stored in this layer's
+        cache, in one kernel where the backend has one; then `forward(..., stored=True)`.
+        False (nothing touched): rotate, then `forward`."""
+        meta = get_attention_metadata()
+        if meta is None or self.backend is None or self.k_cache is None or self.v_cache is None:
+            return False
+        return self.backend.rotate_and_store(qk, v, self.num_heads, positions, cos, sin,
+                                             self.k_cache, self.v_cache, meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                stored: bool = False) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim)
+        # stored: k and v are in the cache already (rotate_and_store)
         meta = get_attention_metadata()
         window = self.sliding_window
         if meta is None:
@@ -47,7 +61,8 @@ class Attention(nn.Module):
             raise RuntimeError("attention metadata is set but this layer has no KV cache; "
                                "the model runner must attach a KV pool (backend, k_cache, "
                                "v_cache)")
-        backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
+        if not stored:
+            backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
         if window is not None and meta.max_seq_len > window:
             # only when some key can fall outside the window: below it every backend's
             # unwindowed kernels are exact (and keep their speed)

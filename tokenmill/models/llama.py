@@ -65,9 +65,14 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             # contiguous heads: the native norm's rows at any T (the fused step's bits)
             qk = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous())), dim=1)
-        # q and k rotate together: one set of ops instead of two
-        q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.o_proj(self.attn(q, k, v))  # q: (T, heads, head_dim), k/v: (T, kv, head_dim)
+        # q and k rotate together: one set of ops instead of two; with the KV store too
+        # where the attention backend has that kernel (triton)
+        stored = type(self.rotary) is RotaryEmbedding and self.attn.rotate_and_store(
+            positions, qk, v, self.rotary.cos_cache, self.rotary.sin_cache)
+        if not stored:
+            qk = self.rotary.rotate(positions, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.o_proj(self.attn(q, k, v, stored))  # q: (T, heads, D), k/v: (T, kv, D)
         return get_tp().all_reduce(out)  # (T, hidden): the ranks' partial sums added
 
 

@@ -44,6 +44,18 @@ def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
     return store_kv, decode, prefill
 
 
+@functools.cache
+def _rotary_store() -> ModuleType:
+    from tokenmill.attention.triton import rotary_store
+
+    return rotary_store
+
+
+# rotary and the KV store in one kernel (rotary_store.py); False: the two kernels, for
+# an A/B (benchmarks/gpu_check.py)
+FUSED_ROTARY_STORE = True
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     block_dim = 0
@@ -93,6 +105,16 @@ class TritonBackend(AttentionBackend):
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         store_kv, _, _ = _kernels()
         store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def rotate_and_store(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int,
+                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> bool:
+        """rotary_store.py: one launch a layer where rotary and the store took two."""
+        if not FUSED_ROTARY_STORE:
+            return False
+        return _rotary_store().rotary_store_kv(qk, v, num_heads, positions, cos, sin,
+                                               k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

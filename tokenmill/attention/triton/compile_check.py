@@ -61,7 +61,7 @@ def _all_dots(ttgir: str) -> int:
 def _specs() -> list[tuple[str, int, KernelSpec]]:
     """(dtype, head_dim, spec) of every variant: the attention backend's, and the
     layer ops' and fp8 GEMM's that a CUDA step launches (head_dim 0: not per head)."""
-    from tokenmill.attention.triton import decode, prefill, store_kv
+    from tokenmill.attention.triton import decode, prefill, rotary_store, store_kv
     from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
     from tokenmill.kernels import triton_fp8_gemm, triton_gguf_gemm, triton_layer_ops, triton_moe
 
@@ -70,7 +70,8 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
         for head_dim in CUDA_HEAD_DIMS:
             jobs += [(dtype, head_dim, spec) for spec in (
                 store_kv.compile_specs(dtype, head_dim) + decode.compile_specs(dtype, head_dim)
-                + prefill.compile_specs(dtype, head_dim))]
+                + prefill.compile_specs(dtype, head_dim)
+                + rotary_store.compile_specs(dtype, head_dim))]
             jobs += [(dtype, head_dim, spec) for spec in
                      triton_layer_ops.compile_specs(dtype, head_dim) if spec.name == "rotary"]
         jobs += [(dtype, 0, spec) for spec in

@@ -72,15 +72,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    # grid: (tokens,); every head of one token: x * cos + roll(x, half) * sin, in fp32
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < heads
-    lo_ptr = x_ptr + t * stride_t + h * stride_h + d
+def rotate_in_place(lo_ptr, mask, pos, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
+    """The heads at lo_ptr (a tile of heads x the first HALF of each) rotated at pos:
+    x * cos + roll(x, half) * sin in fp32, stored back in the activations' dtype;
+    returns the two rotated halves (rotary_store.py writes them into the pool too)."""
     lo = tl.load(lo_ptr, mask=mask, other=0.0)
     hi = tl.load(lo_ptr + HALF, mask=mask, other=0.0)
     # the tables' halves: cos = [c | c], sin = [-s | s]
@@ -90,8 +85,23 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, heads,
     sin_hi = tl.load(sin_ptr + pos * (2 * HALF) + HALF + d)
     lo32 = lo.to(tl.float32)
     hi32 = hi.to(tl.float32)
-    tl.store(lo_ptr, (lo32 * cos_lo + hi32 * sin_lo).to(lo.dtype), mask=mask)
-    tl.store(lo_ptr + HALF, (hi32 * cos_hi + lo32 * sin_hi).to(lo.dtype), mask=mask)
+    new_lo = (lo32 * cos_lo + hi32 * sin_lo).to(lo.dtype)
+    new_hi = (hi32 * cos_hi + lo32 * sin_hi).to(lo.dtype)
+    tl.store(lo_ptr, new_lo, mask=mask)
+    tl.store(lo_ptr + HALF, new_hi, mask=mask)
+    return new_lo, new_hi
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, heads,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    # grid: (tokens,); every head of one token rotated in place
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    rotate_in_place(x_ptr + t * stride_t + h * stride_h + d, h < heads, pos, cos_ptr, sin_ptr,
+                    d, HALF)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

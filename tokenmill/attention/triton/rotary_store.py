@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.spec import KernelSpec
-from tokenmill.kernels.triton_layer_ops import _warps
+from tokenmill.kernels.triton_layer_ops import _warps, rotate_in_place
 
 
 @triton.jit
@@ -34,19 +34,8 @@ def rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ca
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < num_heads + num_kv_heads
-    lo_ptr = qk_ptr + t * stride_t + h * stride_h + d
-    lo = tl.load(lo_ptr, mask=mask, other=0.0)
-    hi = tl.load(lo_ptr + HALF, mask=mask, other=0.0)
-    cos_lo = tl.load(cos_ptr + pos * (2 * HALF) + d)
-    cos_hi = tl.load(cos_ptr + pos * (2 * HALF) + HALF + d)
-    sin_lo = tl.load(sin_ptr + pos * (2 * HALF) + d)
-    sin_hi = tl.load(sin_ptr + pos * (2 * HALF) + HALF + d)
-    lo32 = lo.to(tl.float32)
-    hi32 = hi.to(tl.float32)
-    new_lo = (lo32 * cos_lo + hi32 * sin_lo).to(lo.dtype)
-    new_hi = (hi32 * cos_hi + lo32 * sin_hi).to(lo.dtype)
-    tl.store(lo_ptr, new_lo, mask=mask)
-    tl.store(lo_ptr + HALF, new_hi, mask=mask)
+    new_lo, new_hi = rotate_in_place(qk_ptr + t * stride_t + h * stride_h + d, mask, pos,
+                                     cos_ptr, sin_ptr, d, HALF)
     # the key heads (rows num_heads.. of the tile) into the K pool
     # (the slot's test as a tile: a scalar bool is not a mask the interpreter takes)
     is_key = mask & (h >= num_heads) & ((tl.zeros([BLOCK_H, 1], tl.int64) + slot) >= 0)

@@ -100,8 +100,11 @@ def floor_lines(ex: dict) -> list[str]:
         lines.append(f"whole run's forward {e['time_s']['forward']:.1f} s against a "
                      f"{e['forward_floor_s']:.1f} s floor ({e['fraction_of_floor']:.0%} of it); "
                      f"{e['overhead_share']:.0%} of step time outside the forward")
+    attention = ("" if not ex.get("attention_compute_dtype") else
+                 f" (the attention's linears at {ex['attention_compute_dtype']}: "
+                 f"{ex['attention_peak_flops'] / 1e9:.0f} GFLOP/s)")
     lines.append(f"floor figures: {ex['dtype']} weights, {ex['compute_dtype']} peak "
-                 f"{ex['peak_flops'] / 1e9:.0f} GFLOP/s, {ex['memory_bandwidth_bytes_s'] / 1e9:.1f}"
-                 f" GB/s ({ex['bandwidth_basis']})")
+                 f"{ex['peak_flops'] / 1e9:.0f} GFLOP/s{attention}, "
+                 f"{ex['memory_bandwidth_bytes_s'] / 1e9:.1f} GB/s ({ex['bandwidth_basis']})")
     lines.append(f"explain: {ex['bottleneck']}")
     return lines

@@ -166,6 +166,43 @@ def test_gguf_paths_are_held_against_the_peak_of_the_arithmetic_they_run(
     assert r["ridge_intensity"] == pytest.approx(989.5e12 / 3350e9)
 
 
+def test_gguf_a8_holds_the_attention_linears_against_the_int16_peak_where_it_runs_them(
+        plant_cpu, monkeypatch):
+    # gguf-a8 multiplies the attention's qkv_proj and o_proj by int16 activations (the
+    # accuracy gate's choice) except on Gemma 3, where every linear takes int8: the
+    # floor holds that share of the FLOPs against int16's peak, not int8's
+    from dataclasses import replace
+
+    from tokenmill.roofline import hardware
+    from tokenmill.roofline.arch import ModelArch, WeightBits
+    from tokenmill.roofline.cost_model import decode_step, machine_for
+    from tokenmill.roofline.inputs import load_model, weight_bits
+    from tokenmill.roofline.source import ResolvedModel
+
+    monkeypatch.setattr(hardware, "_micro_benchmark", lambda torch: pytest.fail("measured"))
+    plant_cpu({"read_bandwidth_bytes_s": 30e9, "matmul_flops": {"fp32": 119e9, "bf16": 0.85e9},
+               "int_matmul_flops": {"int16": 220e9, "int8": 250e9}})
+    hw = hardware.get_hardware("cpu")
+    model = load_model("smollm2-135m")
+    bits = weight_bits(model, "gguf-a8")
+    assert (bits.compute_dtype, bits.attention_compute_dtype) == ("int8", "int16")
+    step = decode_step(model.arch, bits, machine_for(hw, 1, bits), 64, 512, 2.0)
+    attention = 64 * 2.0 * model.arch.attention_linear_params_per_token()
+    assert 0.1 < attention / step.flops < 0.3  # SmolLM2: ~20% of a step's FLOPs
+    assert step.compute_time_s == pytest.approx((step.flops - attention) / 250e9
+                                                + attention / 220e9)
+    all_int8 = replace(bits, attention_compute_dtype=None)
+    assert step.compute_time_s > decode_step(model.arch, all_int8, machine_for(hw, 1, all_int8),
+                                             64, 512, 2.0).compute_time_s
+    assert weight_bits(model, "gguf-a16").attention_compute_dtype is None  # int16 throughout
+    config = {"vocab_size": 262144, "hidden_size": 640, "num_hidden_layers": 18,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+              "intermediate_size": 2048, "architectures": ["Gemma3ForCausalLM"]}
+    gemma = ResolvedModel(ModelArch.from_config(config, "gemma"), WeightBits.from_name("q4_k"),
+                          "gemma.gguf")
+    assert weight_bits(gemma, "gguf-a8").attention_compute_dtype is None  # int8 throughout
+
+
 def test_an_integer_kernel_slower_than_bf16_does_not_lower_the_peak(plant_cpu, monkeypatch):
     # an AVX512-BF16 CPU: gguf-a16 hands 20+ rows to the packed bf16 weights, so its peak
     # is bf16's where that is faster than the integer kernel

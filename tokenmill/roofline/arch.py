@@ -50,6 +50,7 @@ class ModelArch:
     layer_windows: tuple[int | None, ...] = ()
     torch_dtype: str = "bfloat16"
     native_quantization: str | None = None  # e.g. "fp8" from quantization_config
+    architecture: str | None = None  # config.json's architectures[0], e.g. "LlamaForCausalLM"
 
     @classmethod
     def from_config(cls, config: dict, name: str | None = None) -> ModelArch:
@@ -96,6 +97,7 @@ class ModelArch:
             layer_windows=windows,
             torch_dtype=str(_get(config, "torch_dtype", "dtype", default="bfloat16")),
             native_quantization=quant.get("quant_method"),
+            architecture=(config.get("architectures") or [None])[0],
         )
 
     # ---- structure -------------------------------------------------------------------
@@ -221,6 +223,10 @@ class ModelArch:
         lm_head = self.vocab_size * self.hidden_size if with_lm_head else 0
         return self.layer_linear_params() + active_experts + lm_head
 
+    def attention_linear_params_per_token(self) -> int:
+        """The attention's matmul weights a token multiplies, every layer's."""
+        return self.num_layers * self.attention_linear_params()
+
     def attention_flops_per_token(self, context: float) -> float:
         """QKᵀ and PV for one query token attending to `context` cached tokens.
 
@@ -305,6 +311,9 @@ class WeightBits:
     lm_head: float
     small: float  # norms and biases
     compute_dtype: str  # dtype of the matmuls: picks the FLOP/s peak
+    # the attention's q/k/v/o matmuls' dtype where it differs (gguf-a8: int16 there
+    # except for config.GGUF_INT8_ATTENTION_ARCHITECTURES); None: compute_dtype
+    attention_compute_dtype: str | None = None
 
     @classmethod
     def from_name(cls, dtype: str) -> WeightBits:

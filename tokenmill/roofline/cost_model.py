@@ -34,6 +34,7 @@ class StepFloor:
     flops: float
     memory_time_s: float
     compute_time_s: float
+    attention_linear_flops: float = 0.0  # of `flops`, the attention's linears'
 
     @property
     def bytes(self) -> float:
@@ -60,6 +61,7 @@ class Machine:
     hardware: Hardware
     num_gpus: int
     compute_dtype: str
+    attention_dtype: str | None = None  # the attention's linears' peak, where it differs
 
     @property
     def bandwidth_bytes_s(self) -> float:
@@ -78,10 +80,27 @@ class Machine:
         return self.peak_flops / self.bandwidth_bytes_s
 
     def floor(self, num_tokens: int, weight_bytes: float, kv_bytes: float,
-              flops: float) -> StepFloor:
+              flops: float, attention_linear_flops: float = 0.0) -> StepFloor:
+        """attention_linear_flops: the part of `flops` in the attention's linears, held
+        against attention_dtype's peak where there is one (gguf-a8's int16 attention:
+        half int8's rate on VNNI)."""
         bytes_moved = weight_bytes + kv_bytes
+        compute_s = flops / self.peak_flops
+        if self.attention_dtype is not None:
+            peak = self.hardware.flops(self.attention_dtype) * self.num_gpus
+            compute_s += attention_linear_flops * (1.0 / peak - 1.0 / self.peak_flops)
         return StepFloor(num_tokens, weight_bytes, kv_bytes, flops,
-                         bytes_moved / self.bandwidth_bytes_s, flops / self.peak_flops)
+                         bytes_moved / self.bandwidth_bytes_s, compute_s, attention_linear_flops)
+
+
+def machine_for(hardware: Hardware, num_gpus: int, bits: WeightBits) -> Machine:
+    """The machine as `bits` computes on it: its matmuls' peak, and the attention's
+    where that differs (held against the same dtype: no second peak)."""
+    attention = bits.attention_compute_dtype
+    attention_peak = None if attention is None else hardware.peak_dtype(attention)
+    compute = hardware.peak_dtype(bits.compute_dtype)
+    return Machine(hardware, num_gpus, compute,
+                   None if attention_peak == compute else attention_peak)
 
 
 def decode_step(arch: ModelArch, bits: WeightBits, machine: Machine, batch: int,
@@ -91,7 +110,8 @@ def decode_step(arch: ModelArch, bits: WeightBits, machine: Machine, batch: int,
     kv_bytes = batch * (arch.kv_bytes_at_context(context, kv_bytes_per_element)
                         + arch.kv_bytes_per_token(kv_bytes_per_element))  # read + append
     flops = batch * (2.0 * arch.matmul_params_per_token() + arch.attention_flops_per_token(context))
-    return machine.floor(batch, weight_bytes, kv_bytes, flops)
+    return machine.floor(batch, weight_bytes, kv_bytes, flops,
+                         batch * 2.0 * arch.attention_linear_params_per_token())
 
 
 def prefill_step(arch: ModelArch, bits: WeightBits, machine: Machine, prompt_len: int,
@@ -102,7 +122,8 @@ def prefill_step(arch: ModelArch, bits: WeightBits, machine: Machine, prompt_len
     flops = (2.0 * prompt_len * arch.matmul_params_per_token(with_lm_head=False)
              + 2.0 * arch.vocab_size * arch.hidden_size
              + arch.prefill_attention_flops(prompt_len))
-    return machine.floor(prompt_len, weight_bytes, kv_bytes, flops)
+    return machine.floor(prompt_len, weight_bytes, kv_bytes, flops,
+                         prompt_len * 2.0 * arch.attention_linear_params_per_token())
 
 
 def max_batch_that_fits(arch: ModelArch, bits: WeightBits, machine: Machine, context: int,
@@ -201,7 +222,7 @@ def analyze(arch: ModelArch, bits: WeightBits, hardware: Hardware, *, batches: l
             prompt_len: int, output_len: int, context: int, kv_dtype: str, num_gpus: int = 1,
             cost_per_hour: float | None = None) -> RooflineReport:
     kv_bpe = KV_BYTES[kv_dtype]
-    machine = Machine(hardware, num_gpus, hardware.peak_dtype(bits.compute_dtype))
+    machine = machine_for(hardware, num_gpus, bits)
     price = (hardware.cost_per_hour if cost_per_hour is None else cost_per_hour) * num_gpus
     fit = max_batch_that_fits(arch, bits, machine, context, kv_bpe)
     rows = []

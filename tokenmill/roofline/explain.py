@@ -116,7 +116,9 @@ class _Run:
                            self.kv_bytes_per_element)
         return self.machine.floor(batch, floor.weight_bytes,
                                   floor.kv_bytes + joins * pre.kv_bytes,
-                                  floor.flops + joins * pre.flops)
+                                  floor.flops + joins * pre.flops,
+                                  floor.attention_linear_flops
+                                  + joins * pre.attention_linear_flops)
 
     def floor_tok_s(self, bits: WeightBits, batch: float) -> float:
         return batch / self.decode_floor(bits, batch).time_s
@@ -158,6 +160,10 @@ class Explanation:
             "source": self.source, "model": r.model, "hardware": self.hardware_name,
             "dtype": r.dtype, "memory_bandwidth_bytes_s": r.machine.bandwidth_bytes_s,
             "peak_flops": r.machine.peak_flops, "compute_dtype": r.machine.compute_dtype,
+            "attention_compute_dtype": r.machine.attention_dtype,
+            "attention_peak_flops": (None if r.machine.attention_dtype is None else
+                                     r.machine.hardware.flops(r.machine.attention_dtype)
+                                     * r.machine.num_gpus),
             "decode": self.decode, "prefill": self.prefill,
             "engine": self.engine, "bottleneck": self.bottleneck,
             "bandwidth_basis": bandwidth_basis(r.hardware),
@@ -602,7 +608,10 @@ def print_explanation(ex: Explanation) -> None:
                   f"{r.hardware.description}")
     console.print(f"  floor from bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')} "
                   f"({bandwidth_basis(r.hardware)}), peak {m.compute_dtype} "
-                  f"{fmt.si(m.peak_flops, 'FLOP/s')}")
+                  f"{fmt.si(m.peak_flops, 'FLOP/s')}" + (
+                      "" if m.attention_dtype is None else
+                      f" (the attention's linears at {m.attention_dtype}: "
+                      f"{fmt.si(m.hardware.flops(m.attention_dtype) * m.num_gpus, 'FLOP/s')})"))
     console.print(f"  [dim]source: {r.hardware.source}[/]")
     table = Table(title="Measured vs floor", title_justify="left")
     for col in ("phase", "measured", "floor", "of floor", "bandwidth used", "MFU"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from tokenmill.config import GGUF_ACTIVATIONS
+from tokenmill.config import ATTENTION_LINEARS, GGUF_ACTIVATIONS, gguf_activations
 from tokenmill.roofline.arch import WeightBits
 from tokenmill.roofline.hardware import Hardware, get_hardware
 from tokenmill.roofline.source import ModelNotFound, ResolvedModel, resolve
@@ -30,7 +30,10 @@ def weight_bits(model: ResolvedModel, dtype: str | None) -> WeightBits:
     path = dtype.lower() if dtype else None
     if path in GGUF_ACTIVATIONS:  # a GGUF path computes in its activations' dtype
         bits = model.default_bits if model.gguf_path else _embedded_gguf_bits(model, dtype)
-        return replace(bits, compute_dtype=GGUF_ACTIVATIONS[path])
+        attention = gguf_activations(path, ATTENTION_LINEARS[0], model.arch.architecture)
+        return replace(bits, compute_dtype=GGUF_ACTIVATIONS[path],
+                       attention_compute_dtype=(None if attention == GGUF_ACTIVATIONS[path]
+                                                else attention))
     if not path or path in ("auto", "none") or (
             model.gguf_path and path == model.default_bits.name.lower()):
         return model.default_bits

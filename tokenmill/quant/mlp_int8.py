@@ -12,9 +12,9 @@ the MLP's linears (gate_up and down, ~¾ of a decoder layer's multiply-adds) thi
 for their large batches and leaves attention's and the LM head's on packed bf16; no
 float copy of the MLP's weights is kept. `--batched-linears int8` gives it to the
 attention's qkv_proj and o_proj and to the LM head as well (no float copy at all; the
-head's records ran Gemma 3's 20-256 rows in 0.47-0.71x its bf16 copy's time). `auto` picks mlp-int8 on AVX512-VNNI (the KLD
-gate passes it on all four gated files) and int8 for Gemma 3 on gguf-a8 (its gate
-passes that too: docs/accuracy_gate.md). A 512-token prefill: 323 -> 295 ms on the
+head's records ran Gemma 3's 20-256 rows in 0.47-0.71x its bf16 copy's time). `auto`
+picks mlp-int8 on AVX512-VNNI (the KLD gate passes it on all four gated files) and
+int8 for Gemma 3 on gguf-a8 (its gate passes that too: docs/accuracy_gate.md). A 512-token prefill: 323 -> 295 ms on the
 2-core Zen 4 (mlp-int8 against packed bf16).
 
 The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.

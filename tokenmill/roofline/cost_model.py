@@ -72,6 +72,13 @@ class Machine:
         return self.hardware.flops(self.compute_dtype) * self.num_gpus
 
     @property
+    def attention_peak_flops(self) -> float | None:
+        """The attention's linears' peak where attention_dtype sets one, else None."""
+        if self.attention_dtype is None:
+            return None
+        return self.hardware.flops(self.attention_dtype) * self.num_gpus
+
+    @property
     def memory_bytes(self) -> float:
         return self.hardware.memory_bytes * self.num_gpus
 
@@ -86,8 +93,7 @@ class Machine:
         half int8's rate on VNNI)."""
         bytes_moved = weight_bytes + kv_bytes
         compute_s = flops / self.peak_flops
-        if self.attention_dtype is not None:
-            peak = self.hardware.flops(self.attention_dtype) * self.num_gpus
+        if (peak := self.attention_peak_flops) is not None:
             compute_s += attention_linear_flops * (1.0 / peak - 1.0 / self.peak_flops)
         return StepFloor(num_tokens, weight_bytes, kv_bytes, flops,
                          bytes_moved / self.bandwidth_bytes_s, compute_s, attention_linear_flops)

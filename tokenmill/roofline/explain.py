@@ -161,9 +161,7 @@ class Explanation:
             "dtype": r.dtype, "memory_bandwidth_bytes_s": r.machine.bandwidth_bytes_s,
             "peak_flops": r.machine.peak_flops, "compute_dtype": r.machine.compute_dtype,
             "attention_compute_dtype": r.machine.attention_dtype,
-            "attention_peak_flops": (None if r.machine.attention_dtype is None else
-                                     r.machine.hardware.flops(r.machine.attention_dtype)
-                                     * r.machine.num_gpus),
+            "attention_peak_flops": r.machine.attention_peak_flops,
             "decode": self.decode, "prefill": self.prefill,
             "engine": self.engine, "bottleneck": self.bottleneck,
             "bandwidth_basis": bandwidth_basis(r.hardware),
@@ -609,9 +607,9 @@ def print_explanation(ex: Explanation) -> None:
     console.print(f"  floor from bandwidth {fmt.si(m.bandwidth_bytes_s, 'B/s')} "
                   f"({bandwidth_basis(r.hardware)}), peak {m.compute_dtype} "
                   f"{fmt.si(m.peak_flops, 'FLOP/s')}" + (
-                      "" if m.attention_dtype is None else
+                      "" if m.attention_peak_flops is None else
                       f" (the attention's linears at {m.attention_dtype}: "
-                      f"{fmt.si(m.hardware.flops(m.attention_dtype) * m.num_gpus, 'FLOP/s')})"))
+                      f"{fmt.si(m.attention_peak_flops, 'FLOP/s')})"))
     console.print(f"  [dim]source: {r.hardware.source}[/]")
     table = Table(title="Measured vs floor", title_justify="left")
     for col in ("phase", "measured", "floor", "of floor", "bandwidth used", "MFU"):

@@ -33,6 +33,7 @@ def _import_interpreted() -> str | None:
 
         from tokenmill.attention.triton import decode, prefill, store_kv
         from tokenmill.kernels import (
+            triton_decode_linear,
             triton_fp8_gemm,
             triton_gguf_gemm,
             triton_layer_ops,
@@ -45,7 +46,8 @@ def _import_interpreted() -> str | None:
             os.environ["TRITON_INTERPRET"] = previous
     kernels = (tl.cdiv, store_kv.store_kv_kernel, decode.decode_kernel, prefill.prefill_kernel,
                triton_layer_ops._rms_norm_kernel, triton_fp8_gemm._fp8_gemm_kernel,
-               triton_moe._fused_moe_kernel, triton_gguf_gemm._gguf_gemm_kernel)
+               triton_moe._fused_moe_kernel, triton_gguf_gemm._gguf_gemm_kernel,
+               triton_decode_linear._decode_linear_kernel)
     if not all(isinstance(k, InterpretedFunction) for k in kernels):
         return ("triton was imported before tests/attention/conftest.py could set "
                 f"TRITON_INTERPRET=1 (already imported: {already}); run these tests alone")

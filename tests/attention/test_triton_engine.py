@@ -116,3 +116,39 @@ def test_embedded_model_on_triton_matches_torch(monkeypatch):
     assert generate("triton") == expected
     assert all(len(t) == 8 for t in expected)
     assert torch.isfinite(torch.tensor(expected)).all()
+
+
+def test_decode_linears_fused_with_their_norms_give_the_same_tokens(two_layer_model,
+                                                                    monkeypatch):
+    """triton_decode_linear (a CUDA decode batch's linears, each with the RMSNorm or
+    SiLU * up before it) run here on CPU tensors under the interpreter: the same greedy
+    tokens as the torch backend's separate ops, every decode step's linears on it."""
+    engine_args = {"dtype": "float32", "num_kv_blocks": 12, "max_num_seqs": 6,
+                   "max_num_batched_tokens": 64}
+    expected = run_workload(LLM(two_layer_model, attention_backend="torch", **engine_args))
+
+    from tokenmill.kernels import layer_ops, triton_decode_linear
+
+    calls = {"linear": 0, "norm_linear": 0, "silu_mul_linear": 0}
+
+    def counting(name):
+        fn = getattr(triton_decode_linear, name)
+
+        def counted(*args, **kwargs):
+            if name == "linear" and args[1].shape[0] > 1024:  # the LM head: slow here
+                return None
+            out = fn(*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(triton_decode_linear, name, counting(name))
+    monkeypatch.setattr(layer_ops, "decode_linears", lambda x: triton_decode_linear)
+    llm = LLM(two_layer_model, attention_backend="triton", **engine_args)
+    assert run_workload(llm) == expected
+    steps = calls["silu_mul_linear"] // 2  # forward passes it took (2 layers)
+    assert steps >= 12  # every decode step's: 12 tokens each, in batches of up to 6
+    # a layer: qkv and gate_up with their norms, down with SiLU * up, o_proj plain
+    assert calls["norm_linear"] == 2 * calls["silu_mul_linear"]
+    assert calls["linear"] == calls["silu_mul_linear"]

@@ -1,6 +1,7 @@
 """Fused per-layer steps: for bf16 activations on the CPU (layer_ops.c), and for
-CUDA tensors of any dtype as Triton kernels (triton_layer_ops.py, imported on
-first use: importing tokenmill does not import triton).
+CUDA tensors of any dtype as Triton kernels (triton_layer_ops.py, and for a decode
+batch's linears with the norm or SiLU * up before them, triton_decode_linear.py;
+imported on first use: importing tokenmill does not import triton).
 
 Each function returns None (or False) when the kernel is not built or does
 not take the tensors (not bf16 on the CPU, triton missing, not laid out as it
@@ -36,6 +37,28 @@ def triton_ops() -> ModuleType | None:
     except ImportError:
         return None
     return triton_layer_ops
+
+
+# off: a CUDA decode batch's norms, SiLU * up and linears as separate kernels, the
+# linears on cuBLAS (gpu_check.py's A/B of triton_decode_linear)
+FUSED_DECODE_LINEARS = True
+
+
+@functools.cache
+def _decode_linear_module() -> ModuleType | None:
+    try:
+        from tokenmill.kernels import triton_decode_linear
+    except ImportError:
+        return None
+    return triton_decode_linear
+
+
+def decode_linears(x: torch.Tensor) -> ModuleType | None:
+    """triton_decode_linear for CUDA activations (its functions return None for
+    batches too large); None on the CPU, where triton is missing, or switched off."""
+    if not FUSED_DECODE_LINEARS or not x.is_cuda:
+        return None
+    return _decode_linear_module()
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

@@ -68,6 +68,20 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self(residual), residual
 
+    def add_forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(r)), r) with r as add_forward's: for a CUDA decode batch one
+        kernel where `linear` is a plain Linear (triton_decode_linear), which writes r
+        to a fresh tensor; otherwise add_forward, then the linear."""
+        ops = layer_ops.decode_linears(x)
+        if ops is not None and type(self) is RMSNorm and plain_linear(linear) and x.dim() == 2:
+            done = ops.norm_linear(x, residual, self.weight, self.eps, linear.weight,
+                                   linear.bias)
+            if done is not None:
+                return done
+        h, residual = self.add_forward(x, residual)
+        return linear(h), residual
+
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -91,6 +105,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":  # a decode step's bf16 rows (up to 48): one read of the weight
             y = bf16_gemv.linear(x, self.weight, self.bias)
+            if y is not None:
+                return y
+        ops = layer_ops.decode_linears(x)  # None but for CUDA tensors
+        if ops is not None and x.dim() == 2:
+            y = ops.linear(x, self.weight, self.bias)  # a CUDA decode batch: no split-K
             if y is not None:
                 return y
         return F.linear(x, self.weight, self.bias)
@@ -126,12 +145,30 @@ class FusedLinear(Linear):
         default_weight_loader(param.narrow(0, start, size), loaded_weight)  # type: ignore[arg-type]
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """A Linear that runs Linear.forward: not a quantized or LoRA replacement, no hooks
+    (the fused kernels read its weight and bias themselves)."""
+    return (isinstance(module, Linear) and type(module).forward is Linear.forward
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = layer_ops.silu_mul(gate_up)  # bf16 on CPU: one fused call
     if out is not None:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """linear(silu(gate) * up): for a CUDA decode batch one kernel where `linear` is a
+    plain Linear (triton_decode_linear), else the two steps."""
+    ops = layer_ops.decode_linears(gate_up)
+    if ops is not None and plain_linear(linear) and gate_up.dim() == 2:
+        y = ops.silu_mul_linear(gate_up, linear.weight, linear.bias)
+        if y is not None:
+            return y
+    return linear(silu_and_mul(gate_up))
 
 
 MAX_ROTARY_POSITIONS = 1 << 17  # caps the cos/sin table at 64 MiB for head_dim 128

@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.parallel_state import get_tp
 from tokenmill.models.attention import Attention
-from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.models.layers import RMSNorm, RotaryEmbedding, silu_mul_linear
 from tokenmill.models.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -57,7 +57,11 @@ class LlamaAttention(nn.Module):
                               scale=self.head_dim ** -0.5, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The layer from its projection qkv (T, q_size + 2 * kv_size) on: what the
+        decoder layer calls when it computed qkv with the norm (add_forward_linear)."""
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
         v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -87,7 +91,11 @@ class LlamaMLP(nn.Module):
                                            what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_tp().all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up), all-reduced: from gate_up_proj's output on."""
+        return get_tp().all_reduce(silu_mul_linear(gate_up, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,10 +112,16 @@ class LlamaDecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings for the first layer, whose
         residual is None); returns this layer's output and the residual stream
         before it, added together by the next norm (one fused op with it)."""
-        x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        # each norm and the projection after it: one kernel for a CUDA decode batch
+        qkv, residual = self.input_layernorm.add_forward_linear(x, residual,
+                                                                self.self_attn.qkv_proj)
+        x = self.self_attn.attend(positions, qkv)
+        if type(self.mlp) is not LlamaMLP:  # a MoE block or a quantized replacement
+            x, residual = self.post_attention_layernorm.add_forward(x, residual)
+            return self.mlp(x), residual
+        gate_up, residual = self.post_attention_layernorm.add_forward_linear(
+            x, residual, self.mlp.gate_up_proj)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):

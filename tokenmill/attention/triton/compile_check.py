@@ -63,7 +63,13 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
     layer ops' and fp8 GEMM's that a CUDA step launches (head_dim 0: not per head)."""
     from tokenmill.attention.triton import decode, prefill, rotary_store, store_kv
     from tokenmill.attention.triton.backend import CUDA_DTYPES, CUDA_HEAD_DIMS
-    from tokenmill.kernels import triton_fp8_gemm, triton_gguf_gemm, triton_layer_ops, triton_moe
+    from tokenmill.kernels import (
+        triton_decode_linear,
+        triton_fp8_gemm,
+        triton_gguf_gemm,
+        triton_layer_ops,
+        triton_moe,
+    )
 
     jobs = []
     for dtype in CUDA_DTYPES.values():
@@ -77,6 +83,7 @@ def _specs() -> list[tuple[str, int, KernelSpec]]:
         jobs += [(dtype, 0, spec) for spec in
                  triton_layer_ops.compile_specs(dtype, CUDA_HEAD_DIMS[0])
                  if spec.name != "rotary"]
+        jobs += [(dtype, 0, spec) for spec in triton_decode_linear.compile_specs(dtype)]
         jobs += [(dtype, 0, spec) for spec in triton_fp8_gemm.compile_specs(dtype)]
         jobs += [(dtype, 0, spec) for spec in triton_gguf_gemm.compile_specs(dtype)]
         jobs += [(dtype, 0, spec) for spec in triton_moe.compile_specs(dtype)]

@@ -315,6 +315,15 @@ class Check:
                          (1, max(plan.batches)), "fp8 batch {batch} decode, _scaled_mm",
                          "triton_fp8_gemm vs _scaled_mm", "fp8 ", "triton_fp8_gemm off")
 
+        def fp8_three_kernels() -> None:
+            # fp8 up to 16 rows as three launches (activation scales, GEMM, split reduce)
+            # instead of triton_fp8_gemm.fp8_linear's one: its A/B
+            from tokenmill.quant.fp8 import Fp8Linear
+
+            switched_off(mock.patch.object(Fp8Linear, "fused_small_batch", False), "fp8",
+                         (1,), "fp8 batch {batch} decode, three kernels",
+                         "fp8 one launch vs three", "fp8 ", "fp8_linear off")
+
         def unfused() -> None:
             # the same step with the model's plain torch ops where triton_layer_ops's
             # kernels run (RMSNorm + residual, rotary, SiLU * up, fp8's activation scales)
@@ -331,6 +340,16 @@ class Check:
             switched_off(mock.patch.object(triton_backend, "FUSED_ROTARY_STORE", False), None,
                          (1, max(plan.batches)), "batch {batch} decode, rotary then store",
                          "rotary+store in one kernel vs two", "", "rotary_store off")
+
+        def separate_decode_linears() -> None:
+            # a decode batch's norms, SiLU * up and linears as separate kernels, the
+            # linears on cuBLAS (before triton_decode_linear): its A/B, at the batches
+            # it takes (up to 16 rows)
+            from tokenmill.kernels import layer_ops
+
+            switched_off(mock.patch.object(layer_ops, "FUSED_DECODE_LINEARS", False), None,
+                         (1, 8), "batch {batch} decode, norm then cuBLAS",
+                         "decode linears fused vs cuBLAS", "", "triton_decode_linear off")
 
         def overlapped() -> None:
             engine = self.engine(path, quantization=None, eager=False, async_scheduling=True)
@@ -362,7 +381,9 @@ class Check:
 
         parts = [("eager", eager), ("graphs", graphs), ("unfused", unfused),
                  ("rotary store", separate_rotary_store),
+                 ("decode linears", separate_decode_linears),
                  ("old splits", old_splits), ("fp8", fp8), ("fp8 cublas", fp8_cublas),
+                 ("fp8 three kernels", fp8_three_kernels),
                  ("async", overlapped)]
         if self.profile:
             parts.insert(1, ("profile", profiled))

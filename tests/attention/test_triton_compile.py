@@ -2,7 +2,8 @@
 no GPU, fits the target's shared memory, and lowers every dot to tensor-core
 instructions: the attention backend's (bf16/fp16, head_dim 64, 128 and 256; GQA group,
 block size and split count are runtime arguments, split-K on and off are two
-variants), the layer ops' (triton_layer_ops), the GGUF-block GEMM's (triton_gguf_gemm) and the fp8 decode GEMM's (sm_90 only:
+variants), the layer ops' (triton_layer_ops), a decode batch's linears with their norms
+(triton_decode_linear), the GGUF-block GEMM's (triton_gguf_gemm) and the fp8 decode GEMM's (sm_90 only:
 e4m3 needs sm_89+).
 
 Written against triton 3.9.0 (the version the test extra pins). It runs in its own
@@ -41,15 +42,18 @@ def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
     per_head = {"store_kv", "decode", "decode_split", "decode_reduce", "prefill", "rotary",
                 "rotary_store"}
     layer_ops = {"rms_norm", "rms_norm_add", "silu_mul"}
-    fp8 = {"fp8_rows", "fp8_gemm_reduce", *(f"fp8_gemm_m{m}{split}" for m in (16, 32, 64)
-                                           for split in ("", "_split"))}
+    fp8 = {"fp8_rows", "fp8_gemm_reduce", "fp8_linear", "fp8_linear_split",
+           *(f"fp8_gemm_m{m}{split}" for m in (16, 32, 64) for split in ("", "_split"))}
     gguf = {f"gguf_{t}_m{m}" for t in ("q8_0", "q4_0", "q4_k", "q6_k") for m in (16, 64)}
     moe = {"fused_moe_gate_up", "fused_moe_down"}  # and their e4m3 variants, sm_89+
+    decode_linear = {f"decode_linear_{p}_n{n}" for p in ("plain", "norm", "add_norm", "silu_mul")
+                     for n in (16, 32, 64)}
     dtypes, targets = ("bf16", "fp16"), ("sm_80", "sm_90")
     got = {(r["kernel"], r["dtype"], r["head_dim"], r["target"]) for r in results}
     assert got == ({(k, dt, d, t) for k in per_head for dt in dtypes for d in (64, 128, 256)
                     for t in targets}
-                   | {(k, dt, 0, t) for k in layer_ops | gguf for dt in dtypes for t in targets}
+                   | {(k, dt, 0, t) for k in layer_ops | gguf | decode_linear for dt in dtypes
+                      for t in targets}
                    | {(k, dt, 0, t) for k in moe for dt in dtypes for t in targets}
                    | {(k, dt, 0, "sm_90") for k in fp8 | {f"{m}_fp8" for m in moe}
                       for dt in dtypes})  # e4m3: sm_89+
@@ -57,7 +61,8 @@ def test_every_variant_compiles_within_shared_memory_on_tensor_cores(compiled):
         assert r["shared"] <= r["shared_limit"], r
         assert r["tensor_core_dots"] == r["dots"], r
         if r["kernel"] in ("decode", "decode_split", "prefill") or \
-                r["kernel"].startswith(("fp8_gemm_m", "fused_moe", "gguf_")):
+                r["kernel"].startswith(("fp8_gemm_m", "fp8_linear", "fused_moe", "gguf_",
+                                        "decode_linear")):
             assert r["dots"] > 0
             assert r["ptx_mma"] > 0 or (r["target"] == "sm_90" and r["ptx_wgmma"] > 0), r
         assert r["ok"], r

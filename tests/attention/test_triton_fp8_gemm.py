@@ -56,3 +56,36 @@ def test_declines_more_rows_than_a_decode_batch(gemm, kernel_device):
     x_codes, x_scale, (w, w_scale), _, out_dtype, _ = operands(80, 64, 256, kernel_device,
                                                                False)
     assert gemm.fp8_gemm(x_codes, x_scale, w, w_scale, None, out_dtype, 80, 8) is None
+
+
+@pytest.mark.parametrize(("rows", "num_sms"), [(1, 1), (5, 8), (16, 132), (3, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_launch_gives_the_three_kernels_bits(gemm, kernel_device, rows, num_sms, bias):
+    """fp8_linear (the activation scales and the split sums in the GEMM's launch) against
+    quantize_rows_fp8, fp8_gemm and its reduce: the same bits, with K split (num_sms 8
+    and 64) or not, and each split count back at zero for the next launch."""
+    from tokenmill.kernels import triton_layer_ops
+
+    n, k = 200, 1000
+    g = torch.Generator().manual_seed(rows + num_sms)
+    cuda = kernel_device.type == "cuda"
+    act = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(rows, k, generator=g).to(kernel_device, act)
+    w_codes, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    w = w_codes.to(kernel_device) if cuda else w_codes.float()  # the interpreter: fp32 codes
+    w_scale = w_scale.reshape(1, -1).contiguous().to(kernel_device)
+    b = torch.randn(n, generator=g).to(kernel_device, act) if bias else None
+    codes, x_scale = triton_layer_ops.quantize_rows_fp8(x, fp8.FP8_DIM_MULTIPLE, w.dtype)
+    want = gemm.fp8_gemm(codes, x_scale, w, w_scale, b, act, rows, num_sms)
+    got = gemm.fp8_linear(x, w, w_scale, b, num_sms)
+    assert torch.equal(got, want)
+    if gemm.splits_for(n, k, num_sms)[0] > 1:
+        assert not gemm._COUNTERS[x.device].any()
+
+
+def test_one_launch_declines_more_than_sixteen_rows(gemm, kernel_device):
+    x = torch.randn(gemm.FUSED_MAX_ROWS + 1, 256, device=kernel_device)
+    w_codes, w_scale = fp8.quantize_rows(torch.randn(64, 256))
+    assert gemm.fp8_linear(x, w_codes.float().to(kernel_device),
+                           w_scale.reshape(1, -1).contiguous().to(kernel_device), None,
+                           8) is None

@@ -38,6 +38,8 @@ def test_smoke_fills_every_row(tmp_path):
                      "async scheduling greedy tokens", "async scheduling batch 1 decode",
                      "async vs sync scheduling at batch 64", "batch 1 decode, rotary then store",
                      "rotary+store in one kernel vs two at batch 64",
+                     "batch 1 decode, norm then cuBLAS", "decode linears fused vs cuBLAS at batch 8",
+                     "fp8 batch 1 decode, three kernels", "fp8 one launch vs three at batch 1",
                      "fused MoE kernel vs grouped experts", "MoE batch 1 decode",
                      "MoE batch 64 decode", "engine ready, dummy weights", "  engine built",
                      *(f"gguf {t} " for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))):

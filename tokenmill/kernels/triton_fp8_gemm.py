@@ -10,6 +10,13 @@ tiles of 256, and `tl.dot`s the e4m3 codes on tensor cores; narrow layers split
 K across programs (partials in fp32, summed by a second kernel) so that the GPU
 has work for every SM. The epilogue applies the row and column scales and the
 bias as `_scaled_mm` does: y = (x_codes . w_codes) * x_scale * w_scale + b.
+
+That is three launches a linear: the activation scales (triton_layer_ops'
+quantize_rows_fp8), the GEMM and the split reduce. `fp8_linear` does them in one
+for up to 16 rows: each program finds its rows' scales itself (a pass over the
+rows, which L2 serves) and quantizes each tile in registers, and the last
+program of a column tile to finish (an atomic count) sums the partials. The same
+codes, scales and sums in the same order: the same bits as the three kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.spec import KernelSpec
+from tokenmill.kernels.triton_layer_ops import _FP8_MAX
 
 BLOCK_N = 64
 BLOCK_K = 256
@@ -76,6 +84,69 @@ def _fp8_gemm_reduce(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, n, splits, str
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
+                  HAS_BIAS: tl.constexpr):
+    col_ok = cols < n
+    y = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_fused_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, m, n, k,
+                      tiles_per_split, stride_x, stride_w, stride_out,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N), splits). x is the activations (bf16/fp16), quantized
+    # here: each row's scale from its largest magnitude over all of K (a first pass
+    # over the row, which L2 serves), then each tile's codes in registers. With splits,
+    # each program stores its fp32 partial and counts itself in; the last of a column
+    # tile sums the partials in split order and writes the output.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    x_rows = x_ptr + rows[:, None] * stride_x
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    xs = tl.maximum(amax / _FP8_MAX, 1e-12)  # quantize_rows_fp8's scale, row by row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k, k_start + tiles_per_split * BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.minimum(tl.maximum(x.to(tl.float32) / xs[:, None], -_FP8_MAX), _FP8_MAX)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(q.to(w.dtype), tl.trans(w))
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tile = part_ptr + rows[:, None] * n + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(tile + split * BLOCK_M * n, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(splits):  # in order: the separate reduce's sums
+                acc += tl.load(tile + s * BLOCK_M * n, mask=mask, other=0.0)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (and replay)
+            _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
+                          HAS_BIAS)
+    else:
+        _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
+                      HAS_BIAS)
+
+
 def splits_for(n: int, k: int, num_sms: int) -> tuple[int, int]:
     """(splits, K tiles per split): enough programs for two per SM, each split a
     whole number of K tiles."""
@@ -116,6 +187,47 @@ def fp8_gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+FUSED_MAX_ROWS = 16  # every program reads its rows' whole K for the scales: few rows only
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split counts, one a column tile, zero between launches (the last program of
+    a tile puts its count back): allocated once a device, outside any graph capture
+    (the first, eager, step allocates it)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        have = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
+                                               device=device)
+    return have
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, num_sms: int) -> torch.Tensor | None:
+    """y (M, N) = fp8.quantize_rows(x) times the e4m3 weight (N, K) with its scales
+    (1, N), as quantize_rows_fp8 then fp8_gemm compute it (the same codes and scales,
+    the same split sums in the same order), in one launch: for x (M, K) in the output
+    dtype with M <= FUSED_MAX_ROWS. None where it does not take the input."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if (m == 0 or m > FUSED_MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1
+            or weight.stride(1) != 1 or not w_scale.is_contiguous()
+            or bias is not None and not bias.is_contiguous()):
+        return None
+    splits, per_split = splits_for(n, k, num_sms)
+    tiles = triton.cdiv(n, BLOCK_N)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((splits, 16, n), dtype=torch.float32, device=x.device) \
+        if splits > 1 else out
+    count = _counters(x.device, tiles) if splits > 1 else w_scale
+    _fp8_fused_kernel[(tiles, splits)](
+        x, weight, w_scale, w_scale if bias is None else bias, out, part, count, m, n, k,
+        per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
+        num_stages=3)
+    return out
+
+
 def compile_specs(dtype: str) -> list[KernelSpec]:
     """Every variant fp8_gemm launches for outputs of `dtype` ("bf16", "fp16"): 16, 32
     and 64 rows, K split or not, and the split reduce (sm_89+: e4m3 tensor cores)."""
@@ -135,6 +247,18 @@ def compile_specs(dtype: str) -> list[KernelSpec]:
                          "BLOCK_K": BLOCK_K}, {"num_warps": 4, "num_stages": 3}, dots=1,
                         min_cc=89)
              for m in (16, 32, 64) for split in (False, True)]
+    fused_sig = {"x_ptr": f"*{dtype}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+                 "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                 "count_ptr": "*i32",
+                 **dict.fromkeys(["m", "n", "k", "tiles_per_split", "stride_x", "stride_w",
+                                  "stride_out"], i32),
+                 **dict.fromkeys(["HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
+                                 "constexpr")}
+    specs += [KernelSpec("fp8_linear" + ("_split" if split else ""), _fp8_fused_kernel,
+                         fused_sig, {"HAS_BIAS": False, "SPLIT": split, "BLOCK_M": 16,
+                                     "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
+                         {"num_warps": 4, "num_stages": 3}, dots=1, min_cc=89)
+              for split in (False, True)]
     specs.append(KernelSpec("fp8_gemm_reduce", _fp8_gemm_reduce, reduce_sig,
                             {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK": 1024},
                             {"num_warps": 4}, min_cc=89))

@@ -5,7 +5,8 @@ computed each call (one triton kernel, triton_layer_ops.quantize_rows_fp8); the
 matmul is `torch._scaled_mm`, which multiplies the two e4m3 operands on tensor
 cores and applies both scales in its epilogue, or for decode batches of up to 64
 rows triton_fp8_gemm's kernel, which computes the same product at the rate the
-weights stream (cuBLASLt's 128 x 128 tiles do not, at a few rows). Halving
+weights stream (cuBLASLt's 128 x 128 tiles do not, at a few rows); up to 16 rows
+its fused form quantizes the activations and sums the K splits in the same launch. Halving
 the bytes a decode step reads is the first lever `explain` names on an
 H100/H200. On a CPU the same quantized numbers run through a dequantized
 matmul (what `_scaled_mm` computes, up to its accumulation order): tests only,
@@ -65,6 +66,9 @@ class Fp8Linear(nn.Module):
     # decode batches (up to 64 rows) on triton_fp8_gemm's kernel; off: _scaled_mm for
     # every batch (gpu_check.py's A/B)
     small_batch_kernel = True
+    # up to 16 rows, that kernel's fused form: the activation scales and the split sums
+    # in the one launch (triton_fp8_gemm.fp8_linear); off: three kernels (gpu_check's A/B)
+    fused_small_batch = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -93,6 +97,14 @@ class Fp8Linear(nn.Module):
     def _scaled_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         m = x2d.shape[0]
         ops = layer_ops.triton_ops()
+        if (ops is not None and self.small_batch_kernel and self.fused_small_batch
+                and x2d.dtype == self.out_dtype):
+            from tokenmill.kernels import triton_fp8_gemm
+
+            y = triton_fp8_gemm.fp8_linear(x2d, self.weight_fp8, self.weight_scale, self.bias,
+                                           _num_sms(x2d.device))
+            if y is not None:  # up to 16 rows: one kernel
+                return y
         done = None if ops is None else ops.quantize_rows_fp8(x2d, FP8_DIM_MULTIPLE)
         if done is not None:  # one kernel: the codes, the scales and the padding rows
             codes, x_scale = done

@@ -3,9 +3,10 @@
 At Llama-3-8B Q4_K_M shapes (random blocks with sane scales: any bit pattern is a
 block), each type/shape gets: its error against the `gguf` package's dequantization
 times the same activations, its batch-1 bandwidth on the quantized bytes held against
-the measured copy bandwidth (target >= 70%), and its speed-up over the bf16 matmul
+the measured copy bandwidth (target >= 70%), its speed-up over the bf16 matmul
 of the dequantized weight (bf16 reads 16 bits a weight; Q4_K 4.5, Q6_K 6.56, Q8_0
-8.5, Q4_0 4.5). Each row is guarded on its own. `--smoke`: tiny shapes, fp32, the
+8.5, Q4_0 4.5), and a 512-row prompt's matmul without a float copy (the blocks
+dequantized for the call) against the same matmul on a kept copy. Each row is guarded on its own. `--smoke`: tiny shapes, fp32, the
 interpreter.
 """
 
@@ -27,6 +28,7 @@ GPU_CASES = [("gate_up", 28672, 4096, "Q4_K"), ("qkv", 6144, 4096, "Q4_K"),
              ("down", 4096, 14336, "Q4_K"), ("down", 4096, 14336, "Q6_K"),
              ("gate_up", 28672, 4096, "Q8_0"),
              ("gate_up", 28672, 4096, "Q4_0")]
+PROMPT_ROWS = 512  # a prompt chunk: past MAX_ROWS, on the dense weight
 SMOKE_CASES = [("gate_up", 96, 512, "Q4_K"), ("down", 64, 768, "Q6_K"),
                ("gate_up", 96, 512, "Q8_0"), ("gate_up", 96, 512, "Q4_0")]
 
@@ -80,6 +82,22 @@ def _case(check: Any, row: type, linear: str, n: int, k: int, qtype: str) -> Non
                           float(f"{s_bf16 / s:.3g}"),
                           "x faster", note=f"bf16 {s_bf16 * 1e6:.1f} us, "
                           f"{w_dense.numel() * w_dense.element_size() / 2**20:.1f} MiB"))
+    # a prompt's rows without a float copy (--batched-linears none, auto past 1 GiB):
+    # the blocks dequantized into a scratch weight, then the same matmul
+    xp = torch.randn(PROMPT_ROWS, k, generator=torch.Generator().manual_seed(k)).to(device,
+                                                                                  dtype)
+
+    def no_copy() -> torch.Tensor:
+        scratch = torch.empty((n, k), dtype=dtype, device=device)
+        triton_gguf_gemm.dequantize(q, qtype, k, scratch)
+        return xp @ scratch.t()
+
+    s_nc = check.seconds(no_copy, iters)
+    s_copy = check.seconds(lambda: xp @ w_dense.t(), iters)
+    check.rows.append(row("gguf", f"{name} {PROMPT_ROWS} prompt rows, no float copy vs a copy",
+                          float(f"{s_copy / s_nc:.3g}"), "x the copy's speed",
+                          note=f"dequantize + matmul {s_nc * 1e6:.1f} us, the copy's matmul "
+                          f"{s_copy * 1e6:.1f} us"))
     if device.type == "cuda":  # a decode batch: the tensor-core tile's rows
         x16 = torch.randn(16, k, device=device, dtype=dtype)
         s16 = check.seconds(lambda: triton_gguf_gemm.gguf_gemm(x16, q, qtype, k), iters)

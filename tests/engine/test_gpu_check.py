@@ -50,7 +50,7 @@ def test_smoke_fills_every_row(tmp_path):
     assert by_check["async scheduling greedy tokens vs transformers"]["value"] == "36/36"
     assert float(by_check["triton vs torch attention (mixed batch)"]["value"]) < 1e-4
     gguf = [r for r in rows if r["section"] == "gguf"]
-    assert len(gguf) == 12  # 4 cases: error, bandwidth, ratio to bf16
+    assert len(gguf) == 16  # 4 cases: error, bandwidth, ratio to bf16, prompt without copy
     assert all(float(r["value"]) < 2e-2 for r in gguf if "dequantization" in r["check"])
     assert json.loads(out.read_text())["rows"] == rows  # written as it went
     assert float(by_check["fused MoE kernel vs grouped experts"]["value"]) < 1e-5

@@ -109,6 +109,36 @@ def _gguf_gemm_kernel(x_ptr, w_ptr, out_ptr, m, n, k, row_bytes, stride_x, strid
              acc.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
+@triton.jit
+def _gguf_dequant_kernel(w_ptr, out_ptr, n, k, row_bytes, stride_out, QTYPE: tl.constexpr,
+                         QK: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N), cdiv(k, BLOCK_K)): one tile of the dense weight
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = _dequant_tile(w_ptr, cols, ks, row_bytes, n, k, QTYPE, QK, BB)
+    tl.store(out_ptr + cols.to(tl.int64)[:, None] * stride_out + ks[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=(cols < n)[:, None] & (ks < k)[None, :])
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, out: torch.Tensor) -> bool:
+    """Write the weight of `blocks` (uint8 (N, bytes per row)) into `out` (N, K), a
+    float tensor with unit inner stride: for a prompt's rows, which a GEMM on the dense
+    weight serves, without a dense copy kept. False (out untouched) if not taken."""
+    if qtype not in TYPES:
+        return False
+    code, qk, bb = TYPES[qtype]
+    n = blocks.shape[0]
+    if (k % qk or blocks.dtype != torch.uint8 or blocks.shape[1] != k // qk * bb
+            or not blocks.is_contiguous() or out.shape != (n, k) or out.stride(1) != 1):
+        return False
+    if n:
+        _gguf_dequant_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))](
+            blocks, out, n, k, blocks.shape[1], out.stride(0), QTYPE=code, QK=qk, BB=bb,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return True
+
+
 def bytes_per_row(qtype: str, k: int) -> int:
     _, qk, bb = TYPES[qtype]
     return k // qk * bb
@@ -136,14 +166,22 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torc
 
 def compile_specs(dtype: str) -> list[KernelSpec]:
     """Every variant gguf_gemm launches for activations of `dtype` ("bf16", "fp16"):
-    each type at 16 and 64 rows (32 is the same code between them)."""
+    each type at 16 and 64 rows (32 is the same code between them); and dequantize's,
+    each type into `dtype`."""
     i32 = "i32"
     sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}",
            **dict.fromkeys(["m", "n", "k", "row_bytes", "stride_x", "stride_out"], i32),
            **dict.fromkeys(["QTYPE", "QK", "BB", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
                            "constexpr")}
+    dequant_sig = {"w_ptr": "*u8", "out_ptr": f"*{dtype}",
+                   **dict.fromkeys(["n", "k", "row_bytes", "stride_out"], i32),
+                   **dict.fromkeys(["QTYPE", "QK", "BB", "BLOCK_N", "BLOCK_K"], "constexpr")}
     return [KernelSpec(f"gguf_{name.lower()}_m{rows}", _gguf_gemm_kernel, sig,
                        {"QTYPE": code, "QK": qk, "BB": bb, "BLOCK_M": rows,
                         "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
                        {"num_warps": 4, "num_stages": 2}, dots=1)
-            for name, (code, qk, bb) in TYPES.items() for rows in (16, 64)]
+            for name, (code, qk, bb) in TYPES.items() for rows in (16, 64)] + [
+        KernelSpec(f"gguf_{name.lower()}_dequant", _gguf_dequant_kernel, dequant_sig,
+                   {"QTYPE": code, "QK": qk, "BB": bb, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
+                   {"num_warps": 4})
+        for name, (code, qk, bb) in TYPES.items()]

@@ -4,8 +4,14 @@ the loader dequantized to. A Q4_K_M decode step then reads ~4.5-6.5 bits a weigh
 instead of 16.
 
 Larger batches (prefill, more than triton_gguf_gemm.MAX_ROWS rows) are compute-bound
-and keep the dense weight's cuBLAS matmul, so the bf16 weight stays resident too:
-this saves bandwidth, not memory (yet).
+and run cuBLAS on the dense weight: either a bf16 copy kept resident
+(`--batched-linears bf16`, and `auto` where the copy stays under
+FLOAT_COPY_LIMIT_BYTES), or, with no copy (`none`, and `auto` above that), the
+blocks dequantized into a scratch weight each call (triton_gguf_gemm.dequantize:
+one read of the blocks and one write of the dense bytes a linear, which the torch
+allocator's cache hands from one linear to the next), as vLLM's GGUF path does
+for large batches. Then the weights take the file's bytes on the GPU, not the
+file's plus bf16's.
 
 A fused module (qkv, gate_up) may hold shards of different types (Q4_K_M writes some
 v projections as Q6_K): consecutive shards of one type are concatenated into one
@@ -36,13 +42,22 @@ def runnable(shards: Sequence[Any] | None, in_features: int, out_features: int) 
 
 
 class GgufTritonLinear(nn.Module):
-    """y = x W^T (+ b): W's GGUF blocks at up to MAX_ROWS rows, its dense copy above."""
+    """y = x W^T (+ b): W's GGUF blocks at up to MAX_ROWS rows; above, a matmul on its
+    dense copy, or with none kept (weight None) on the blocks dequantized for the call."""
 
-    def __init__(self, shards: Sequence[Any], weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, shards: Sequence[Any], weight: torch.Tensor | None,
+                 bias: torch.Tensor | None = None, *, shape: tuple[int, int] | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None
+                 ) -> None:
+        """weight: the dense copy for large batches, or None with shape (out, in), the
+        compute dtype and device given instead."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight.detach()  # the large-batch path (module docstring)
+        if weight is not None:
+            shape, dtype, device = weight.shape, weight.dtype, weight.device
+        assert shape is not None and dtype is not None and device is not None
+        self.out_features, self.in_features = shape
+        self.dtype = dtype
+        self.weight = None if weight is None else weight.detach()  # (module docstring)
         self.bias = None if bias is None else bias.detach()
         runs: list[tuple[str, list[torch.Tensor]]] = []
         for s in shards:
@@ -51,11 +66,33 @@ class GgufTritonLinear(nn.Module):
                 runs[-1][1].append(s.blocks)
             else:
                 runs.append((name, [s.blocks]))
-        self.runs = [(name, torch.cat(blocks).to(weight.device).contiguous())
+        self.runs = [(name, torch.cat(blocks).to(device).contiguous())
                      for name, blocks in runs]
+        self.gguf_types = "+".join(dict.fromkeys(name for name, _ in self.runs))
 
     def lowbit_bytes(self) -> int:
         return sum(blocks.numel() for _, blocks in self.runs)
+
+    def dense_bytes(self) -> int:
+        return 0 if self.weight is None else self.weight.nbytes
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (out, in) weight in the compute dtype: the copy, or dequantized now."""
+        if self.weight is not None:
+            return self.weight
+        from tokenmill.kernels import triton_gguf_gemm
+
+        w = torch.empty((self.out_features, self.in_features), dtype=self.dtype,
+                        device=self.runs[0][1].device)
+        row = 0
+        for name, blocks in self.runs:
+            rows = blocks.shape[0]
+            if not triton_gguf_gemm.dequantize(blocks, name, self.in_features,
+                                               w[row:row + rows]):
+                raise RuntimeError(f"gguf-triton: cannot dequantize {name} blocks "
+                                   f"{tuple(blocks.shape)} for K={self.in_features}")
+            row += rows
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tokenmill.kernels import triton_gguf_gemm
@@ -64,7 +101,7 @@ class GgufTritonLinear(nn.Module):
         parts = [triton_gguf_gemm.gguf_gemm(x2d, blocks, name, self.in_features)
                  for name, blocks in self.runs]
         if any(p is None for p in parts):  # more rows than a decode batch
-            y = x2d @ self.weight.t()
+            y = x2d @ self.dense_weight().t()
         else:
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self.bias is not None:
@@ -72,17 +109,31 @@ class GgufTritonLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def swap_in(model: nn.Module, name: str, module: nn.Module, summary: Any) -> None:
+def swap_in(model: nn.Module, name: str, module: nn.Module, summary: Any,
+            dense_copy: bool = True) -> None:
     """Replace `module` (model's `name`) by a GgufTritonLinear where the loader kept blocks
-    the kernel reads; else record in `summary.kept_float` why not."""
+    the kernel reads, with its float weight as the large-batch copy if `dense_copy`
+    (materialized then), else none; else record in `summary.kept_float` why not (the
+    float weight then materialized, as the linear runs on it)."""
+    from tokenmill.models.deferred_weights import materialize
+
     shards = module.__dict__.get("gguf_quantized")
     out_features, in_features = module.weight.shape
     if not runnable(shards, in_features, out_features):
         types = sorted({s.qtype.name for s in shards or []})
         summary.kept_float[name] = (f"GGUF types {types or 'none'} (the kernel reads "
                                     f"{', '.join(TYPES)})")
+        materialize(module.weight)
         return
-    new = GgufTritonLinear(shards, module.weight, getattr(module, "bias", None))
+    bias = getattr(module, "bias", None)
+    tied = any(p is module.weight for n, p in model.named_parameters(remove_duplicate=False)
+               if not n.startswith(f"{name}."))  # a tied embedding's table: resident anyway
+    if dense_copy or tied:
+        materialize(module.weight)
+        new = GgufTritonLinear(shards, module.weight, bias)
+    else:  # the float weight is never filled (a deferred parameter) or dropped
+        new = GgufTritonLinear(shards, None, bias, shape=(out_features, in_features),
+                               dtype=module.weight.dtype, device=module.weight.device)
     parent, _, leaf = name.rpartition(".")
     model.get_submodule(parent).register_module(leaf, new)
     summary.quantized.append(name)

@@ -172,8 +172,10 @@ def _quantize_model(model: nn.Module, method: str, dense_min_rows: int | None | 
                 summary.quantized.append(name)
                 summary.lowbit_bytes += fp8.lowbit_bytes()
             elif method == "gguf-triton" and leaf in TARGET_MODULES:
-                materialize(module.weight)  # its large-batch path keeps the float weight
-                gguf_triton.swap_in(model, name, module, summary)
+                # large batches on a float copy (bf16), or on the blocks dequantized
+                # each call (none: the weights take the file's bytes)
+                gguf_triton.swap_in(model, name, module, summary,
+                                    dense_copy=batched_linears != "none")
             elif method != "fp8" and leaf in TARGET_MODULES and not isinstance(
                     module, QuantizedLinear):
                 _quantize_one(model, name, module, method, dense_min_rows, summary,
@@ -256,11 +258,14 @@ def _records_for_batches(model: nn.Module, min_rows: int | None,
 def dense_copy_bytes(model: nn.Module) -> int:
     """Bytes of the quantized linears' large-batch weights that are not model
     parameters: plain dense weights that still are (a tied embedding) cost nothing
-    extra; packed ones are always copies."""
+    extra; packed ones are always copies (and gguf-triton's, on the GPU)."""
     params = {p.data_ptr() for p in model.parameters()}
     return sum(m.dense.nbytes for m in model.modules()
                if isinstance(m, QuantizedLinear) and m.dense is not None
-               and (m.dense.weight is None or m.dense.weight.data_ptr() not in params))
+               and (m.dense.weight is None or m.dense.weight.data_ptr() not in params)) \
+        + sum(m.dense_bytes() for m in model.modules()
+              if isinstance(m, gguf_triton.GgufTritonLinear)
+              and (m.weight is None or m.weight.data_ptr() not in params))
 
 
 def _fuse_silu_into_down(model: nn.Module) -> None:
@@ -374,7 +379,7 @@ def resolve_batched_linears(requested: str, method: str, dtype: torch.dtype,
         raise ValueError(f"--batched-linears {requested} needs the native kernel built "
                          "with AVX512-VNNI (q4q8_gemv.c)")
     if requested == "auto" and float_copy is not None and float_copy > FLOAT_COPY_LIMIT_BYTES \
-            and method in (*GGUF_ACTIVATIONS, "int4", "int8"):
+            and method in (*GGUF_ACTIVATIONS, "int4", "int8", "gguf-triton"):
         return "none"  # memory that scales: no float copy (an explicit bf16 keeps one)
     if requested == "auto":
         native = has_native_bf16() if native_bf16 is None else native_bf16

@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.quant import huge_pages
 from tokenmill.quant.embedding import LookupEmbedding
+from tokenmill.quant.gguf_triton import GgufTritonLinear
 from tokenmill.quant.linear import QuantizedLinear
 from tokenmill.quant.moe_experts import RecordExperts
 
@@ -41,6 +42,8 @@ def weight_report(model: nn.Module, summary: Any, batched_linears: str,
             types = getattr(module, "gguf_types", None)
             classes[name.rpartition(".")[2]][f"{types} as {form}" if types else form] += 1
             lowbit_ptrs.update(b.data_ptr() for b in module.buffers())
+        elif isinstance(module, GgufTritonLinear):  # the GPU's GGUF blocks
+            classes[name.rpartition(".")[2]][f"{module.gguf_types} as triton blocks"] += 1
         elif isinstance(module, RecordExperts):  # MoE experts: counted per expert
             for cls, forms in module.forms.items():
                 classes[cls].update(forms)

@@ -2,10 +2,12 @@
 
 `python -m benchmarks report` writes it between the two markers below in README.md
 (and `--check` fails when it is stale), so the front page never carries a figure
-that no stored result backs. One row per machine class and benchmark name: the
-latest result's headline, i.e. its first ratio (tokenmill against a peer of the
-same run) with both figures; a result without a peer shows its first tokenmill
-figure. Everything else (spreads, every configuration) stays in BENCHMARKS.md.
+that no stored result backs. One row per machine class, benchmark and model (per
+benchmark name where a result names no model): the latest result's headline, i.e.
+its first ratio (tokenmill against a peer of the same run) with both figures; a
+result without a peer shows its first tokenmill figure. An earlier run of another
+name on the same model (another configuration, a since-changed default) and
+everything else (spreads, every configuration) stay in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -61,8 +63,22 @@ def _row(r: dict) -> str:
             f"{_num(ours['median'])} {ours['unit']}{_label(ours['label'])} | - | - | {when} |")
 
 
+def front_page(latest: dict[tuple[str, str, str], dict]) -> dict[tuple[str, str, str], dict]:
+    """Of the latest result per (workload, machine class, name), the latest per
+    (workload, machine class, model): a name is a run's configuration, and the front
+    page shows what the newest run on a file measured."""
+    shown: dict[tuple[str, str, str], dict] = {}
+    for key in sorted(latest, key=lambda k: (latest[k]["date"], k[2])):
+        r = latest[key]
+        model = _model(r)
+        shown[(key[0], key[1], key[2] if model == "-" else model)] = r  # later wins
+    return {(k[0], k[1], r["name"]): r for k, r in shown.items()}
+
+
 def render(latest: dict[tuple[str, str, str], dict]) -> str:
-    """The table for the latest result per (workload, machine class, name)."""
+    """The table for `front_page(latest)`: the latest result per (workload, machine
+    class, model), of the latest per (workload, machine class, name)."""
+    latest = front_page(latest)
     rows = [_row(latest[k]) for k in sorted(latest, key=lambda k: (k[1], k[0], k[2]))]
     rows = [row for row in rows if row]
     if not rows:

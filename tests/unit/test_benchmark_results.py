@@ -183,3 +183,27 @@ def test_pareto_plot_lands_beside_its_result_and_report_still_reads_the_folder(t
     png = folder / results.file_name(result).replace(".json", ".pareto.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(plot).name == png.name
     assert report.main(_args(folder, tmp_path / "BENCHMARKS.md")) == 0
+
+
+def test_the_front_page_shows_the_newest_run_on_each_model(tmp_path):
+    """README's table: of two names on one file (two configurations, or a default that
+    changed) the newer run's headline, once; another file keeps its own row."""
+    folder = _folder(tmp_path)
+    w3 = json.loads((folder / "2026-12-06-avx512-vnni-w3.json").read_text())
+    newer = copy.deepcopy(w3)
+    newer["name"], newer["date"], newer["commit"] = "w3-other-config", "2026-12-07T02:00:00Z", \
+        "abcdef1"
+    results.write(newer, folder)
+    other_model = copy.deepcopy(w3)
+    other_model["name"], other_model["commit"] = "w3-other-file", "1234567"
+    for f in other_model["figures"]:
+        f["config"]["model"] = "other.gguf"
+    results.write(other_model, folder)
+    latest = report.latest_results(results.load_all(folder))
+    table = readme_numbers.render(latest)
+    rows = [line for line in table.splitlines() if w3["title"] in line]
+    assert len(rows) == 2
+    assert any("abcdef1" in r for r in rows) and any("1234567" in r for r in rows)
+    assert not any(f"`{w3['commit']}`" in r for r in rows)  # the older run on that file
+    page = report.render(results.load_all(folder))  # BENCHMARKS.md keeps every name
+    assert f"`{w3['commit']}`" in page and "`abcdef1`" in page

@@ -21,10 +21,13 @@ The values are what triton_layer_ops' kernels compute (fp32, rounded to the
 activation dtype where they round), then multiplied in fp32 on tensor cores:
 the same numbers as the separate kernels and F.linear up to the order of sums.
 The new residual goes to a fresh tensor, not over `residual` in place, since
-every program reads `residual`.
+every program reads `residual`. On a GPU it takes bf16 and fp16 (fp32 stays on
+cuBLAS, as tl.dot would round it to tf32); fp32 runs under the interpreter (tests).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -106,6 +109,7 @@ def block_n(n: int, num_sms: int) -> int:
     return BLOCK_NS[-1]
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
@@ -118,6 +122,8 @@ def _launch(prologue: int, x: torch.Tensor, k: int, weight: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     n = weight.shape[0]
     m = x.shape[0]
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+        return None  # fp32 stays on cuBLAS: tl.dot would round its inputs to tf32
     if (x.dim() != 2 or m == 0 or m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k
             or weight.dtype != x.dtype or weight.stride(1) != 1 or x.stride(1) != 1
             or bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())

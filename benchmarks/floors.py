@@ -57,11 +57,42 @@ def decode_floor_ms(weight_dtype: str, prompt_len: int, output_len: int,
     return r["decode"][0]["step_floor_ms"]
 
 
+# vpdpbusd zmm's ceiling: twice vdpbf16ps's operations a cycle (the ceiling measured
+# 933 against 463 G a second on the 2 cores)
+INT8_OVER_BF16 = 2.0
+
+
+def prefill_int8_share(gguf: str) -> str:
+    """Which of a prompt's linear FLOPs the engine's default runs at int8 on this CPU:
+    "all" (Gemma 3: every linear on its records at 8 bits), "mlp" (the MLP at 8 bits,
+    the attention's linears at bf16 or int16, both half int8's rate) or "none" (no
+    int8 kernel here: AVX2)."""
+    from gguf import GGUFReader
+
+    from tokenmill.config import GGUF_INT8_ATTENTION_ARCHITECTURES
+    from tokenmill.quant.mlp_int8 import available
+
+    if not available():
+        return "none"
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    return "all" if f"{arch.capitalize()}ForCausalLM" in GGUF_INT8_ATTENTION_ARCHITECTURES \
+        else "mlp"
+
+
 def prefill_floor_ms(prompt_len: int, tflop_s: float = QUIET_BF16_TFLOP_S,
-                     model: str = "smollm2-135m") -> float:
-    """TTFT floor of one prompt: max(FLOPs / matmul rate, bytes / bandwidth)."""
+                     model: str = "smollm2-135m", int8_share: str = "none") -> float:
+    """TTFT floor of one prompt: max(FLOPs / matmul rate, bytes / bandwidth). With
+    int8_share "mlp", every FLOP but the attention's linears' is held against int8's
+    rate (INT8_OVER_BF16 x tflop_s: the attention's score FLOPs too, which keeps it a
+    floor); "all": every FLOP. Otherwise all at the bf16 rate."""
     r = roofline("bf16", prompt_len=prompt_len, output_len=1, tflop_s=tflop_s, model=model)
-    return r["prefill"]["ttft_floor_ms"]
+    p = r["prefill"]
+    if int8_share == "none":
+        return p["ttft_floor_ms"]
+    bf16 = 0.0 if int8_share == "all" else p["attention_linear_flops"]
+    compute_s = bf16 / (tflop_s * 1e12) + (p["flops"] - bf16) / (INT8_OVER_BF16 * tflop_s * 1e12)
+    return 1e3 * max(p["memory_time_s"], compute_s)
 
 
 def explain(result: dict, model: str | None = None) -> dict:

@@ -38,7 +38,12 @@ from benchmarks.common import (
     random_prompt,
     short_command,
 )
-from benchmarks.floors import QUIET_BF16_TFLOP_S, prefill_floor_ms
+from benchmarks.floors import (
+    INT8_OVER_BF16,
+    QUIET_BF16_TFLOP_S,
+    prefill_floor_ms,
+    prefill_int8_share,
+)
 from benchmarks.peers import add_peer_args, ensure_llama_cpp, run_llama_bench, selected_peers
 from benchmarks.results import Figure
 
@@ -104,9 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     default_model = args.model == DEFAULT_MODEL
     print(f"W4 prefill · {gguf.name} · {machine()}")
     try:
-        floor_ms: float | None = prefill_floor_ms(args.prompt_len, args.flops, model=str(gguf))
+        share = prefill_int8_share(str(gguf))
+        floor_ms: float | None = prefill_floor_ms(args.prompt_len, args.flops, model=str(gguf),
+                                                  int8_share=share)
+        rates = f"{args.flops * 1e3:g} GFLOP/s bf16"
+        if share != "none":
+            rates += (f", {INT8_OVER_BF16 * args.flops * 1e3:g} GOP/s int8 for "
+                      + ("every linear" if share == "all" else "all but the attention's "
+                         "linears") + " (the default's prompt kernels here)")
         print(f"one {args.prompt_len}-token prompt, TTFT medians of {args.repeats}; floor "
-              f"{floor_ms:.0f} ms at {args.flops * 1e3:g} GFLOP/s bf16", flush=True)
+              f"{floor_ms:.0f} ms at {rates}", flush=True)
     except Exception as e:  # noqa: BLE001 - a floor is commentary, never a failure
         floor_ms = None
         print(f"one {args.prompt_len}-token prompt; no floor ({e!r})", flush=True)
@@ -136,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     if default_model:
         configs.append(("tokenmill bf16, no quantization",
                         {"dtype": "bfloat16", "quantization": "none"}))
-        if mlp_int8_available():  # opt-in: it misses the accuracy gate (docs/history.md)
-            configs.append(("tokenmill --batched-linears mlp-int8",
-                            {"batched_linears": "mlp-int8"}))
+        if mlp_int8_available():  # the default's large batches here; bf16 was before
+            configs.append(("tokenmill --batched-linears bf16",
+                            {"batched_linears": "bf16"}))
     for label, kwargs in configs:
         try:
             ttfts, rss = run_tokenmill(gguf, prompt, args.repeats, **kwargs)

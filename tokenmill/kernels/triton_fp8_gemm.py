@@ -34,38 +34,75 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, m, n, k,
-                     tiles_per_split, stride_x, stride_w, stride_out,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # grid: (cdiv(n, BLOCK_N), splits); rows past m are zero codes (the padding)
+def _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
+                  HAS_BIAS: tl.constexpr):
+    col_ok = cols < n
+    y = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, m,
+                     n, k, tiles_per_split, stride_x, stride_w, stride_out,
+                     QUANTIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid: (cdiv(n, BLOCK_N), splits). Without QUANTIZE, x is the e4m3 codes and
+    # xs_ptr their row scales (rows past m zero codes, the padding), and a split's
+    # partial goes to _fp8_gemm_reduce. With QUANTIZE (fp8_linear), x is the
+    # activations, quantized here: each row's scale from its largest magnitude over
+    # all of K (a first pass over the row, which L2 serves), each tile's codes in
+    # registers; a split's program stores its partial and counts itself in, and the
+    # last of a column tile sums the partials in split order and writes the output.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
+    x_rows = x_ptr + rows[:, None] * stride_x
+    if QUANTIZE:
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        xs = tl.maximum(amax / _FP8_MAX, 1e-12)  # quantize_rows_fp8's scale, row by row
+    else:
+        xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = split * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k, k_start + tiles_per_split * BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
-                    mask=(rows < m)[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANTIZE:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) / xs[:, None], -_FP8_MAX),
+                           _FP8_MAX).to(w.dtype)
         acc += tl.dot(x, tl.trans(w))
     if SPLIT:
-        part = part_ptr + (split * BLOCK_M + rows[:, None]) * n + cols[None, :]
-        tl.store(part, acc, mask=(rows < m)[:, None] & col_ok[None, :])
+        tile = part_ptr + rows[:, None] * n + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(tile + split * BLOCK_M * n, acc, mask=mask)
+        if QUANTIZE:  # the split reduce in this launch
+            splits = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial stored before the count
+            if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(splits):  # in order: the separate reduce's sums
+                    acc += tl.load(tile + s * BLOCK_M * n, mask=mask, other=0.0)
+                tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (and replay)
+                _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n,
+                              stride_out, HAS_BIAS)
     else:
-        xs = tl.load(xs_ptr + rows, mask=rows < m, other=0.0)
-        ws = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
-        y = acc * xs[:, None] * ws[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & col_ok[None, :])
+        _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
+                      HAS_BIAS)
 
 
 @triton.jit
@@ -82,69 +119,6 @@ def _fp8_gemm_reduce(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, n, splits, str
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
-                  HAS_BIAS: tl.constexpr):
-    col_ok = cols < n
-    y = acc * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _fp8_fused_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, m, n, k,
-                      tiles_per_split, stride_x, stride_w, stride_out,
-                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # grid: (cdiv(n, BLOCK_N), splits). x is the activations (bf16/fp16), quantized
-    # here: each row's scale from its largest magnitude over all of K (a first pass
-    # over the row, which L2 serves), then each tile's codes in registers. With splits,
-    # each program stores its fp32 partial and counts itself in; the last of a column
-    # tile sums the partials in split order and writes the output.
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < m
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    x_rows = x_ptr + rows[:, None] * stride_x
-    amax = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    xs = tl.maximum(amax / _FP8_MAX, 1e-12)  # quantize_rows_fp8's scale, row by row
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k, k_start + tiles_per_split * BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_end
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = tl.minimum(tl.maximum(x.to(tl.float32) / xs[:, None], -_FP8_MAX), _FP8_MAX)
-        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(q.to(w.dtype), tl.trans(w))
-    if SPLIT:
-        splits = tl.num_programs(1)
-        tile = part_ptr + rows[:, None] * n + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(tile + split * BLOCK_M * n, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the count
-        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(splits):  # in order: the separate reduce's sums
-                acc += tl.load(tile + s * BLOCK_M * n, mask=mask, other=0.0)
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (and replay)
-            _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
-                          HAS_BIAS)
-    else:
-        _fp8_epilogue(acc, xs, ws_ptr, bias_ptr, out_ptr, rows, cols, m, n, stride_out,
-                      HAS_BIAS)
 
 
 def splits_for(n: int, k: int, num_sms: int) -> tuple[int, int]:
@@ -176,8 +150,8 @@ def fp8_gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     has_bias = bias is not None
     b = bias if bias is not None else w_scale
     _fp8_gemm_kernel[(triton.cdiv(n, BLOCK_N), splits)](
-        codes, weight, x_scale, w_scale, b, out, part, rows, n, k, per_split,
-        codes.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=has_bias,
+        codes, weight, x_scale, w_scale, b, out, part, x_scale, rows, n, k, per_split,
+        codes.stride(0), weight.stride(0), out.stride(0), QUANTIZE=False, HAS_BIAS=has_bias,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=4, num_stages=3)
     if splits > 1:
@@ -220,44 +194,43 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     part = torch.empty((splits, 16, n), dtype=torch.float32, device=x.device) \
         if splits > 1 else out
     count = _counters(x.device, tiles) if splits > 1 else w_scale
-    _fp8_fused_kernel[(tiles, splits)](
-        x, weight, w_scale, w_scale if bias is None else bias, out, part, count, m, n, k,
-        per_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-        num_stages=3)
+    _fp8_gemm_kernel[(tiles, splits)](
+        x, weight, w_scale, w_scale, w_scale if bias is None else bias, out, part, count, m,
+        n, k, per_split, x.stride(0), weight.stride(0), out.stride(0), QUANTIZE=True,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=16, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
     return out
 
 
 def compile_specs(dtype: str) -> list[KernelSpec]:
     """Every variant fp8_gemm launches for outputs of `dtype` ("bf16", "fp16"): 16, 32
-    and 64 rows, K split or not, and the split reduce (sm_89+: e4m3 tensor cores)."""
+    and 64 rows, K split or not, and the split reduce; and fp8_linear's, K split or
+    not (sm_89+: e4m3 tensor cores)."""
     i32 = "i32"
-    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
-           "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
-           **dict.fromkeys(["m", "n", "k", "tiles_per_split", "stride_x", "stride_w",
-                            "stride_out"], i32),
-           **dict.fromkeys(["HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
-                           "constexpr")}
+
+    def sig(x: str) -> dict[str, str]:
+        return {"x_ptr": x, "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                "count_ptr": "*fp32" if x == "*fp8e4nv" else "*i32",
+                **dict.fromkeys(["m", "n", "k", "tiles_per_split", "stride_x", "stride_w",
+                                 "stride_out"], i32),
+                **dict.fromkeys(["QUANTIZE", "HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N",
+                                 "BLOCK_K"], "constexpr")}
+
     reduce_sig = {"part_ptr": "*fp32", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                   "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
                   **dict.fromkeys(["n", "splits", "stride_out"], i32),
                   **dict.fromkeys(["HAS_BIAS", "BLOCK_M", "BLOCK"], "constexpr")}
-    specs = [KernelSpec(f"fp8_gemm_m{m}" + ("_split" if split else ""), _fp8_gemm_kernel, sig,
-                        {"HAS_BIAS": False, "SPLIT": split, "BLOCK_M": m, "BLOCK_N": BLOCK_N,
-                         "BLOCK_K": BLOCK_K}, {"num_warps": 4, "num_stages": 3}, dots=1,
-                        min_cc=89)
+    options = {"num_warps": 4, "num_stages": 3}
+    specs = [KernelSpec(f"fp8_gemm_m{m}" + ("_split" if split else ""), _fp8_gemm_kernel,
+                        sig("*fp8e4nv"),
+                        {"QUANTIZE": False, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": m,
+                         "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}, options, dots=1, min_cc=89)
              for m in (16, 32, 64) for split in (False, True)]
-    fused_sig = {"x_ptr": f"*{dtype}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-                 "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
-                 "count_ptr": "*i32",
-                 **dict.fromkeys(["m", "n", "k", "tiles_per_split", "stride_x", "stride_w",
-                                  "stride_out"], i32),
-                 **dict.fromkeys(["HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K"],
-                                 "constexpr")}
-    specs += [KernelSpec("fp8_linear" + ("_split" if split else ""), _fp8_fused_kernel,
-                         fused_sig, {"HAS_BIAS": False, "SPLIT": split, "BLOCK_M": 16,
-                                     "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K},
-                         {"num_warps": 4, "num_stages": 3}, dots=1, min_cc=89)
+    specs += [KernelSpec("fp8_linear" + ("_split" if split else ""), _fp8_gemm_kernel,
+                         sig(f"*{dtype}"),
+                         {"QUANTIZE": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": 16,
+                          "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}, options, dots=1, min_cc=89)
               for split in (False, True)]
     specs.append(KernelSpec("fp8_gemm_reduce", _fp8_gemm_reduce, reduce_sig,
                             {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK": 1024},

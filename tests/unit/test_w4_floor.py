@@ -38,7 +38,7 @@ def _gguf(path, arch: str) -> str:
 
 
 def test_the_share_follows_the_file_and_the_cpu(tmp_path, monkeypatch):
-    import tokenmill.quant.mlp_int8 as mlp_int8
+    from tokenmill.quant import mlp_int8
 
     gemma, llama = _gguf(tmp_path / "g.gguf", "gemma3"), _gguf(tmp_path / "l.gguf", "llama")
     monkeypatch.setattr(mlp_int8, "available", lambda: True)  # AVX512-VNNI

@@ -39,6 +39,12 @@ def triton_ops() -> ModuleType | None:
     return triton_layer_ops
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """A CUDA device's SM count, which the Triton kernels size their grids by."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # off: a CUDA decode batch's norms, SiLU * up and linears as separate kernels, the
 # linears on cuBLAS (gpu_check.py's A/B of triton_decode_linear)
 FUSED_DECODE_LINEARS = True

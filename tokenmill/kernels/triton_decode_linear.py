@@ -27,12 +27,11 @@ cuBLAS, as tl.dot would round it to tf32); fp32 runs under the interpreter (test
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import layer_ops
 from tokenmill.kernels.spec import KernelSpec
 
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
@@ -109,13 +108,6 @@ def block_n(n: int, num_sms: int) -> int:
     return BLOCK_NS[-1]
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch(prologue: int, x: torch.Tensor, k: int, weight: torch.Tensor,
             bias: torch.Tensor | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0
@@ -136,7 +128,7 @@ def _launch(prologue: int, x: torch.Tensor, k: int, weight: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = None if prologue != ADD_NORM else \
         torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)  # x's rows
-    bn = block_n(n, _num_sms(x.device))
+    bn = block_n(n, layer_ops.num_sms(x.device) if x.is_cuda else DEFAULT_SMS)
     _decode_linear_kernel[(triton.cdiv(n, bn),)](
         x, x if residual is None else residual, weight if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, out, x if res_out is None else res_out,

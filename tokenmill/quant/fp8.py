@@ -15,8 +15,6 @@ since `--quantization fp8` refuses devices without fp8.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,11 +51,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class Fp8Linear(nn.Module):
@@ -102,7 +95,7 @@ class Fp8Linear(nn.Module):
             from tokenmill.kernels import triton_fp8_gemm
 
             y = triton_fp8_gemm.fp8_linear(x2d, self.weight_fp8, self.weight_scale, self.bias,
-                                           _num_sms(x2d.device))
+                                           layer_ops.num_sms(x2d.device))
             if y is not None:  # up to 16 rows: one kernel
                 return y
         done = None if ops is None else ops.quantize_rows_fp8(x2d, FP8_DIM_MULTIPLE)
@@ -112,7 +105,7 @@ class Fp8Linear(nn.Module):
                 from tokenmill.kernels import triton_fp8_gemm
 
                 y = triton_fp8_gemm.fp8_gemm(codes, x_scale, self.weight_fp8, self.weight_scale,
-                                             self.bias, self.out_dtype, m, _num_sms(x2d.device))
+                                             self.bias, self.out_dtype, m, layer_ops.num_sms(x2d.device))
                 if y is not None:  # a decode batch (up to 64 rows)
                     return y
         else:

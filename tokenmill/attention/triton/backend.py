@@ -22,6 +22,7 @@ import torch
 from tokenmill.attention.base import AttentionBackend, BackendUnavailable
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton.plan import TritonPlan, build_plan
+from tokenmill.kernels import layer_ops
 
 # what the compile test builds for sm_80/sm_90 (every variant launchable on CUDA);
 # under the interpreter fp32 and small head dims serve tests and tiny models
@@ -73,8 +74,7 @@ class TritonBackend(AttentionBackend):
                 f"the triton backend runs {', '.join(map(str, dtypes))} on {device.type}, "
                 f"not {dtype}; choose the torch backend for it")
         self.num_splits = num_splits
-        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if device.type == "cuda" else 4)
+        self.num_sms = layer_ops.num_sms(device) if device.type == "cuda" else 4
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

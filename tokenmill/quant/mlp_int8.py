@@ -14,8 +14,8 @@ float copy of the MLP's weights is kept. `--batched-linears int8` gives it to th
 attention's qkv_proj and o_proj and to the LM head as well (no float copy at all; the
 head's records ran Gemma 3's 20-256 rows in 0.47-0.71x its bf16 copy's time). `auto`
 picks mlp-int8 on AVX512-VNNI (the KLD gate passes it on all four gated files) and
-int8 for Gemma 3 on gguf-a8 (its gate passes that too: docs/accuracy_gate.md). A 512-token prefill: 323 -> 295 ms on the
-2-core Zen 4 (mlp-int8 against packed bf16).
+int8 for Gemma 3 on gguf-a8 (its gate passes that too: docs/accuracy_gate.md). A
+512-token prefill: 323 -> 295 ms on the 2-core Zen 4 (mlp-int8 against packed bf16).
 
 The interface of dense.DenseWeight: `__call__(x2d, out_dtype)`, `nbytes`, `weight`.
 """
